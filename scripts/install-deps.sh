@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Installs the Debian 12 packages dsv4 builds against (and the npm reference tokenizer for tests).
+set -euo pipefail
+SUDO=""
+if [ "$(id -u)" != 0 ]; then SUDO=sudo; fi
+$SUDO apt-get update -qq
+DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends \
+  build-essential cmake ninja-build pkg-config ccache git \
+  nlohmann-json3-dev libcpp-httplib-dev libcli11-dev libpcre2-dev libspdlog-dev libfmt-dev \
+  libopenblas-dev libgtest-dev libgmock-dev libbenchmark-dev >/dev/null
