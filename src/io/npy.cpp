@@ -14,7 +14,7 @@
 #include <variant>
 
 #include "core/check.h"
-#include "io/safetensors.h"
+#include "formats/bf16.h"
 
 static_assert(std::endian::native == std::endian::little, "npy data is read as little-endian");
 
@@ -203,19 +203,9 @@ NpyArray read_npy(const std::string& path) {
   const uint8_t* src = bytes.data() + prefix + header_size;
   double* out = array.values.data();
   switch (type->type) {
-    case NpyType::F2: {
-      // Reuse the exact half decoder of the safetensors reader.
-      TensorView view;
-      view.name = "npy";
-      view.file = path;
-      view.dtype = DType::F16;
-      view.shape = {int64_t(numel)};
-      view.data = src;
-      view.nbytes = data_bytes;
-      const std::vector<float> f = to_f32(view);
-      for (size_t i = 0; i < numel; ++i) out[i] = f[i];
+    case NpyType::F2:
+      for (size_t i = 0; i < numel; ++i) out[i] = f16_to_f32(load_le<uint16_t>(src + 2 * i));
       break;
-    }
     case NpyType::F4: widen<float>(src, numel, out); break;
     case NpyType::F8: widen<double>(src, numel, out); break;
     case NpyType::I1: widen<int8_t>(src, numel, out); break;

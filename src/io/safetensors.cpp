@@ -13,17 +13,17 @@
 #include <algorithm>
 #include <bit>
 #include <cerrno>
-#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <limits>
 #include <nlohmann/json.hpp>
 #include <set>
 
 #include <fmt/ranges.h>
 
 #include "core/check.h"
+#include "formats/bf16.h"
+#include "formats/fp8.h"
 
 static_assert(std::endian::native == std::endian::little, "safetensors data is little-endian");
 
@@ -44,54 +44,6 @@ std::optional<int64_t> checked_mul(int64_t a, int64_t b) {
   return r;
 }
 
-// Element decoders. Every value of these formats is exactly representable in fp32, so each returns
-// the exact value; ldexp of a small integer is exact.
-float bf16_to_f32(uint16_t bits) { return std::bit_cast<float>(uint32_t(bits) << 16); }
-
-float f16_to_f32(uint16_t bits) {
-  const bool negative = bits & 0x8000;
-  const int exponent = (bits >> 10) & 0x1F;
-  const int mantissa = bits & 0x3FF;
-  float v;
-  if (exponent == 0x1F)
-    v = mantissa ? std::numeric_limits<float>::quiet_NaN() : std::numeric_limits<float>::infinity();
-  else if (exponent == 0)
-    v = std::ldexp(float(mantissa), -24);  // subnormal: mantissa * 2^(1-15-10)
-  else
-    v = std::ldexp(float(mantissa | 0x400), exponent - 25);  // 1.m * 2^(e-15)
-  return negative ? -v : v;
-}
-
-// OCP FP8 E4M3 "fn" (finite): bias 7, no infinities, S.1111.111 is NaN, max 448.
-float e4m3fn_to_f32(uint8_t bits) {
-  const bool negative = bits & 0x80;
-  const int exponent = (bits >> 3) & 0xF;
-  const int mantissa = bits & 0x7;
-  float v;
-  if (exponent == 0xF && mantissa == 0x7)
-    v = std::numeric_limits<float>::quiet_NaN();
-  else if (exponent == 0)
-    v = std::ldexp(float(mantissa), -9);  // subnormal: mantissa * 2^(1-7-3)
-  else
-    v = std::ldexp(float(mantissa | 0x8), exponent - 10);
-  return negative ? -v : v;
-}
-
-// OCP FP8 E5M2: bias 15, IEEE-like (infinities and NaNs at exponent 31).
-float e5m2_to_f32(uint8_t bits) {
-  const bool negative = bits & 0x80;
-  const int exponent = (bits >> 2) & 0x1F;
-  const int mantissa = bits & 0x3;
-  float v;
-  if (exponent == 0x1F)
-    v = mantissa ? std::numeric_limits<float>::quiet_NaN() : std::numeric_limits<float>::infinity();
-  else if (exponent == 0)
-    v = std::ldexp(float(mantissa), -16);
-  else
-    v = std::ldexp(float(mantissa | 0x4), exponent - 17);
-  return negative ? -v : v;
-}
-
 template <class T>
 T load_unaligned(const uint8_t* p) {
   T v;
@@ -106,7 +58,7 @@ void decode_elements(const uint8_t* src, int64_t n, float* out, Decode decode) {
   for (int64_t i = 0; i < n; ++i) out[i] = decode(load_unaligned<Raw>(src + i * sizeof(Raw)));
 }
 
-// 8-bit formats go through a 256-entry table built from the exact decoder.
+// 8-bit formats go through a 256-entry table built from the exact decoder in formats/.
 template <class Decode>
 void decode_bytes_via_table(const uint8_t* src, int64_t n, float* out, Decode decode) {
   float table[256];
@@ -370,7 +322,7 @@ void convert_to_f32(const TensorView& t, std::span<float> out) {
     case DType::F64: decode_elements<double>(src, n, dst, [](double v) { return float(v); }); return;
     case DType::BF16: decode_elements<uint16_t>(src, n, dst, bf16_to_f32); return;
     case DType::F16: decode_elements<uint16_t>(src, n, dst, f16_to_f32); return;
-    case DType::F8_E4M3: decode_bytes_via_table(src, n, dst, e4m3fn_to_f32); return;
+    case DType::F8_E4M3: decode_bytes_via_table(src, n, dst, e4m3_to_f32); return;
     case DType::F8_E5M2: decode_bytes_via_table(src, n, dst, e5m2_to_f32); return;
     case DType::I64: decode_elements<int64_t>(src, n, dst, [](int64_t v) { return float(v); }); return;
     case DType::I32: decode_elements<int32_t>(src, n, dst, [](int32_t v) { return float(v); }); return;
