@@ -1,0 +1,220 @@
+// SPDX-License-Identifier: MIT
+#include "tokenizer/pretokenizer.h"
+
+#define PCRE2_CODE_UNIT_WIDTH 8
+#include <pcre2.h>
+
+#include <nlohmann/json.hpp>
+
+#include "core/check.h"
+#include "tokenizer/utf8.h"
+
+namespace dsv4 {
+
+namespace {
+
+// White_Space minus the ASCII/NEL part, which \p{Z} does not cover (U+180E is in neither).
+constexpr std::string_view kSpaceInClass = "\\t-\\r\\x{85}\\p{Z}";
+
+// The ByteLevel pre-tokenizer's own split (GPT-2), used when "use_regex" is true.
+constexpr std::string_view kGpt2Pattern =
+    R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
+
+std::string escape_literal(std::string_view s) {
+  std::string out;
+  for (char c : s) {
+    if (std::string_view("\\^$.|?*+()[]{}-").find(c) != std::string_view::npos) out.push_back('\\');
+    out.push_back(c);
+  }
+  return out;
+}
+
+// Per-thread PCRE2 scratch: one match data block (group 0 only is needed) and a JIT stack large
+// enough for megabyte-long pieces.
+struct MatchScratch {
+  pcre2_match_data* data = nullptr;
+  pcre2_match_context* context = nullptr;
+  pcre2_jit_stack* stack = nullptr;
+  MatchScratch() {
+    data = pcre2_match_data_create(1, nullptr);
+    context = pcre2_match_context_create(nullptr);
+    stack = pcre2_jit_stack_create(64 * 1024, 16 * 1024 * 1024, nullptr);
+    pcre2_jit_stack_assign(context, nullptr, stack);
+  }
+  ~MatchScratch() {
+    pcre2_jit_stack_free(stack);
+    pcre2_match_context_free(context);
+    pcre2_match_data_free(data);
+  }
+};
+
+MatchScratch& scratch() {
+  thread_local MatchScratch s;
+  return s;
+}
+
+}  // namespace
+
+std::string rewrite_regex_for_pcre2(std::string_view p) {
+  std::string out;
+  bool in_class = false;
+  for (size_t i = 0; i < p.size();) {
+    const char c = p[i];
+    if (c == '\\' && i + 1 < p.size()) {
+      const char d = p[i + 1];
+      if (d == 's') {
+        out += in_class ? std::string(kSpaceInClass) : "[" + std::string(kSpaceInClass) + "]";
+      } else if (d == 'S') {
+        DSV4_CHECK(!in_class, "tokenizer regex `{}`: \\S inside a character class is not supported", p);
+        out += "[^" + std::string(kSpaceInClass) + "]";
+      } else {
+        // Oniguruma's \h is a hex digit, PCRE2's is horizontal space: refuse rather than differ.
+        DSV4_CHECK(d != 'h' && d != 'H', "tokenizer regex `{}`: \\h/\\H differ between Oniguruma and PCRE2", p);
+        out += c;
+        out += d;
+      }
+      i += 2;
+      continue;
+    }
+    if (!in_class && c == '[') {
+      in_class = true;
+      out += c;
+      ++i;
+      if (i < p.size() && p[i] == '^') out += p[i++];
+      if (i < p.size() && p[i] == ']') out += p[i++];  // a leading ']' is a literal
+      continue;
+    }
+    if (in_class) {
+      // Oniguruma allows nested classes and && intersection; PCRE2 reads both literally.
+      DSV4_CHECK(!(c == '[' && (i + 1 >= p.size() || p[i + 1] != ':')),
+                 "tokenizer regex `{}`: nested character classes are not supported", p);
+      DSV4_CHECK(!(c == '&' && i + 1 < p.size() && p[i + 1] == '&'),
+                 "tokenizer regex `{}`: class intersection (&&) is not supported", p);
+      if (c == ']') in_class = false;
+    }
+    out += c;
+    ++i;
+  }
+  return out;
+}
+
+// One Split stage: a compiled regex and what to do with its matches.
+class RegexSplitter {
+ public:
+  RegexSplitter(std::string_view hf_pattern, bool keep_matches) : keep_matches_(keep_matches) {
+    const std::string pattern = rewrite_regex_for_pcre2(hf_pattern);
+    int err = 0;
+    PCRE2_SIZE err_offset = 0;
+    code_ = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(),
+                          PCRE2_UTF | PCRE2_UCP, &err, &err_offset, nullptr);
+    if (!code_) {
+      PCRE2_UCHAR msg[256];
+      pcre2_get_error_message(err, msg, sizeof msg);
+      DSV4_FAIL("tokenizer regex `{}` does not compile with PCRE2 at offset {}: {}", hf_pattern, err_offset,
+                reinterpret_cast<const char*>(msg));
+    }
+    jit_ = pcre2_jit_compile(code_, PCRE2_JIT_COMPLETE) == 0;
+  }
+  ~RegexSplitter() { pcre2_code_free(code_); }
+  RegexSplitter(const RegexSplitter&) = delete;
+  RegexSplitter& operator=(const RegexSplitter&) = delete;
+
+  // Appends the pieces of `piece` to out (gaps always, matches when keep_matches_).
+  void split(std::string_view piece, std::vector<std::string_view>& out) const {
+    MatchScratch& s = scratch();
+    const auto* subject = reinterpret_cast<PCRE2_SPTR>(piece.data());
+    const size_t n = piece.size();
+    size_t prev = 0, pos = 0;
+    while (pos <= n) {
+      const int rc = jit_ ? pcre2_jit_match(code_, subject, n, pos, PCRE2_NO_UTF_CHECK, s.data, s.context)
+                          : pcre2_match(code_, subject, n, pos, PCRE2_NO_UTF_CHECK, s.data, s.context);
+      if (rc == PCRE2_ERROR_NOMATCH) break;
+      DSV4_CHECK(rc >= 0, "tokenizer regex match failed with PCRE2 error {} on a {}-byte piece", rc, n);
+      const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(s.data);
+      const size_t start = ov[0], end = ov[1];
+      if (start > prev) out.push_back(piece.substr(prev, start - prev));
+      if (keep_matches_ && end > start) out.push_back(piece.substr(start, end - start));
+      prev = end;
+      if (end > start) {
+        pos = end;
+      } else {  // empty match: step over one character, as Oniguruma's find_iter does
+        if (end >= n) break;
+        pos = end + utf8::next(piece.substr(end)).len;
+      }
+    }
+    if (prev < n) out.push_back(piece.substr(prev));
+  }
+
+ private:
+  pcre2_code* code_ = nullptr;
+  bool jit_ = false;
+  bool keep_matches_;
+};
+
+PreTokenizer::PreTokenizer() = default;
+PreTokenizer::PreTokenizer(PreTokenizer&&) noexcept = default;
+PreTokenizer& PreTokenizer::operator=(PreTokenizer&&) noexcept = default;
+PreTokenizer::~PreTokenizer() = default;
+
+PreTokenizer PreTokenizer::from_json(const nlohmann::json& spec) {
+  PreTokenizer pt;
+  std::vector<const nlohmann::json*> todo;
+  if (!spec.is_null()) todo.push_back(&spec);
+  // Flatten nested Sequences in order.
+  std::vector<const nlohmann::json*> flat;
+  while (!todo.empty()) {
+    const nlohmann::json* j = todo.front();
+    todo.erase(todo.begin());
+    const std::string type = j->value("type", "");
+    if (type == "Sequence") {
+      const auto& list = j->at("pretokenizers");
+      std::vector<const nlohmann::json*> inner;
+      for (const auto& e : list) inner.push_back(&e);
+      todo.insert(todo.begin(), inner.begin(), inner.end());
+    } else {
+      flat.push_back(j);
+    }
+  }
+  for (const nlohmann::json* j : flat) {
+    const std::string type = j->value("type", "");
+    if (type == "Split") {
+      const auto& pat = j->at("pattern");
+      std::string regex;
+      if (pat.contains("Regex")) {
+        regex = pat.at("Regex").get<std::string>();
+      } else if (pat.contains("String")) {
+        regex = escape_literal(pat.at("String").get<std::string>());
+      } else {
+        DSV4_FAIL("tokenizer.json pre_tokenizer Split: pattern must have `Regex` or `String`, got {}", pat.dump());
+      }
+      const std::string behavior = j->value("behavior", "");
+      DSV4_CHECK(behavior == "Isolated" || behavior == "Removed",
+                 "tokenizer.json pre_tokenizer Split: behavior `{}` is not supported (expected Isolated or Removed)",
+                 behavior);
+      DSV4_CHECK(!j->value("invert", false), "tokenizer.json pre_tokenizer Split: invert=true is not supported");
+      pt.stages_.push_back(std::make_unique<RegexSplitter>(regex, behavior == "Isolated"));
+    } else if (type == "ByteLevel") {
+      // The byte-to-unicode mapping itself happens in the BPE model, which works on raw bytes.
+      DSV4_CHECK(!j->value("add_prefix_space", false),
+                 "tokenizer.json pre_tokenizer ByteLevel: add_prefix_space=true is not supported");
+      if (j->value("use_regex", true)) pt.stages_.push_back(std::make_unique<RegexSplitter>(kGpt2Pattern, true));
+    } else {
+      DSV4_FAIL("tokenizer.json pre_tokenizer type `{}` is not supported (expected Sequence, Split, ByteLevel)", type);
+    }
+  }
+  return pt;
+}
+
+void PreTokenizer::split(std::string_view text, std::vector<std::string_view>& pieces) const {
+  pieces.clear();
+  if (text.empty()) return;
+  pieces.push_back(text);
+  std::vector<std::string_view> next;
+  for (const auto& stage : stages_) {
+    next.clear();
+    for (std::string_view piece : pieces) stage->split(piece, next);
+    pieces.swap(next);
+  }
+}
+
+}  // namespace dsv4
