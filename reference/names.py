@@ -51,7 +51,6 @@ def canonical(name):
     if hf_style:
         for pat, rep in _HF_RULES:
             n = re.sub(pat, rep, n)
-        n = re.sub(r"\.attn\.kv_norm\.", ".attn.kv_norm.", n)
     else:
         n = re.sub(r"\.attn\.norm\.weight$", ".attn.kv_norm.weight", n)  # save_pretrained's KV-norm name
     return n
