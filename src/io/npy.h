@@ -1,5 +1,7 @@
 // SPDX-License-Identifier: MIT
-// Minimal NumPy .npy (format 1.0/2.0) reader and writer for golden data and --logits-out.
+// Minimal NumPy .npy (format 1.0/2.0/3.0) reader and writer for golden data and --logits-out.
+// Reads little-endian <f2 <f4 <f8 |i1 <i2 <i4 <i8 |u1 |b1, C order only; writes <f4 with the header
+// padded so the data starts at a multiple of 64 bytes, as numpy does.
 #pragma once
 #include <cstdint>
 #include <string>

@@ -396,7 +396,12 @@ void write_safetensors(const std::string& path, const std::vector<TensorToWrite>
   }
   if (!metadata.empty()) header[kMetadataKey] = metadata;
 
-  std::string header_text = header.dump();
+  std::string header_text;
+  try {
+    header_text = header.dump();
+  } catch (const json::exception& e) {
+    DSV4_FAIL("write_safetensors {}: tensor names and metadata must be valid UTF-8 ({})", path, e.what());
+  }
   // Pad with spaces so the data section starts 8-byte aligned (the reference writer does the same).
   header_text.append((8 - header_text.size() % 8) % 8, ' ');
   const uint64_t header_size = header_text.size();

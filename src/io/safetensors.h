@@ -65,8 +65,9 @@ class Checkpoint {
   std::map<std::string, const TensorView*> by_name_;
 };
 
-// Decode one element type to fp32 (F32, F64, BF16, F16, F8_E4M3, F8_E5M2, I64/I32/I16/I8/U8 as
-// integers). Quantised weights with scales are decoded by the weight loader, not here.
+// Decode one element type to fp32 (F32, F64, BF16, F16, F8_E4M3 (fn: max 448, 0x7F/0xFF NaN), F8_E5M2,
+// I64/I32/I16/I8/U8 as integers, BOOL as 0/1). Quantised weights with scales are decoded by the weight
+// loader, not here: F8_E8M0 throws. convert_to_f32 needs out.size() == t.numel().
 void convert_to_f32(const TensorView& t, std::span<float> out);
 std::vector<float> to_f32(const TensorView& t);
 std::vector<int64_t> to_i64(const TensorView& t);  // integer tensors only

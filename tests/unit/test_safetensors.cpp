@@ -206,6 +206,7 @@ TEST_F(SafetensorsTest, WriterRejectsBadInput) {
     write_safetensors(p, {{"w", DType::F32, {2}, bytes_of(v, 8)}, {"w", DType::F32, {2}, bytes_of(v, 8)}});
   }, {"\"w\" given twice"});
   expect_error([&] { write_safetensors(p, {{"__metadata__", DType::F32, {2}, bytes_of(v, 8)}}); }, {"reserved"});
+  expect_error([&] { write_safetensors(p, {{"bad\xff", DType::F32, {2}, bytes_of(v, 8)}}); }, {p, "UTF-8"});
   expect_error([&] { write_one_f32((dir_ / "no_such_dir" / "x.safetensors").string()); }, {"cannot create"});
 }
 
@@ -236,6 +237,8 @@ TEST_F(SafetensorsTest, RejectsAbsurdHeaderLength) {
 TEST_F(SafetensorsTest, RejectsInvalidJson) {
   const std::string p = path("json.safetensors");
   write_raw(p, R"({"x": {"dtype": "F32", )", {});
+  expect_error([&] { SafetensorsFile::open(p); }, {p, "not valid JSON"});
+  write_raw(p, "{\"bad\xff\": {}}", {});  // not UTF-8
   expect_error([&] { SafetensorsFile::open(p); }, {p, "not valid JSON"});
   write_raw(p, R"([1, 2])", {});
   expect_error([&] { SafetensorsFile::open(p); }, {p, "must be a JSON object"});
@@ -642,7 +645,28 @@ TEST_F(SafetensorsTest, CheckpointDirectoryErrors) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Fuzz: corrupted files load or throw dsv4::Error; nothing else, never a crash.
+// Fuzz: corrupted files load or throw dsv4::Error; nothing else, never a crash. Build with
+// -DDSV4_FUZZ_ITERATIONS=100000 (and sanitizers) for a longer run.
+
+#ifndef DSV4_FUZZ_ITERATIONS
+#define DSV4_FUZZ_ITERATIONS 400
+#endif
+
+namespace {
+// A random JSON value of the kinds a broken writer might produce.
+nlohmann::json random_json_value(std::mt19937& rng) {
+  switch (rng() % 8) {
+    case 0: return -int64_t(rng() % 100);
+    case 1: return uint64_t(rng() % 64);
+    case 2: return uint64_t(1) << (rng() % 64);
+    case 3: return "F8_E4M3";
+    case 4: return nlohmann::json::array({rng() % 40, rng() % 40});
+    case 5: return nlohmann::json::array();
+    case 6: return 2.5;
+    default: return nullptr;
+  }
+}
+}  // namespace
 
 TEST_F(SafetensorsTest, FuzzedFilesLoadOrThrowCleanly) {
   const std::string good = path("good.safetensors");
@@ -664,9 +688,10 @@ TEST_F(SafetensorsTest, FuzzedFilesLoadOrThrowCleanly) {
   std::mt19937 rng(1234);
   const std::string p = path("fuzz.safetensors");
   int loaded = 0, rejected = 0;
-  for (int iter = 0; iter < 400; ++iter) {
+  const int iterations = DSV4_FUZZ_ITERATIONS;
+  for (int iter = 0; iter < iterations; ++iter) {
     std::vector<uint8_t> bytes = original;
-    const int kind = int(rng() % 4);
+    const int kind = int(rng() % 5);
     if (kind == 0 || kind == 3) {  // flip a few bytes, mostly inside the header where parsing happens
       const int flips = 1 + int(rng() % 4);
       for (int k = 0; k < flips; ++k) {
@@ -679,6 +704,25 @@ TEST_F(SafetensorsTest, FuzzedFilesLoadOrThrowCleanly) {
       bytes[8 + rng() % header_size] = uint8_t(chars[rng() % (sizeof chars - 1)]);
     }
     if (kind == 2 || kind == 3) bytes.resize(rng() % (bytes.size() + 1));  // truncate
+    if (kind == 4) {  // well-formed JSON with one field of one tensor replaced: exercises validation
+      nlohmann::json header = nlohmann::json::parse(bytes.begin() + 8, bytes.begin() + 8 + long(header_size));
+      auto entry = header.begin();
+      std::advance(entry, long(rng() % header.size()));
+      const char* fields[] = {"dtype", "shape", "data_offsets"};
+      const char* field = fields[rng() % 3];
+      if (entry->is_object() && entry->contains(field) && (*entry)[field].is_array() && !(*entry)[field].empty() &&
+          rng() % 2)
+        (*entry)[field][rng() % (*entry)[field].size()] = random_json_value(rng);
+      else
+        (*entry)[field] = random_json_value(rng);
+      std::string text = header.dump();
+      const uint64_t n = text.size();
+      std::vector<uint8_t> rebuilt(8);
+      std::memcpy(rebuilt.data(), &n, 8);
+      rebuilt.insert(rebuilt.end(), text.begin(), text.end());
+      rebuilt.insert(rebuilt.end(), bytes.begin() + 8 + long(header_size), bytes.end());
+      bytes = std::move(rebuilt);
+    }
     write_bytes(p, bytes);
 
     try {
@@ -696,7 +740,9 @@ TEST_F(SafetensorsTest, FuzzedFilesLoadOrThrowCleanly) {
       FAIL() << "iteration " << iter << ": non-dsv4 exception " << e.what();
     }
   }
-  EXPECT_EQ(loaded + rejected, 400);
-  EXPECT_GT(rejected, 100);  // most mutations must be caught
+  RecordProperty("loaded", loaded);
+  RecordProperty("rejected", rejected);
+  EXPECT_EQ(loaded + rejected, iterations);
+  EXPECT_GT(rejected, iterations / 4);  // most mutations must be caught
   EXPECT_GT(loaded, 0);      // flips inside tensor data still load
 }
