@@ -1,6 +1,132 @@
 // SPDX-License-Identifier: MIT
+// `dsv4 generate`: one prompt in, tokens out (greedy by default), optional logits dump as .npy.
+#include <spdlog/spdlog.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
 #include "cli/commands.h"
+#include "core/check.h"
+#include "io/npy.h"
+#include "model/session.h"
 
 namespace dsv4::cli {
-void add_generate_command(CLI::App&, Handler&) {}
+namespace {
+
+struct GenerateArgs {
+  std::string model_dir, prompt_ids, prompt_text, device = "cpu", kv_dtype = "fp8", indexer_dtype = "fp4",
+                                                   logits_out, trace_dir;
+  int max_new_tokens = 16, max_context = 8192, top_k = 0;
+  float temperature = 0.0f, top_p = 1.0f;
+  uint64_t seed = 0;
+  bool json = false, ignore_eos = false;
+};
+
+std::vector<int32_t> parse_ids(const std::string& text) {
+  std::vector<int32_t> ids;
+  std::stringstream ss(text);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    size_t used = 0;
+    long long v = 0;
+    try {
+      v = std::stoll(item, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    DSV4_CHECK(used == item.size() && !item.empty(), "--prompt-ids: \"{}\" is not an integer token id", item);
+    DSV4_CHECK(v >= 0 && v <= INT32_MAX, "--prompt-ids: token id {} out of range", v);
+    ids.push_back(int32_t(v));
+  }
+  DSV4_CHECK(!ids.empty(), "--prompt-ids is empty");
+  return ids;
+}
+
+int run_generate(const GenerateArgs& a) {
+  DSV4_CHECK(a.device == "cpu", "--device {}: only the cpu backend is available in this build", a.device);
+  DSV4_CHECK(a.prompt_text.empty(), "--prompt needs the tokenizer, which is not available yet; use --prompt-ids");
+  const std::vector<int32_t> prompt = parse_ids(a.prompt_ids);
+  Numerics numerics{parse_kv_storage(a.kv_dtype), parse_indexer_storage(a.indexer_dtype)};
+  Model model = Model::load(a.model_dir, numerics);
+  if (!a.trace_dir.empty()) {
+    std::filesystem::create_directories(a.trace_dir);
+    auto call = std::make_shared<int>(0);  // one file per forward call and tensor: <call>_<layer>_<name>.npy
+    model.set_trace([dir = a.trace_dir, call](const std::string& name, int layer, const float* data, int rows,
+                                             int cols) {
+      if (name == "embed") ++*call;
+      const std::string file = fmt::format("{}/{:04d}_{}_{}.npy", dir, *call - 1,
+                                           layer < 0 ? std::string("model") : fmt::format("L{:02d}", layer), name);
+      write_npy_f32(file, data, {rows, cols});
+    });
+  }
+  spdlog::info("model {}: {}", a.model_dir, model.config().summary());
+  Session session(model, a.max_context);
+  spdlog::info("sequence state: {:.1f} MiB for --max-context {}", session.state().bytes() / 1048576.0,
+               a.max_context);
+
+  GenerateOptions options;
+  options.max_new_tokens = a.max_new_tokens;
+  options.stop_at_eos = !a.ignore_eos;
+  options.keep_logits = !a.logits_out.empty();
+  options.sampling = {a.temperature, a.top_p, a.top_k, a.seed};
+  const GenerateResult r = session.generate(prompt, options);
+
+  if (!a.logits_out.empty())
+    write_npy_f32(a.logits_out, r.logits.data(), {r.logit_rows, model.config().vocab_size});
+  if (a.json) {
+    nlohmann::ordered_json j;
+    j["prompt_ids"] = prompt;
+    j["output_ids"] = r.output_ids;
+    std::printf("%s\n", j.dump().c_str());
+  } else {
+    std::string line;
+    for (int32_t id : r.output_ids) line += (line.empty() ? "" : " ") + std::to_string(id);
+    std::printf("%s\n", line.c_str());
+  }
+  spdlog::info("prefill {} tokens in {:.3f} s ({:.1f} tok/s); decode {} steps in {:.3f} s ({:.1f} tok/s)",
+               prompt.size(), r.prefill_seconds, prompt.size() / std::max(r.prefill_seconds, 1e-9), r.decode_steps,
+               r.decode_seconds, r.decode_steps / std::max(r.decode_seconds, 1e-9));
+  return 0;
+}
+
+}  // namespace
+
+void add_generate_command(CLI::App& app, Handler& handler) {
+  auto args = std::make_shared<GenerateArgs>();
+  CLI::App* cmd = app.add_subcommand("generate", "Generate tokens from a prompt (greedy unless --temperature > 0)");
+  cmd->add_option("--model", args->model_dir, "Model directory (config.json + safetensors)")->required();
+  auto* ids = cmd->add_option("--prompt-ids", args->prompt_ids, "Prompt as comma-separated token ids, e.g. 5,17,99");
+  auto* text = cmd->add_option("--prompt", args->prompt_text, "Prompt text (tokenised with the model's tokenizer)");
+  ids->excludes(text);
+  cmd->add_option("--max-new-tokens", args->max_new_tokens, "Number of tokens to generate")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
+  cmd->add_option("--temperature", args->temperature, "Sampling temperature; 0 = greedy")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
+  cmd->add_option("--top-p", args->top_p, "Nucleus sampling threshold in (0, 1]")->capture_default_str();
+  cmd->add_option("--top-k", args->top_k, "Sample among the k most likely tokens; 0 = all")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
+  cmd->add_option("--seed", args->seed, "Random seed for sampling")->capture_default_str();
+  cmd->add_option("--device", args->device, "Backend: cpu")->capture_default_str();
+  cmd->add_option("--max-context", args->max_context, "Tokens of state preallocated per sequence")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  cmd->add_option("--kv-dtype", args->kv_dtype, "KV cache storage: fp8 (official rounding), bf16, f32")
+      ->capture_default_str()->check(CLI::IsMember({"fp8", "bf16", "f32"}));
+  cmd->add_option("--indexer-dtype", args->indexer_dtype, "Indexer q/k storage: fp4 (official), bf16, f32")
+      ->capture_default_str()->check(CLI::IsMember({"fp4", "bf16", "f32"}));
+  cmd->add_option("--logits-out", args->logits_out,
+                  "Write float32 .npy [len(prompt)+len(output)-1, vocab]: row i = logits after token i");
+  cmd->add_option("--trace-dir", args->trace_dir,
+                  "Write every named intermediate (q, kv, attn_out, ...) of every forward call as .npy here");
+  cmd->add_flag("--json", args->json, "Print {\"prompt_ids\":[...],\"output_ids\":[...]}");
+  cmd->add_flag("--ignore-eos", args->ignore_eos, "Do not stop at the end-of-sequence token");
+  cmd->callback([&handler, args, cmd, ids, text] {
+    if (ids->count() == 0 && text->count() == 0) throw CLI::RequiredError("--prompt-ids or --prompt");
+    (void)cmd;
+    handler = [args] { return run_generate(*args); };
+  });
+}
+
 }  // namespace dsv4::cli

@@ -1,0 +1,113 @@
+// SPDX-License-Identifier: MIT
+#include "cpu/ops.h"
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "core/check.h"
+#include "formats/fp4.h"
+#include "formats/fp8.h"
+
+namespace dsv4::cpu {
+
+void gemm_nt(const float* x, const float* w, float* y, int M, int N, int K) {
+  if (M == 0 || N == 0) return;
+  if (M == 1) {
+    cblas_sgemv(CblasRowMajor, CblasNoTrans, N, K, 1.0f, w, K, x, 1, 0.0f, y, 1);
+    return;
+  }
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, N, K, 1.0f, x, K, w, K, 0.0f, y, N);
+}
+
+void gemm_nt_accumulate(const float* x, const float* w, float* y, int M, int N, int K) {
+  if (M == 0 || N == 0) return;
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, N, K, 1.0f, x, K, w, K, 1.0f, y, N);
+}
+
+void rms_norm(const float* x, const float* weight, float* y, int rows, int dim, float eps) {
+#pragma omp parallel for if (rows > 16)
+  for (int r = 0; r < rows; ++r) {
+    const float* xr = x + int64_t(r) * dim;
+    float* yr = y + int64_t(r) * dim;
+    double sum_sq = 0.0;
+    for (int i = 0; i < dim; ++i) sum_sq += double(xr[i]) * xr[i];
+    const float inv_rms = 1.0f / std::sqrt(float(sum_sq / dim) + eps);
+    for (int i = 0; i < dim; ++i) yr[i] = xr[i] * inv_rms * (weight ? weight[i] : 1.0f);
+  }
+}
+
+void rope_interleaved(float* x, int rope_dim, const float* inv_freq, int64_t position, bool inverse) {
+  for (int i = 0; i < rope_dim / 2; ++i) {
+    // fp32 angle like the references (torch computes position * inv_freq in fp32).
+    const float angle = float(position) * inv_freq[i];
+    const float c = float(std::cos(double(angle)));
+    const float s = inverse ? -float(std::sin(double(angle))) : float(std::sin(double(angle)));
+    const float a = x[2 * i], b = x[2 * i + 1];
+    x[2 * i] = a * c - b * s;
+    x[2 * i + 1] = a * s + b * c;
+  }
+}
+
+void hadamard_transform(float* x, int n) {
+  DSV4_CHECK(n > 0 && (n & (n - 1)) == 0, "hadamard_transform: length {} is not a power of two", n);
+  for (int half = 1; half < n; half *= 2)
+    for (int i = 0; i < n; i += 2 * half)
+      for (int j = i; j < i + half; ++j) {
+        const float a = x[j], b = x[j + half];
+        x[j] = a + b;
+        x[j + half] = a - b;
+      }
+  const float scale = 1.0f / std::sqrt(float(n));
+  for (int i = 0; i < n; ++i) x[i] *= scale;
+}
+
+void round_kv(float* kv, int dim, int rope_dim, KvStorage storage) {
+  if (storage == KvStorage::F32) return;
+  if (storage == KvStorage::BF16) {
+    for (int i = 0; i < dim; ++i) kv[i] = round_bf16(kv[i]);
+    return;
+  }
+  const int nope = dim - rope_dim;
+  constexpr int kBlock = 64;
+  DSV4_CHECK(nope % kBlock == 0, "FP8 KV storage needs the nope dims ({}) to be a multiple of {}", nope, kBlock);
+  for (int b = 0; b < nope; b += kBlock) fp8_simulate_block(kv + b, kBlock);
+  for (int i = nope; i < dim; ++i) kv[i] = round_bf16(kv[i]);
+}
+
+void round_indexer(float* x, int dim, IndexerStorage storage) {
+  if (storage == IndexerStorage::F32) return;
+  if (storage == IndexerStorage::BF16) {
+    for (int i = 0; i < dim; ++i) x[i] = round_bf16(x[i]);
+    return;
+  }
+  constexpr int kBlock = 32;
+  DSV4_CHECK(dim % kBlock == 0, "FP4 indexer storage needs index_head_dim ({}) to be a multiple of {}", dim, kBlock);
+  hadamard_transform(x, dim);
+  for (int b = 0; b < dim; b += kBlock) fp4_simulate_block(x + b, kBlock);
+}
+
+float silu(float x) { return x / (1.0f + std::exp(-x)); }
+float softplus(float x) { return x > 20.0f ? x : std::log1p(std::exp(x)); }
+
+std::vector<int> top_k_indices(std::span<const float> values, int k) {
+  std::vector<int> idx(values.size());
+  std::iota(idx.begin(), idx.end(), 0);
+  k = std::min<int>(k, int(values.size()));
+  std::partial_sort(idx.begin(), idx.begin() + k, idx.end(), [&](int a, int b) {
+    return values[a] > values[b] || (values[a] == values[b] && a < b);
+  });
+  idx.resize(k);
+  return idx;
+}
+
+}  // namespace dsv4::cpu
+
+namespace dsv4::cpu {
+void gemm_nt_strided(const float* x, int ldx, const float* w, float* y, int ldy, int M, int N, int K) {
+  if (M == 0 || N == 0) return;
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, N, K, 1.0f, x, ldx, w, K, 0.0f, y, ldy);
+}
+}  // namespace dsv4::cpu

@@ -1,0 +1,62 @@
+// SPDX-License-Identifier: MIT
+// DeepSeek-V4 forward pass on the CPU reference backend (fp32). One code path serves prefill and decode: a chunk
+// of n tokens at positions p..p+n-1 is exactly n sequential decode steps (spec 3.11): window = last `window`
+// positions, compressed entry s visible to query t iff s < (t+1) div r, compressors advanced token by token.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "cpu/ops.h"
+#include "model/config.h"
+#include "model/state.h"
+#include "model/weights.h"
+
+namespace dsv4 {
+
+struct Numerics {
+  cpu::KvStorage kv = cpu::KvStorage::FP8;                 // --kv-dtype fp8|bf16|f32
+  cpu::IndexerStorage indexer = cpu::IndexerStorage::FP4;  // --indexer-dtype fp4|bf16|f32
+};
+
+cpu::KvStorage parse_kv_storage(const std::string& name);            // "fp8", "bf16", "f32"
+cpu::IndexerStorage parse_indexer_storage(const std::string& name);  // "fp4", "bf16", "f32"
+
+// Receives named intermediates ("attn_norm", layer, [rows, cols]) when set; layer -1 = not per layer.
+using TraceFn = std::function<void(const std::string& name, int layer, const float* data, int rows, int cols)>;
+
+class Model {
+ public:
+  Model(ModelConfig config, ModelWeights weights, Numerics numerics = {});
+  static Model load(const std::string& model_dir, Numerics numerics = {});
+
+  const ModelConfig& config() const { return config_; }
+  const Numerics& numerics() const { return numerics_; }
+  SequenceState new_sequence(int max_context) const { return SequenceState::create(config_, max_context); }
+
+  // Consumes `tokens` at positions state.n_tokens.. and returns next-token logits [n, vocab] row-major
+  // (all rows, or only the last row when last_only).
+  std::vector<float> forward(SequenceState& state, std::span<const int32_t> tokens, bool last_only) const;
+
+  void set_trace(TraceFn fn) { trace_ = std::move(fn); }
+
+ private:
+  struct Chunk;
+  void attention(int layer, const float* x, Chunk& chunk, SequenceState& state, float* out) const;
+  void moe(int layer, const float* x, const Chunk& chunk, float* out) const;
+  void trace(const char* name, int layer, const float* data, int rows, int cols) const;
+
+  ModelConfig config_;
+  ModelWeights weights_;
+  Numerics numerics_;
+  std::vector<float> inv_freq_main_, inv_freq_compress_;  // [rope_dim/2]
+  TraceFn trace_;
+};
+
+// RoPE inverse frequencies (spec 3.1): theta^(-2i/d), with YaRN's ramp between the beta_fast / beta_slow
+// correction dims when enabled (no magnitude scaling).
+std::vector<float> rope_inv_freq(const RopeConfig& rope, int rope_dim);
+
+}  // namespace dsv4

@@ -1,0 +1,64 @@
+// SPDX-License-Identifier: MIT
+// Text-free generation on one sequence: prefill a prompt, then decode token by token from the preallocated
+// state. A Session keeps its state between calls, so a chat appends each turn to the same sequence.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <random>
+#include <span>
+#include <vector>
+
+#include "model/model.h"
+
+namespace dsv4 {
+
+struct SamplingParams {
+  float temperature = 0.0f;  // 0 = greedy (argmax, lowest id among equal logits)
+  float top_p = 1.0f;        // nucleus: smallest set of tokens whose probability reaches top_p
+  int top_k = 0;             // 0 = no limit
+  uint64_t seed = 0;
+};
+
+class Sampler {
+ public:
+  explicit Sampler(const SamplingParams& params);
+  int32_t sample(std::span<const float> logits);
+
+ private:
+  SamplingParams params_;
+  std::mt19937_64 rng_;
+};
+
+struct GenerateOptions {
+  int max_new_tokens = 16;
+  bool stop_at_eos = true;
+  bool keep_logits = false;  // collect the next-token logits of every consumed position
+  SamplingParams sampling;
+  std::function<void(int32_t)> on_token;  // called as each token is chosen (streaming)
+};
+
+struct GenerateResult {
+  std::vector<int32_t> output_ids;
+  std::vector<float> logits;  // [rows, vocab] when keep_logits: row i = logits after the i-th consumed token
+  int logit_rows = 0;
+  double prefill_seconds = 0, decode_seconds = 0;
+  int decode_steps = 0;
+};
+
+class Session {
+ public:
+  Session(const Model& model, int max_context);
+
+  // Appends `prompt` to the sequence and generates up to max_new_tokens tokens. The last generated token is not
+  // fed back, so the next call must pass it at the start of its prompt if the conversation continues.
+  GenerateResult generate(std::span<const int32_t> prompt, const GenerateOptions& options);
+
+  void reset() { state_.reset(); }
+  const SequenceState& state() const { return state_; }
+
+ private:
+  const Model& model_;
+  SequenceState state_;
+};
+
+}  // namespace dsv4

@@ -1,0 +1,70 @@
+// SPDX-License-Identifier: MIT
+#include "model/state.h"
+
+#include <algorithm>
+#include <limits>
+
+#include "core/check.h"
+
+namespace dsv4 {
+
+void CompressorState::reset() {
+  std::fill(kv.begin(), kv.end(), 0.0f);
+  std::fill(score.begin(), score.end(), -std::numeric_limits<float>::infinity());
+}
+
+static CompressorState make_compressor(int ratio, int dim, bool overlap) {
+  CompressorState s;
+  s.ratio = ratio;
+  s.dim = dim;
+  s.overlap = overlap;
+  s.rows = (overlap ? 2 : 1) * ratio;
+  s.width = (overlap ? 2 : 1) * dim;
+  s.kv.resize(size_t(s.rows) * s.width);
+  s.score.resize(size_t(s.rows) * s.width);
+  s.reset();
+  return s;
+}
+
+SequenceState SequenceState::create(const ModelConfig& c, int max_context) {
+  DSV4_CHECK(max_context > 0, "--max-context must be positive, got {}", max_context);
+  SequenceState s;
+  s.max_context = max_context;
+  s.window_slots = std::min(c.window, max_context);
+  s.layers.resize(c.n_layers);
+  for (int l = 0; l < c.n_layers; ++l) {
+    LayerState& L = s.layers[l];
+    L.window.resize(size_t(s.window_slots) * c.head_dim);
+    if (!c.has_compressor(l)) continue;
+    const int r = c.compress_ratio[l], max_entries = max_context / r;
+    L.compressed.resize(size_t(max_entries) * c.head_dim);
+    L.compressor = make_compressor(r, c.head_dim, c.is_csa(l));
+    if (c.is_csa(l)) {
+      L.index_keys.resize(size_t(max_entries) * c.index_head_dim);
+      L.index_compressor = make_compressor(r, c.index_head_dim, true);
+    }
+  }
+  return s;
+}
+
+void SequenceState::reset() {
+  n_tokens = 0;
+  for (LayerState& L : layers) {
+    L.n_compressed = 0;
+    L.n_index_keys = 0;
+    if (L.compressor) L.compressor->reset();
+    if (L.index_compressor) L.index_compressor->reset();
+  }
+}
+
+size_t SequenceState::bytes() const {
+  size_t b = 0;
+  for (const LayerState& L : layers) {
+    b += (L.window.size() + L.compressed.size() + L.index_keys.size()) * sizeof(float);
+    for (const auto* cs : {&L.compressor, &L.index_compressor})
+      if (*cs) b += ((*cs)->kv.size() + (*cs)->score.size()) * sizeof(float);
+  }
+  return b;
+}
+
+}  // namespace dsv4

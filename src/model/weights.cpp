@@ -1,0 +1,267 @@
+// SPDX-License-Identifier: MIT
+// The weight table: every tensor the config implies is looked up by its official name, checked for shape and
+// dtype, and decoded to fp32. One reader records what it consumed so leftovers can be reported.
+#include "model/weights.h"
+
+#include <spdlog/spdlog.h>
+
+#include <array>
+#include <set>
+#include <string_view>
+
+#include <fmt/ranges.h>
+
+#include "core/check.h"
+#include "io/safetensors.h"
+
+namespace dsv4 {
+namespace {
+
+// Official name suffix -> other spellings found in checkpoints (inside "layers.N." / "model.layers.N.", or
+// global): transformers' in-memory names, and the few names transformers' save_pretrained writes differently.
+// A suffix may have several entries.
+struct NameAlias {
+  std::string_view official, other;
+};
+constexpr NameAlias kAliases[] = {
+    {"embed.weight", "model.embed_tokens.weight"},
+    {"head.weight", "lm_head.weight"},
+    {"norm.weight", "model.norm.weight"},
+    {"hc_head_fn", "model.hc_head.hc_fn"},
+    {"hc_head_base", "model.hc_head.hc_base"},
+    {"hc_head_scale", "model.hc_head.hc_scale"},
+    {"attn_norm.weight", "input_layernorm.weight"},
+    {"ffn_norm.weight", "post_attention_layernorm.weight"},
+    {"hc_attn_fn", "attn_hc.fn"},
+    {"hc_attn_base", "attn_hc.base"},
+    {"hc_attn_scale", "attn_hc.scale"},
+    {"hc_ffn_fn", "ffn_hc.fn"},
+    {"hc_ffn_base", "ffn_hc.base"},
+    {"hc_ffn_scale", "ffn_hc.scale"},
+    {"attn.wq_a.weight", "self_attn.q_a_proj.weight"},
+    {"attn.q_norm.weight", "self_attn.q_a_norm.weight"},
+    {"attn.wq_b.weight", "self_attn.q_b_proj.weight"},
+    {"attn.wkv.weight", "self_attn.kv_proj.weight"},
+    {"attn.kv_norm.weight", "self_attn.kv_norm.weight"},
+    {"attn.kv_norm.weight", "attn.norm.weight"},  // transformers save_pretrained
+    {"attn.wo_a.weight", "self_attn.o_a_proj.weight"},
+    {"attn.wo_b.weight", "self_attn.o_b_proj.weight"},
+    {"attn.attn_sink", "self_attn.sinks"},
+    {"attn.compressor.wkv.weight", "self_attn.compressor.kv_proj.weight"},
+    {"attn.compressor.wgate.weight", "self_attn.compressor.gate_proj.weight"},
+    {"attn.compressor.ape", "self_attn.compressor.position_bias"},
+    {"attn.compressor.norm.weight", "self_attn.compressor.kv_norm.weight"},
+    {"attn.indexer.wq_b.weight", "self_attn.compressor.indexer.q_b_proj.weight"},
+    {"attn.indexer.weights_proj.weight", "self_attn.compressor.indexer.weights_proj.weight"},
+    {"attn.indexer.weights_proj.weight", "self_attn.compressor.indexer.scorer.weights_proj.weight"},
+    {"attn.indexer.compressor.wkv.weight", "self_attn.compressor.indexer.kv_proj.weight"},
+    {"attn.indexer.compressor.wgate.weight", "self_attn.compressor.indexer.gate_proj.weight"},
+    {"attn.indexer.compressor.ape", "self_attn.compressor.indexer.position_bias"},
+    {"attn.indexer.compressor.norm.weight", "self_attn.compressor.indexer.kv_norm.weight"},
+    {"ffn.gate.weight", "mlp.gate.weight"},
+    {"ffn.gate.bias", "mlp.gate.e_score_correction_bias"},
+    {"ffn.gate.tid2eid", "mlp.gate.tid2eid"},
+    {"ffn.shared_experts.w1.weight", "mlp.shared_experts.gate_proj.weight"},
+    {"ffn.shared_experts.w3.weight", "mlp.shared_experts.up_proj.weight"},
+    {"ffn.shared_experts.w2.weight", "mlp.shared_experts.down_proj.weight"},
+};
+
+// Every name under which `official` may be stored, most likely first.
+std::vector<std::string> candidate_names(const std::string& official) {
+  std::vector<std::string> names = {official, "model." + official};
+  std::string layer_prefix, rest = official;
+  if (official.rfind("layers.", 0) == 0) {
+    const size_t dot = official.find('.', 7);
+    layer_prefix = official.substr(0, dot + 1);
+    rest = official.substr(dot + 1);
+  }
+  for (const auto& [from, to] : kAliases) {
+    if (rest != from) continue;
+    const std::string other(to);
+    if (layer_prefix.empty()) {
+      names.push_back(other);
+    } else {
+      names.push_back("model." + layer_prefix + other);
+      names.push_back(layer_prefix + other);
+    }
+  }
+  return names;
+}
+
+std::string shape_of(const std::vector<int64_t>& s) {
+  std::string out = "[";
+  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + "]";
+}
+
+class WeightReader {
+ public:
+  explicit WeightReader(const Checkpoint& c) : checkpoint_(c) {}
+
+  const TensorView* find(const std::string& official) {
+    for (const std::string& name : candidate_names(official)) {
+      if (const TensorView* t = checkpoint_.find(name)) {
+        used_.insert(name);
+        return t;
+      }
+    }
+    return nullptr;
+  }
+
+  const TensorView& require(const std::string& official) {
+    const TensorView* t = find(official);
+    DSV4_CHECK(t, "checkpoint {}: missing tensor \"{}\" (looked for: {})", checkpoint_.dir(), official,
+               fmt::join(candidate_names(official), ", "));
+    return *t;
+  }
+
+  std::vector<float> decode(const TensorView& t, const std::vector<int64_t>& shape) {
+    DSV4_CHECK(t.shape == shape, "tensor \"{}\" in {}: expected shape {}, got {}", t.name, t.file, shape_of(shape),
+               t.shape_str());
+    switch (t.dtype) {
+      case DType::F32: case DType::F64: case DType::BF16: case DType::F16: return to_f32(t);
+      default:
+        DSV4_FAIL("tensor \"{}\" in {}: dtype {} is not supported for this weight (quantised formats are not "
+                  "loaded yet)", t.name, t.file, dtype_name(t.dtype));
+    }
+  }
+
+  Matrix matrix(const std::string& name, int rows, int cols) {
+    Matrix m{rows, cols, decode(require(name), {rows, cols})};
+    return m;
+  }
+  Vector vector(const std::string& name, int n) { return decode(require(name), {n}); }
+
+  void report_unused() const {
+    std::vector<std::string> unused;
+    int n_mtp = 0;
+    for (const auto& [name, t] : checkpoint_.tensors()) {
+      if (used_.count(name)) continue;
+      if (name.rfind("mtp.", 0) == 0 || name.rfind("model.mtp.", 0) == 0) ++n_mtp;
+      else unused.push_back(name);
+    }
+    if (n_mtp) spdlog::info("checkpoint has {} MTP tensors; speculative decoding is not used", n_mtp);
+    if (!unused.empty())
+      spdlog::warn("checkpoint has {} tensors the engine does not use, e.g. \"{}\"", unused.size(), unused.front());
+  }
+
+ private:
+  const Checkpoint& checkpoint_;
+  std::set<std::string> used_;
+};
+
+HyperConnWeights load_hc(WeightReader& r, const std::string& prefix, int n_mix, int n_scale, int width) {
+  return {r.matrix(prefix + "fn", n_mix, width), r.vector(prefix + "base", n_mix), r.vector(prefix + "scale", n_scale)};
+}
+
+CompressorWeights load_compressor(WeightReader& r, const std::string& p, int ratio, bool overlap, int dim, int D) {
+  const int width = (overlap ? 2 : 1) * dim;
+  CompressorWeights c;
+  c.ratio = ratio;
+  c.overlap = overlap;
+  c.dim = dim;
+  c.wkv = r.matrix(p + "wkv.weight", width, D);
+  c.wgate = r.matrix(p + "wgate.weight", width, D);
+  c.ape = r.matrix(p + "ape", ratio, width);
+  c.norm = r.vector(p + "norm.weight", dim);
+  return c;
+}
+
+// Routed experts: official per-expert tensors, or transformers' fused [E, 2I, D] gate_up / [E, D, I] down.
+std::vector<ExpertWeights> load_experts(WeightReader& r, const std::string& p, const ModelConfig& c) {
+  const int E = c.n_routed_experts, I = c.moe_inter, D = c.hidden_size;
+  std::vector<ExpertWeights> experts(E);
+  if (r.find(p + "ffn.experts.0.w1.weight")) {
+    for (int e = 0; e < E; ++e) {
+      const std::string q = p + "ffn.experts." + std::to_string(e) + ".";
+      experts[e].w1 = r.matrix(q + "w1.weight", I, D);
+      experts[e].w3 = r.matrix(q + "w3.weight", I, D);
+      experts[e].w2 = r.matrix(q + "w2.weight", D, I);
+    }
+    return experts;
+  }
+  const std::string hf = "model." + p + "mlp.experts.";
+  const TensorView* gate_up = r.find(hf + "gate_up_proj");
+  const TensorView* down = r.find(hf + "down_proj");
+  DSV4_CHECK(gate_up && down, "checkpoint: missing routed experts for {} (neither \"{}ffn.experts.0.w1.weight\" "
+             "nor \"{}gate_up_proj\")", p, p, hf);
+  const std::vector<float> gu = r.decode(*gate_up, {E, 2 * I, D});
+  const std::vector<float> dn = r.decode(*down, {E, D, I});
+  const int64_t mat = int64_t(I) * D;
+  for (int e = 0; e < E; ++e) {
+    const float* g = gu.data() + int64_t(e) * 2 * mat;
+    experts[e].w1 = {I, D, std::vector<float>(g, g + mat)};
+    experts[e].w3 = {I, D, std::vector<float>(g + mat, g + 2 * mat)};
+    experts[e].w2 = {D, I, std::vector<float>(dn.data() + int64_t(e) * mat, dn.data() + int64_t(e + 1) * mat)};
+  }
+  return experts;
+}
+
+}  // namespace
+
+ModelWeights load_weights(const ModelConfig& c, const Checkpoint& checkpoint) {
+  WeightReader r(checkpoint);
+  const int D = c.hidden_size, hc = c.hc_mult, n_mix = (2 + hc) * hc;
+  ModelWeights w;
+  w.embed = r.matrix("embed.weight", c.vocab_size, D);
+  w.head = r.matrix("head.weight", c.vocab_size, D);
+  w.norm = r.vector("norm.weight", D);
+  w.hc_head = load_hc(r, "hc_head_", hc, 1, hc * D);
+  w.layers.resize(c.n_layers);
+  for (int l = 0; l < c.n_layers; ++l) {
+    const std::string p = "layers." + std::to_string(l) + ".";
+    LayerWeights& L = w.layers[l];
+    L.attn_norm = r.vector(p + "attn_norm.weight", D);
+    L.ffn_norm = r.vector(p + "ffn_norm.weight", D);
+    L.hc_attn = load_hc(r, p + "hc_attn_", n_mix, 3, hc * D);
+    L.hc_ffn = load_hc(r, p + "hc_ffn_", n_mix, 3, hc * D);
+
+    AttentionWeights& A = L.attn;
+    const int H = c.n_heads, hd = c.head_dim;
+    A.wq_a = r.matrix(p + "attn.wq_a.weight", c.q_lora_rank, D);
+    A.q_norm = r.vector(p + "attn.q_norm.weight", c.q_lora_rank);
+    A.wq_b = r.matrix(p + "attn.wq_b.weight", H * hd, c.q_lora_rank);
+    A.wkv = r.matrix(p + "attn.wkv.weight", hd, D);
+    A.kv_norm = r.vector(p + "attn.kv_norm.weight", hd);
+    A.wo_a = r.matrix(p + "attn.wo_a.weight", c.o_groups * c.o_lora_rank, H * hd / c.o_groups);
+    A.wo_b = r.matrix(p + "attn.wo_b.weight", D, c.o_groups * c.o_lora_rank);
+    A.sink = r.vector(p + "attn.attn_sink", H);
+    if (c.has_compressor(l))
+      A.compressor = load_compressor(r, p + "attn.compressor.", c.compress_ratio[l], c.is_csa(l), hd, D);
+    if (c.is_csa(l)) {
+      IndexerWeights I;
+      I.wq_b = r.matrix(p + "attn.indexer.wq_b.weight", c.index_n_heads * c.index_head_dim, c.q_lora_rank);
+      I.weights_proj = r.matrix(p + "attn.indexer.weights_proj.weight", c.index_n_heads, D);
+      I.compressor = load_compressor(r, p + "attn.indexer.compressor.", c.compress_ratio[l], true,
+                                     c.index_head_dim, D);
+      A.indexer = std::move(I);
+    }
+
+    MoEWeights& M = L.ffn;
+    M.gate = r.matrix(p + "ffn.gate.weight", c.n_routed_experts, D);
+    if (c.hash_routed[l]) {
+      const TensorView& t = r.require(p + "ffn.gate.tid2eid");
+      DSV4_CHECK(t.shape == std::vector<int64_t>({c.vocab_size, c.n_experts_per_tok}),
+                 "tensor \"{}\": expected shape [{}, {}], got {}", t.name, c.vocab_size, c.n_experts_per_tok,
+                 t.shape_str());
+      for (int64_t v : to_i64(t)) {
+        DSV4_CHECK(v >= 0 && v < c.n_routed_experts, "tensor \"{}\": expert id {} out of range [0, {})", t.name, v,
+                   c.n_routed_experts);
+        M.tid2eid.push_back(int32_t(v));
+      }
+    } else {
+      M.gate_bias = r.vector(p + "ffn.gate.bias", c.n_routed_experts);
+    }
+    M.experts = load_experts(r, p, c);
+    if (c.n_shared_experts > 0) {
+      const int I = c.moe_inter * c.n_shared_experts;
+      M.shared = ExpertWeights{r.matrix(p + "ffn.shared_experts.w1.weight", I, D),
+                               r.matrix(p + "ffn.shared_experts.w3.weight", I, D),
+                               r.matrix(p + "ffn.shared_experts.w2.weight", D, I)};
+    }
+  }
+  r.report_unused();
+  return w;
+}
+
+}  // namespace dsv4

@@ -1,0 +1,89 @@
+// SPDX-License-Identifier: MIT
+// The model's parameters as fp32 arrays for the CPU reference backend, one field per checkpoint tensor.
+// Field names follow the official DeepSeek-V4 tensor names (spec 7.1); shapes are [rows, cols] row-major.
+#pragma once
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "model/config.h"
+
+namespace dsv4 {
+
+class Checkpoint;
+
+struct Matrix {
+  int rows = 0, cols = 0;
+  std::vector<float> data;
+  const float* row(int r) const { return data.data() + int64_t(r) * cols; }
+};
+using Vector = std::vector<float>;
+
+struct HyperConnWeights {
+  Matrix fn;       // [(2+hc)*hc, hc*D] (block sites) or [hc, hc*D] (head)
+  Vector base;     // [(2+hc)*hc] or [hc]
+  Vector scale;    // [3] or [1]
+};
+
+struct CompressorWeights {
+  int ratio = 0;
+  bool overlap = false;  // CSA: two series of width dim (c = 2)
+  int dim = 0;           // d_c: head_dim (main) or index_head_dim (indexer)
+  Matrix wkv, wgate;     // [c*d_c, D]
+  Matrix ape;            // [ratio, c*d_c]
+  Vector norm;           // [d_c]
+};
+
+struct IndexerWeights {
+  Matrix wq_b;             // [index_n_heads*index_head_dim, q_lora]
+  Matrix weights_proj;     // [index_n_heads, D]
+  CompressorWeights compressor;
+};
+
+struct AttentionWeights {
+  Matrix wq_a;             // [q_lora, D]
+  Vector q_norm;           // [q_lora]
+  Matrix wq_b;             // [H*head_dim, q_lora]
+  Matrix wkv;              // [head_dim, D]
+  Vector kv_norm;          // [head_dim]
+  Matrix wo_a;             // [o_groups*o_lora, H*head_dim/o_groups]
+  Matrix wo_b;             // [D, o_groups*o_lora]
+  Vector sink;             // [H]
+  std::optional<CompressorWeights> compressor;  // CSA / HCA
+  std::optional<IndexerWeights> indexer;        // CSA
+};
+
+struct ExpertWeights {
+  Matrix w1, w3;  // [inter, D] gate, up
+  Matrix w2;      // [D, inter] down
+};
+
+struct MoEWeights {
+  Matrix gate;                   // [E, D]
+  Vector gate_bias;              // [E] selection-only bias (gated layers)
+  std::vector<int32_t> tid2eid;  // [vocab, top_k] (hash layers)
+  std::vector<ExpertWeights> experts;
+  std::optional<ExpertWeights> shared;
+};
+
+struct LayerWeights {
+  Vector attn_norm, ffn_norm;    // [D]
+  HyperConnWeights hc_attn, hc_ffn;
+  AttentionWeights attn;
+  MoEWeights ffn;
+};
+
+struct ModelWeights {
+  Matrix embed;                  // [vocab, D]
+  Matrix head;                   // [vocab, D]
+  Vector norm;                   // [D]
+  HyperConnWeights hc_head;
+  std::vector<LayerWeights> layers;
+};
+
+// Loads and checks every tensor the config implies (official names, with or without a `model.` prefix, or the
+// transformers names). Missing tensors, wrong shapes and unsupported dtypes throw dsv4::Error naming the tensor;
+// tensors the engine does not use are listed in one warning (MTP weights in one info line).
+ModelWeights load_weights(const ModelConfig& config, const Checkpoint& checkpoint);
+
+}  // namespace dsv4
