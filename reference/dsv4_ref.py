@@ -168,20 +168,44 @@ def round_e2m1(v):
     return torch.sign(v) * torch.round(a / q) * q
 
 
-def fp8sim(x, block=64):
+def _count_near_ties(stats, key, t, v, q):
+    """Diagnostics: values within 1e-5 quanta of a rounding midpoint, and scales within 1e-6 (relative)
+    of a power-of-two boundary. Such values may round differently under another summation order."""
+    if stats is None:
+        return
+    frac = (v / q).abs()
+    near = ((frac - torch.floor(frac)) - 0.5).abs() < 1e-5
+    m, _ = torch.frexp(t)
+    near_scale = ((m - 0.5).abs() < 5e-7) | ((1 - m).abs() < 1e-6)
+    stats[key + "_values"] = stats.get(key + "_values", 0) + v.numel()
+    stats[key + "_near_ties"] = stats.get(key + "_near_ties", 0) + int(near.sum())
+    stats[key + "_near_scale_boundary"] = stats.get(key + "_near_scale_boundary", 0) + int(near_scale.sum())
+
+
+def fp8sim(x, block=64, stats=None):
     """FP8sim_64: per block of 64 along the last dim, s = 2^ceil(log2(max(amax,1e-4)/448)), e4m3(x/s)*s."""
     xb = x.unflatten(-1, (x.shape[-1] // block, block))
     amax = xb.abs().amax(-1, keepdim=True)
-    s = _pow2_ceil(torch.clamp(amax, min=1e-4) / 448.0)
-    return (round_e4m3(torch.clamp(xb / s, -448.0, 448.0)) * s).flatten(-2)
+    t = torch.clamp(amax, min=1e-4) / 448.0
+    s = _pow2_ceil(t)
+    v = torch.clamp(xb / s, -448.0, 448.0)
+    if stats is not None:
+        m, e = torch.frexp(v)
+        _count_near_ties(stats, "fp8", t, v, torch.ldexp(torch.ones_like(v), torch.clamp(e - 1, min=-6) - 3))
+    return (round_e4m3(v) * s).flatten(-2)
 
 
-def fp4sim(x, block=32):
+def fp4sim(x, block=32, stats=None):
     """FP4sim_32: per block of 32, s = 2^ceil(log2(max(amax, 6*2^-126)/6)), e2m1(x/s)*s."""
     xb = x.unflatten(-1, (x.shape[-1] // block, block))
     amax = xb.abs().amax(-1, keepdim=True)
-    s = _pow2_ceil(torch.clamp(amax, min=6.0 * 2.0 ** -126) / 6.0)
-    return (round_e2m1(torch.clamp(xb / s, -6.0, 6.0)) * s).flatten(-2)
+    t = torch.clamp(amax, min=6.0 * 2.0 ** -126) / 6.0
+    s = _pow2_ceil(t)
+    v = torch.clamp(xb / s, -6.0, 6.0)
+    if stats is not None:
+        a = v.abs()
+        _count_near_ties(stats, "fp4", t, v, torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0)).to(v.dtype))
+    return (round_e2m1(v) * s).flatten(-2)
 
 
 def hadamard(x):
@@ -202,6 +226,7 @@ class Numerics:
     def __init__(self, dtype=torch.float32, kv_dtype="fp8", indexer_dtype="fp4"):
         assert kv_dtype in ("f32", "bf16", "fp8") and indexer_dtype in ("f32", "bf16", "fp4")
         self.dtype, self.kv_dtype, self.indexer_dtype = dtype, kv_dtype, indexer_dtype
+        self.stats = None  # set to a dict to count near-ties of the rounding simulations
 
     def kv(self, x, rope_dim):
         """Rounding of a KV vector written to a cache: nope dims FP8sim_64, rope dims bf16 (fp8)."""
@@ -210,7 +235,7 @@ class Numerics:
         if self.kv_dtype == "bf16":
             return round_bf16(x)
         nope = x.shape[-1] - rope_dim
-        return torch.cat([fp8sim(x[..., :nope]), round_bf16(x[..., nope:])], dim=-1)
+        return torch.cat([fp8sim(x[..., :nope], stats=self.stats), round_bf16(x[..., nope:])], dim=-1)
 
     def index(self, x):
         """Rounding of an indexer query head / key entry."""
@@ -218,7 +243,7 @@ class Numerics:
             return x
         if self.indexer_dtype == "bf16":
             return round_bf16(x)
-        return fp4sim(hadamard(x))
+        return fp4sim(hadamard(x), stats=self.stats)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -139,6 +139,17 @@ def hf_greedy(model, prompt, n_new):
     return ids, torch.cat(rows).float()
 
 
+@torch.no_grad()
+def hf_greedy_full(model, prompt, n_new):
+    """Greedy decode by re-running transformers' full (prefill) forward at every step."""
+    seq, ids = list(prompt), []
+    for _ in range(n_new):
+        logits = model(input_ids=torch.tensor([seq])).logits[0].float()
+        ids.append(int(torch.argmax(logits[-1])))
+        seq.append(ids[-1])
+    return ids, logits
+
+
 def margins(logits):
     top2 = torch.topk(logits.double(), 2, dim=-1).values
     return float((top2[:, 0] - top2[:, 1]).min())
@@ -190,26 +201,43 @@ def build(model_name, outdir, report):
         with torch.no_grad():
             full = hf(input_ids=torch.tensor([seq])).logits[0].float()
         clamp.on = False
-        d_full = float((full - inc).abs().max())
-        assert d_full < 1e-4, f"{model_name} {name}: full re-forward differs from incremental by {d_full}"
-        np.save(os.path.join(d, f"{name}.npy"), inc.numpy().astype(np.float32))
-        runs.append(run_entry(name, prompt, out_ids, inc, "transformers", "f32", "f32"))
-
-        entry = rep["runs"][name] = {"transformers_full_vs_incremental": d_full,
-                                     "max_abs_logit": float(inc.abs().max()), "min_top2_margin": margins(inc)}
+        row_diff = (full - inc).abs().amax(-1)
+        d_full = float(row_diff.max())
+        entry = rep["runs"][name] = {"transformers_full_vs_incremental": d_full}
+        if d_full < 1e-4:
+            mode, ids, logits = "incremental", out_ids, inc
+        else:  # transformers' cached decode disagrees with its own prefill: record it, use the prefill path
+            bad = (row_diff > 1e-4).nonzero().flatten().tolist()
+            entry["incremental_bad_rows"] = [bad[0], bad[-1], len(bad)]
+            ids, logits = hf_greedy_full(hf, prompt, n_new)
+            mode = "full-reforward"
+            entry["full_reforward_same_ids_as_incremental"] = ids == out_ids
+        entry.update(transformers_decode=mode, max_abs_logit=float(logits.abs().max()), min_top2_margin=margins(logits))
+        np.save(os.path.join(d, f"{name}.npy"), logits.numpy().astype(np.float32))
+        runs.append(dict(run_entry(name, prompt, ids, logits, "transformers", "f32", "f32"), transformers_decode=mode))
         try:
-            r32 = dsv4_ref.forward(ref, seq, f32, ref_stats_f32).float()
-            entry["dsv4_ref_f32_vs_transformers"] = float((r32 - inc).abs().max())
-            entry["dsv4_ref_f32_argmax_agrees"] = bool(torch.equal(r32.argmax(-1), inc.argmax(-1)))
-            q_ids, q32 = dsv4_ref.greedy(ref, prompt, n_new, dflt32, ref_stats_q)
-            q64 = dsv4_ref.forward(ref, prompt + q_ids[:-1], dflt64)
-            entry["dsv4_ref_fp8fp4_fp32_vs_fp64"] = float((q32.double() - q64).abs().max())
-            entry["dsv4_ref_fp8fp4_same_ids_as_transformers"] = q_ids == out_ids
-            entry["dsv4_ref_fp8fp4_vs_transformers_prompt_rows"] = float((q32[:L] - inc[:L]).abs().max())
+            r32 = dsv4_ref.forward(ref, prompt + ids[:-1], f32, ref_stats_f32).float()
+            entry["dsv4_ref_f32_vs_transformers"] = float((r32 - logits).abs().max())
+            entry["dsv4_ref_f32_argmax_agrees"] = bool(torch.equal(r32.argmax(-1), logits.argmax(-1)))
+            if mode != "incremental":
+                r_inc = dsv4_ref.forward(ref, seq, f32).float()
+                entry["dsv4_ref_f32_vs_transformers_incremental"] = float((r_inc - inc).abs().max())
+                entry["dsv4_ref_f32_vs_transformers_full_same_seq"] = float((r_inc - full).abs().max())
+            q_ids, q32 = dsv4_ref.greedy(ref, prompt, n_new, dflt32)
+            dflt64.stats = entry["fp8fp4_rounding_near_ties"] = {}
+            q64 = dsv4_ref.forward(ref, prompt + q_ids[:-1], dflt64, ref_stats_q)
+            dflt64.stats = None
+            dq = (q32.double() - q64).abs().amax(-1)
+            entry["dsv4_ref_fp8fp4_fp32_vs_fp64"] = float(dq.max())
+            entry["dsv4_ref_fp8fp4_fp32_vs_fp64_rows_over_1e-3"] = int((dq > 1e-3).sum())
+            entry["dsv4_ref_fp8fp4_fp32_vs_fp64_median_row"] = float(dq.median())
+            entry["dsv4_ref_fp8fp4_same_ids_as_transformers"] = q_ids == ids
+            entry["dsv4_ref_fp8fp4_vs_transformers_prompt_rows"] = float((q32[:L] - logits[:L]).abs().max())
             entry["fp8_min_top2_margin"] = margins(q32)
             q_name = f"{name}-fp8"
             np.save(os.path.join(d, f"{q_name}.npy"), q32.numpy().astype(np.float32))
-            runs.append(run_entry(q_name, prompt, q_ids, q32, "dsv4_ref", "fp8", "fp4"))
+            runs.append(dict(run_entry(q_name, prompt, q_ids, q32, "dsv4_ref", "fp8", "fp4"),
+                             fp32_vs_fp64_max_abs_diff=float(dq.max())))
         except Exception:  # keep the transformers goldens of this call even if the transcription breaks
             entry["dsv4_ref_error"] = traceback.format_exc()
         print(model_name, name, json.dumps(rep["runs"][name]), flush=True)
