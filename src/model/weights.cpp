@@ -13,6 +13,7 @@
 
 #include "core/check.h"
 #include "io/safetensors.h"
+#include "model/weight_decode.h"
 
 namespace dsv4 {
 namespace {
@@ -116,14 +117,7 @@ class WeightReader {
   }
 
   std::vector<float> decode(const TensorView& t, const std::vector<int64_t>& shape) {
-    DSV4_CHECK(t.shape == shape, "tensor \"{}\" in {}: expected shape {}, got {}", t.name, t.file, shape_of(shape),
-               t.shape_str());
-    switch (t.dtype) {
-      case DType::F32: case DType::F64: case DType::BF16: case DType::F16: return to_f32(t);
-      default:
-        DSV4_FAIL("tensor \"{}\" in {}: dtype {} is not supported for this weight (quantised formats are not "
-                  "loaded yet)", t.name, t.file, dtype_name(t.dtype));
-    }
+    return decode_weight_f32(checkpoint_, t, shape);
   }
 
   Matrix matrix(const std::string& name, int rows, int cols) {
