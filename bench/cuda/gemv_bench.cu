@@ -1,0 +1,245 @@
+// SPDX-License-Identifier: MIT
+// dsv4_gemv_bench: measures device-to-device copy bandwidth, then the skinny GEMM for every format / decode shape /
+// m in {1, 8, 32} and every split_k, against that copy bandwidth. Weight sets rotate through >= 256 MB so no
+// launch reads from L2 (60 MB); each timing is the median of 15 graph replays measured with events.
+// Usage: dsv4_gemv_bench [--md FILE]   (FILE gets the markdown table for docs/perf.md)
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "cuda/device.h"
+#include "cuda/gemv.h"
+
+namespace {
+
+using namespace dsv4;
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) {
+    std::fprintf(stderr, "CUDA error %s in %s\n", cudaGetErrorName(e), what);
+    std::exit(1);
+  }
+}
+
+__device__ uint32_t hash32(uint64_t i, uint32_t seed) {
+  uint64_t z = i * 0x9E3779B97F4A7C15ull + seed;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return uint32_t(z ^ (z >> 31));
+}
+
+// Random words; and_mask/or_mask shape them into valid codes (no NaN e4m3, bf16 in +-[0.5, 1), ...).
+__global__ void fill_words(uint32_t* p, size_t n_words, uint32_t seed, uint32_t and_mask, uint32_t or_mask) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n_words; i += size_t(gridDim.x) * blockDim.x)
+    p[i] = (hash32(i, seed) & and_mask) | or_mask;
+}
+
+void fill(void* p, size_t bytes, uint32_t seed, uint32_t and_mask, uint32_t or_mask) {
+  fill_words<<<1024, 256>>>(static_cast<uint32_t*>(p), bytes / 4, seed, and_mask, or_mask);
+  check(cudaGetLastError(), "fill_words");
+}
+
+struct Timer {
+  cudaEvent_t a, b;
+  Timer() { check(cudaEventCreate(&a), "event"), check(cudaEventCreate(&b), "event"); }
+  ~Timer() { cudaEventDestroy(a), cudaEventDestroy(b); }
+};
+
+// Captures `steps` calls of enqueue(stream, step) into a graph; returns the median replay time / steps (seconds).
+double time_steps(const std::function<void(cudaStream_t, int)>& enqueue, int steps) {
+  cudaStream_t s;
+  check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
+  cudaGraph_t graph;
+  check(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), "capture");
+  for (int i = 0; i < steps; ++i) enqueue(s, i);
+  check(cudaStreamEndCapture(s, &graph), "end capture");
+  cudaGraphExec_t exec;
+  check(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
+  Timer t;
+  for (int i = 0; i < 2; ++i) check(cudaGraphLaunch(exec, s), "graph launch");
+  std::vector<float> ms;
+  for (int r = 0; r < 15; ++r) {
+    check(cudaEventRecord(t.a, s), "record");
+    check(cudaGraphLaunch(exec, s), "graph launch");
+    check(cudaEventRecord(t.b, s), "record");
+    check(cudaEventSynchronize(t.b), "sync");
+    float v = 0;
+    check(cudaEventElapsedTime(&v, t.a, t.b), "elapsed");
+    ms.push_back(v);
+  }
+  std::sort(ms.begin(), ms.end());
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(s);
+  return double(ms[ms.size() / 2]) * 1e-3 / steps;
+}
+
+struct Shape {
+  const char* name;
+  int n, k;
+  int count;  // matrices per step (6 routed experts one after another)
+};
+
+struct Format {
+  const char* name;
+  GemvWeight w;
+  GemvScale s;
+};
+
+size_t weight_bytes(const Format& f, int n, int k) {
+  switch (f.w) {
+    case GemvWeight::BF16: return size_t(n) * k * 2;
+    case GemvWeight::FP8_BLOCK: return size_t(n) * k;
+    default: return size_t(n) * k / 2;
+  }
+}
+size_t scale_bytes(const Format& f, int n, int k) {
+  switch (f.w) {
+    case GemvWeight::BF16: return 0;
+    case GemvWeight::FP8_BLOCK: return size_t((n + 127) / 128) * ((k + 127) / 128) * (f.s == GemvScale::F32 ? 4 : 1);
+    case GemvWeight::MXFP4: return size_t(n) * (k / 32);
+    case GemvWeight::NVFP4: return size_t(n) * (k / 16);
+  }
+  return 0;
+}
+size_t round_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string md_path;
+  for (int i = 1; i < argc; ++i)
+    if (std::string(argv[i]) == "--md" && i + 1 < argc) md_path = argv[++i];
+  if (!cuda_available()) {
+    std::fprintf(stderr, "no CUDA device\n");
+    return 1;
+  }
+  try {
+    const DeviceInfo info = device_info(0);
+    std::printf("device: %s, %d SMs, L2 %.0f MB\n", info.name.c_str(), info.sm_count, double(info.l2_bytes) / 1e6);
+
+    constexpr size_t kRotateBytes = size_t(256) << 20;
+    DeviceBuffer big_src(size_t(1) << 30), big_dst(size_t(1) << 30);
+    fill(big_src.data(), big_src.size(), 1, ~0u, 0);
+    const double t_big = time_steps(
+        [&](cudaStream_t s, int) {
+          check(cudaMemcpyAsync(big_dst.data(), big_src.data(), big_src.size(), cudaMemcpyDeviceToDevice, s), "copy");
+        },
+        5);
+    const double copy_bw = 2.0 * double(big_src.size()) / t_big;  // bytes read + written
+    std::printf("copy bandwidth (1 GiB D2D, read+write): %.0f GB/s\n\n", copy_bw / 1e9);
+    big_src = DeviceBuffer(), big_dst = DeviceBuffer();
+
+    DeviceBuffer x(size_t(64) * 16384 * 2), y(size_t(64) * 129280 * 4);
+    fill(x.data(), x.size(), 7, 0x807F807Fu, 0x3F003F00u);  // bf16 +-[0.5, 1)
+
+    const Format formats[] = {{"bf16", GemvWeight::BF16, GemvScale::E8M0},
+                              {"fp8_e8m0", GemvWeight::FP8_BLOCK, GemvScale::E8M0},
+                              {"fp8_f32s", GemvWeight::FP8_BLOCK, GemvScale::F32},
+                              {"mxfp4", GemvWeight::MXFP4, GemvScale::E8M0},
+                              {"nvfp4", GemvWeight::NVFP4, GemvScale::E8M0}};
+    const Shape shapes[] = {{"32768x1024", 32768, 1024, 1},
+                            {"4096x8192", 4096, 8192, 1},
+                            {"2048x4096 x6", 2048, 4096, 6},
+                            {"129280x4096", 129280, 4096, 1}};
+    std::string md =
+        "| format | shape (n x k) | m | split | us / step | weight GB/s | vs 1 GiB copy | vs same-size copy | best split "
+        "(frac) |\n|---|---|---|---|---|---|---|---|---|\n";
+    std::printf("%-9s %-13s %3s %5s %10s %9s %8s %8s  %s\n", "format", "shape", "m", "split", "us/step", "GB/s",
+                "vs copy", "vs same", "best split");
+    for (const Shape& sh : shapes) {
+      for (const Format& f : formats) {
+        const bool lm_head = sh.n == 129280;
+        if (lm_head != (f.w == GemvWeight::BF16)) continue;  // lm_head is bf16; bf16 only on it
+        if (f.s == GemvScale::F32 && sh.n != 32768) continue;  // f32 scales: one shape is enough
+        const size_t wb = weight_bytes(f, sh.n, sh.k), sb = scale_bytes(f, sh.n, sh.k);
+        const size_t stride = round_up(wb, 256) + round_up(sb, 256);
+        const int n_sets = int(std::max<size_t>(size_t(sh.count), (kRotateBytes + stride - 1) / stride));
+        DeviceBuffer sets(stride * n_sets);
+        const uint32_t and_mask = f.w == GemvWeight::FP8_BLOCK ? 0xBFBFBFBFu : f.w == GemvWeight::BF16 ? 0x807F807Fu : ~0u;
+        const uint32_t or_mask = f.w == GemvWeight::BF16 ? 0x3C003C00u : 0u;
+        for (int i = 0; i < n_sets; ++i) {
+          char* base = sets.as<char>() + size_t(i) * stride;
+          fill(base, wb, 100 + i, and_mask, or_mask);
+          if (sb) {
+            if (f.w == GemvWeight::FP8_BLOCK && f.s == GemvScale::F32)
+              fill(base + round_up(wb, 256), round_up(sb, 4), 0, 0, 0x3C23D70Au);  // 0.01f
+            else
+              check(cudaMemset(base + round_up(wb, 256), f.w == GemvWeight::NVFP4 ? 0x38 : 120, sb), "memset");
+          }
+        }
+        const size_t step_bytes = (wb + sb) * sh.count;
+        const int steps = std::max(20, 2 * n_sets / sh.count);
+        // Same-size copy: the same source rotation, into a destination rotation of >= 256 MB.
+        const size_t dst_stride = round_up(wb + sb, 256);
+        const int n_dst = int(std::max<size_t>(1, kRotateBytes / dst_stride));
+        DeviceBuffer dst(dst_stride * n_dst);
+        const double t_copy = time_steps(
+            [&](cudaStream_t s, int step) {
+              for (int e = 0; e < sh.count; ++e) {
+                const int i = step * sh.count + e;
+                check(cudaMemcpyAsync(dst.as<char>() + size_t(i % n_dst) * dst_stride,
+                                      sets.as<char>() + size_t(i % n_sets) * stride, wb + sb,
+                                      cudaMemcpyDeviceToDevice, s), "copy");
+              }
+            },
+            steps);
+        const double same_bw = 2.0 * double(step_bytes) / t_copy;
+        for (int m : {1, 8, 32}) {
+          GemvParams p;
+          p.m = m, p.n = sh.n, p.k = sh.k, p.x = x.data(), p.y = y.data();
+          p.weight = f.w, p.fp8_scale = f.s, p.w_scale_2 = 0.5f, p.out = GemvOut::BF16;
+          const int auto_split = gemv_default_split_k(p, info.sm_count);
+          double t_auto = 0, t_best = 1e30;
+          int best_split = 0;
+          for (int split : {1, 2, 4, 8}) {
+            const double t = time_steps(
+                [&](cudaStream_t s, int step) {
+                  for (int e = 0; e < sh.count; ++e) {
+                    const int set = (step * sh.count + e) % n_sets;
+                    GemvParams q = p;
+                    q.w = sets.as<char>() + size_t(set) * stride;
+                    q.w_scale = sb ? sets.as<char>() + size_t(set) * stride + round_up(wb, 256) : nullptr;
+                    q.split_k = split, q.stream = s;
+                    gemv(q);
+                  }
+                },
+                steps);
+            if (split == auto_split) t_auto = t;
+            if (t < t_best) t_best = t, best_split = split;
+          }
+          const double bw = double(step_bytes) / t_auto;
+          char line[512];
+          std::snprintf(line, sizeof line, "%-9s %-13s %3d %5d %10.2f %9.0f %8.3f %8.3f  %d (%.3f)\n", f.name, sh.name, m,
+                        auto_split, t_auto * 1e6, bw / 1e9, bw / copy_bw, bw / same_bw, best_split,
+                        double(step_bytes) / t_best / copy_bw);
+          std::fputs(line, stdout);
+          std::fflush(stdout);
+          std::snprintf(line, sizeof line, "| %s | %s | %d | %d | %.2f | %.0f | %.3f | %.3f | %d (%.3f) |\n", f.name,
+                        sh.name, m, auto_split, t_auto * 1e6, bw / 1e9, bw / copy_bw, bw / same_bw, best_split,
+                        double(step_bytes) / t_best / copy_bw);
+          md += line;
+        }
+      }
+    }
+    char tail[200];
+    std::snprintf(tail, sizeof tail, "\ncopy bandwidth (1 GiB D2D, read+write): %.0f GB/s on %s\n", copy_bw / 1e9,
+                  info.name.c_str());
+    md += tail;
+    if (!md_path.empty()) {
+      FILE* fp = std::fopen(md_path.c_str(), "w");
+      if (fp) std::fputs(md.c_str(), fp), std::fclose(fp);
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One device call: GPU tests, then the GEMV benchmark, then a short summary (the tail the tool returns).
+# Expects a build in ${BUILD:-build-cuda} made on the CPU machine, with its non-system shared libraries in $BUILD/rt.
+set -uo pipefail
+BUILD=${BUILD:-build-cuda}
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export LD_LIBRARY_PATH="$PWD/$BUILD/rt:${LD_LIBRARY_PATH:-}"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader
+"$BUILD/tests/cuda/dsv4_cuda_tests" > "$OUT/tests.log" 2>&1
+echo "tests exit code: $?"
+"$BUILD/bench/cuda/dsv4_gemv_bench" --md "$OUT/gemv_bench.md" > "$OUT/bench.log" 2>&1
+echo "bench exit code: $?"
+if command -v compute-sanitizer >/dev/null; then
+  timeout 120 compute-sanitizer --tool memcheck --print-limit 5 "$BUILD/tests/cuda/dsv4_cuda_tests" \
+    --gtest_filter='*m3_n301*auto*:*m64_n45*outf32_auto*:*m1_n34000*:CudaDequant*' > "$OUT/memcheck.log" 2>&1
+  echo "memcheck exit code: $? ($(grep -c 'OK \]' "$OUT/memcheck.log") ok, $(grep -E 'ERROR SUMMARY' "$OUT/memcheck.log" | tail -1))"
+fi
+echo "=== tests"
+grep -E "^\[  (PASSED|FAILED|SKIPPED) |FAILED  \]|tests ran" "$OUT/tests.log" | head -20
+grep "^\[device\]" "$OUT/tests.log"
+for f in bf16 fp8_block_e8m0 fp8_block_f32scale mxfp4 nvfp4; do
+  for o in outf32 outbf16; do
+    grep "^\[gemv\] ${f}_m" "$OUT/tests.log" | grep "_${o}_" | awk -v n="$f $o" '{ if ($4 > mx) mx = $4; if ($7 > mr) mr = $7; c++ }
+      END { printf "%-28s cases %3d  max normwise %.2e  max err/allowed %.3f\n", n, c, mx, mr }'
+  done
+done
+echo "=== bench"
+cat "$OUT/bench.log"

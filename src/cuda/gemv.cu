@@ -1,0 +1,248 @@
+// SPDX-License-Identifier: MIT
+// Skinny-GEMM kernels (contract in gemv.h). One warp computes a 16-row tile of W against all m rows of x with
+// mma.sync m16n8k16 (A = 16 weight rows, B = 8 activation rows, so m <= 8 costs one n-tile and m = 64 eight).
+// Layout trick: a dot product does not care about the order of k, so within each 64-byte row chunk quad thread
+// t owns 16 contiguous bytes and feeds them to its own k-slots of the mma fragments. Weights then arrive as
+// plain 16-byte loads straight from the checkpoint layout (no repacking), and the matching activations are
+// 16-byte loads from the same k range. split_k warps of a block walk interleaved chunks of one tile and are
+// summed through shared memory at the end; each launch reads every weight byte exactly once.
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "cuda/dequant.cuh"
+#include "cuda/gemv_launch.h"
+
+namespace dsv4::detail {
+namespace {
+
+enum class Fmt { BF16, FP8_E8M0, FP8_F32, MXFP4, NVFP4 };
+
+constexpr int kThreads = kGemvWarps * 32;
+constexpr int kChunkBytes = 64;  // bytes of one weight row per chunk: 4 quad threads x 16 bytes
+constexpr int kUnroll = 4;       // chunks loaded per thread before the first is used (8 x 16 B in flight)
+
+template <Fmt F>
+constexpr int elems_per_16b() {  // weight elements in one thread's 16-byte piece
+  return F == Fmt::BF16 ? 8 : (F == Fmt::FP8_E8M0 || F == Fmt::FP8_F32) ? 16 : 32;
+}
+
+struct KernelArgs {
+  int m, n, k;
+  int split;                    // warps per 16-row tile
+  const __nv_bfloat16* x;       // [m, k]
+  const uint8_t* w;             // weight bytes, rows of row_bytes
+  const uint8_t* w_scale;       // format's scale tensor (bytes)
+  void* y;                      // [m, n]
+  float y_factor;               // output multiplier (NVFP4: weight_scale_2 * 2^8; else 1)
+  bool out_bf16;
+};
+
+__device__ __forceinline__ uint4 load_weights(const uint8_t* p) {
+  uint4 r;  // streamed once: keep it out of L1 so the activations stay there
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+      : "l"(p));
+  return r;
+}
+
+__device__ __forceinline__ void mma_bf16(float c[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// One thread's 16-byte piece of one row -> bf16x2 words in element order. `scale` holds the raw scale bits
+// that apply to this piece (format-specific, see the loads in the kernel).
+template <Fmt F>
+__device__ __forceinline__ void decode_piece(const uint4& raw, uint32_t scale, uint32_t out[elems_per_16b<F>() / 2]) {
+  const uint32_t word[4] = {raw.x, raw.y, raw.z, raw.w};
+  if constexpr (F == Fmt::BF16) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) out[i] = word[i];
+  } else if constexpr (F == Fmt::FP8_E8M0 || F == Fmt::FP8_F32) {
+    const uint32_t factor = F == Fmt::FP8_E8M0 ? dq::fp8_factor_e8m0(scale) : dq::fp8_factor_unit();
+#pragma unroll
+    for (int i = 0; i < 4; ++i) dq::e4m3x4_to_bf16x2(word[i], factor, out + 2 * i);
+  } else if constexpr (F == Fmt::MXFP4) {
+    const uint32_t factor = dq::mxfp4_factor(scale);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) dq::e2m1x8_to_bf16x2(word[i], factor, out + 4 * i);
+  } else {  // NVFP4: two 16-element blocks, scale bytes s0 (words 0-1) and s1 (words 2-3)
+    const uint32_t f0 = dq::nvfp4_factor(scale & 0xff), f1 = dq::nvfp4_factor(scale >> 8);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) dq::e2m1x8_to_bf16x2(word[i], i < 2 ? f0 : f1, out + 4 * i);
+  }
+}
+
+template <Fmt F, int kTilesN>
+__global__ void __launch_bounds__(kThreads, kTilesN <= 2 ? 2 : 1) gemv_kernel(const KernelArgs a) {
+  constexpr int kElems = elems_per_16b<F>();  // per thread, per row, per chunk
+  constexpr int kChunkK = 4 * kElems;
+  constexpr int kPairs = kElems / 2;          // bf16x2 words per row piece
+  constexpr int kMmas = kElems / 4;           // k16 steps per chunk
+  constexpr bool kFp8 = F == Fmt::FP8_E8M0 || F == Fmt::FP8_F32;
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;  // mma group (row g / g+8, batch column g) and thread in group
+  const int split = a.split, tiles_per_block = kGemvWarps / split;
+  const int tile = warp / split, part = warp % split;
+  const int row0 = (blockIdx.x * tiles_per_block + tile) * 16;
+  const int r_lo = row0 + g, r_hi = row0 + g + 8;
+  const bool ok_lo = r_lo < a.n, ok_hi = r_hi < a.n;
+  const int n_chunks = (a.k + kChunkK - 1) / kChunkK;
+  const size_t row_bytes = F == Fmt::BF16 ? size_t(a.k) * 2 : kFp8 ? size_t(a.k) : size_t(a.k) / 2;
+  const uint8_t* w_lo = a.w + size_t(r_lo) * row_bytes + t * 16;
+  const uint8_t* w_hi = w_lo + 8 * row_bytes;
+
+  float acc[kTilesN][4];
+#pragma unroll
+  for (int j = 0; j < kTilesN; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+
+  if (row0 < a.n) {
+    for (int c0 = part; c0 < n_chunks; c0 += split * kUnroll) {
+      // Issue all weight (and scale) loads of kUnroll chunks first: these are the DRAM stream.
+      uint4 raw_lo[kUnroll], raw_hi[kUnroll];
+      uint32_t sc_lo[kUnroll], sc_hi[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int c = c0 + u * split;
+        const int kk = c * kChunkK + t * kElems;
+        const bool in_k = c < n_chunks && kk < a.k;
+        const uint4 zero = make_uint4(0, 0, 0, 0);
+        raw_lo[u] = in_k && ok_lo ? load_weights(w_lo + size_t(c) * kChunkBytes) : zero;
+        raw_hi[u] = in_k && ok_hi ? load_weights(w_hi + size_t(c) * kChunkBytes) : zero;
+        sc_lo[u] = sc_hi[u] = 0;
+        if constexpr (kFp8) {  // one scale per (128-row block, 128-k block): uniform over the warp's chunk
+          if (c < n_chunks) {
+            const size_t idx = size_t(row0 / 128) * size_t((a.k + 127) / 128) + size_t(c / 2);
+            sc_lo[u] = F == Fmt::FP8_E8M0 ? uint32_t(__ldg(a.w_scale + idx))
+                                          : __ldg(reinterpret_cast<const uint32_t*>(a.w_scale) + idx);
+          }
+        } else if constexpr (F == Fmt::MXFP4) {  // [n, k/32] e8m0: one byte per 32-element piece
+          const size_t ld = size_t(a.k / 32);
+          if (in_k && ok_lo) sc_lo[u] = __ldg(a.w_scale + size_t(r_lo) * ld + kk / 32);
+          if (in_k && ok_hi) sc_hi[u] = __ldg(a.w_scale + size_t(r_hi) * ld + kk / 32);
+        } else if constexpr (F == Fmt::NVFP4) {  // [n, k/16] e4m3: two bytes per piece
+          const size_t ld = size_t(a.k / 16);
+          const uint16_t* s16 = reinterpret_cast<const uint16_t*>(a.w_scale);
+          if (in_k && ok_lo) sc_lo[u] = __ldg(s16 + (size_t(r_lo) * ld + kk / 16) / 2);
+          if (in_k && ok_hi) sc_hi[u] = __ldg(s16 + (size_t(r_hi) * ld + kk / 16) / 2);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int c = c0 + u * split;
+        if (c >= n_chunks) break;  // warp-uniform, so every lane still joins each mma.sync
+        const int kk = c * kChunkK + t * kElems;
+        const bool in_k = kk < a.k;
+        uint32_t w_lo_bf[kPairs], w_hi_bf[kPairs];
+        decode_piece<F>(raw_lo[u], sc_lo[u], w_lo_bf);
+        decode_piece<F>(raw_hi[u], kFp8 ? sc_lo[u] : sc_hi[u], w_hi_bf);
+
+        float chunk_acc[kTilesN][4];  // FP8 with f32 scales: the scale multiplies each chunk's partial sum
+        if constexpr (F == Fmt::FP8_F32) {
+#pragma unroll
+          for (int j = 0; j < kTilesN; ++j) chunk_acc[j][0] = chunk_acc[j][1] = chunk_acc[j][2] = chunk_acc[j][3] = 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < kTilesN; ++j) {
+          const int m = j * 8 + g;
+          uint32_t xb[kPairs];
+          if (m < a.m && in_k) {
+            const uint4* xp = reinterpret_cast<const uint4*>(a.x + size_t(m) * a.k + kk);
+#pragma unroll
+            for (int v = 0; v < kPairs / 4; ++v) {
+              const uint4 q = __ldg(xp + v);
+              xb[4 * v + 0] = q.x, xb[4 * v + 1] = q.y, xb[4 * v + 2] = q.z, xb[4 * v + 3] = q.w;
+            }
+          } else {
+#pragma unroll
+            for (int i = 0; i < kPairs; ++i) xb[i] = 0;
+          }
+#pragma unroll
+          for (int i = 0; i < kMmas; ++i)
+            mma_bf16(F == Fmt::FP8_F32 ? chunk_acc[j] : acc[j], w_lo_bf[2 * i], w_hi_bf[2 * i], w_lo_bf[2 * i + 1],
+                     w_hi_bf[2 * i + 1], xb[2 * i], xb[2 * i + 1]);
+        }
+        if constexpr (F == Fmt::FP8_F32) {
+          const float s = __uint_as_float(sc_lo[u]);
+#pragma unroll
+          for (int j = 0; j < kTilesN; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[j][e] = fmaf(chunk_acc[j][e], s, acc[j][e]);
+        }
+      }
+    }
+  }
+
+  // Split-k sum through shared memory. red[warp][row in tile][batch row]; +1 pads the row stride against
+  // bank conflicts in the read loop (consecutive threads read consecutive rows).
+  constexpr int kCols = kTilesN * 8 + 1;
+  __shared__ float red[kGemvWarps][16][kCols];
+#pragma unroll
+  for (int j = 0; j < kTilesN; ++j) {
+    red[warp][g][8 * j + 2 * t] = acc[j][0];
+    red[warp][g][8 * j + 2 * t + 1] = acc[j][1];
+    red[warp][g + 8][8 * j + 2 * t] = acc[j][2];
+    red[warp][g + 8][8 * j + 2 * t + 1] = acc[j][3];
+  }
+  __syncthreads();
+  const int rows_in_block = tiles_per_block * 16;
+  const int n_block0 = blockIdx.x * rows_in_block;
+  for (int idx = threadIdx.x; idx < rows_in_block * a.m; idx += kThreads) {
+    const int r = idx % rows_in_block, m = idx / rows_in_block;
+    const int n = n_block0 + r;
+    if (n >= a.n) continue;
+    const int tl = r / 16, rr = r % 16;
+    float s = 0.0f;
+    for (int p = 0; p < split; ++p) s += red[tl * split + p][rr][m];
+    s *= a.y_factor;
+    const size_t out = size_t(m) * a.n + n;
+    if (a.out_bf16)
+      static_cast<__nv_bfloat16*>(a.y)[out] = __float2bfloat16_rn(s);
+    else
+      static_cast<float*>(a.y)[out] = s;
+  }
+}
+
+template <Fmt F>
+cudaError_t launch_fmt(const KernelArgs& a, cudaStream_t stream) {
+  const int rows_per_block = kGemvWarps / a.split * 16;
+  const dim3 grid((a.n + rows_per_block - 1) / rows_per_block);
+  if (a.m <= 8)
+    gemv_kernel<F, 1><<<grid, kThreads, 0, stream>>>(a);
+  else if (a.m <= 16)
+    gemv_kernel<F, 2><<<grid, kThreads, 0, stream>>>(a);
+  else if (a.m <= 32)
+    gemv_kernel<F, 4><<<grid, kThreads, 0, stream>>>(a);
+  else
+    gemv_kernel<F, 8><<<grid, kThreads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t gemv_launch(const GemvParams& p, int split_k) {
+  KernelArgs a{};
+  a.m = p.m, a.n = p.n, a.k = p.k, a.split = split_k;
+  a.x = static_cast<const __nv_bfloat16*>(p.x);
+  a.w = static_cast<const uint8_t*>(p.w);
+  a.w_scale = static_cast<const uint8_t*>(p.w_scale);
+  a.y = p.y;
+  a.y_factor = p.weight == GemvWeight::NVFP4 ? p.w_scale_2 * dq::kNvfp4OutputFactor : 1.0f;
+  a.out_bf16 = p.out == GemvOut::BF16;
+  switch (p.weight) {
+    case GemvWeight::BF16: return launch_fmt<Fmt::BF16>(a, p.stream);
+    case GemvWeight::FP8_BLOCK:
+      return p.fp8_scale == GemvScale::E8M0 ? launch_fmt<Fmt::FP8_E8M0>(a, p.stream)
+                                            : launch_fmt<Fmt::FP8_F32>(a, p.stream);
+    case GemvWeight::MXFP4: return launch_fmt<Fmt::MXFP4>(a, p.stream);
+    case GemvWeight::NVFP4: return launch_fmt<Fmt::NVFP4>(a, p.stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace dsv4::detail

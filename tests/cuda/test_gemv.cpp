@@ -1,0 +1,358 @@
+// SPDX-License-Identifier: MIT
+// Skinny-GEMM tests: every format x m (all four kernel n-tile variants) x output type on shapes whose n is not a
+// multiple of the tile and whose k ends in a partial chunk / partial scale block, against an fp64 CPU reference
+// computed from the same weights decoded by src/formats. Outputs are poisoned with NaN first, so an unwritten
+// element fails. Decoders are checked exhaustively over all codes. GPU tests skip without a CUDA driver; the
+// argument checks run everywhere.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cuda/cuda_check.h"
+#include "cuda/device.h"
+#include "cuda/gemv.h"
+#include "dequant_probe.h"
+#include "formats/fp4.h"
+#include "formats/fp8.h"
+
+namespace dsv4 {
+namespace {
+
+#define DSV4_REQUIRE_CUDA() \
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA driver or device"
+
+// ---------------------------------------------------------------------------------------------------------
+// Exhaustive decoder checks (bit-exact against src/formats).
+
+bool same_value(float got, double want) { return double(got) == want && std::signbit(got) == std::signbit(want); }
+
+TEST(CudaDequant, E4m3AllCodesAllFoldedScales) {
+  DSV4_REQUIRE_CUDA();
+  for (int e : {10, 100, 120, 127, 134}) {
+    const std::vector<uint16_t> out = probe::decode_e4m3_codes(uint8_t(e));
+    for (int code = 0; code < 256; ++code) {
+      if ((code & 0x7f) == 0x7f) continue;  // NaN codes: no exactness claim (never in weights)
+      const double want = double(e4m3_to_f32(uint8_t(code))) * std::ldexp(1.0, e - 127);
+      EXPECT_TRUE(same_value(bf16_to_f32(out[size_t(code)]), want))
+          << "e4m3 code 0x" << std::hex << code << std::dec << " with e8m0 " << e << ": got "
+          << bf16_to_f32(out[size_t(code)]) << ", want " << want;
+    }
+  }
+}
+
+TEST(CudaDequant, E2m1AllBytesMxfp4Scales) {
+  DSV4_REQUIRE_CUDA();
+  for (int e : {2, 64, 118, 127, 128}) {
+    const std::vector<uint16_t> out = probe::decode_e2m1_bytes_mx(uint8_t(e));
+    for (int b = 0; b < 256; ++b)
+      for (int half = 0; half < 2; ++half) {
+        const uint8_t nib = uint8_t(half ? b >> 4 : b & 15);
+        const double want = double(e2m1_to_f32(nib)) * std::ldexp(1.0, e - 127);
+        const float got = bf16_to_f32(out[size_t(2 * b + half)]);
+        EXPECT_TRUE(same_value(got, want)) << "byte " << b << " nibble " << half << " e8m0 " << e << ": got " << got
+                                           << ", want " << want;
+      }
+  }
+}
+
+TEST(CudaDequant, E2m1AllBytesAllNvfp4Scales) {
+  DSV4_REQUIRE_CUDA();
+  int checked = 0;
+  for (int s = 0; s < 256; ++s) {
+    if ((s & 0x7f) == 0x7f) continue;
+    const std::vector<uint16_t> out = probe::decode_e2m1_bytes_nv(uint8_t(s));
+    for (int b = 0; b < 256; ++b)
+      for (int half = 0; half < 2; ++half) {
+        const uint8_t nib = uint8_t(half ? b >> 4 : b & 15);
+        const double want = double(e2m1_to_f32(nib)) * double(e4m3_to_f32(uint8_t(s))) / 256.0;
+        const float got = bf16_to_f32(out[size_t(2 * b + half)]);
+        // Zero products: the sign of zero is not part of the contract (it vanishes in the dot product).
+        const bool ok = want == 0.0 ? got == 0.0f : same_value(got, want);
+        EXPECT_TRUE(ok) << "byte " << b << " nibble " << half << " scale 0x" << std::hex << s << std::dec
+                        << ": got " << got << ", want " << want;
+        ++checked;
+      }
+  }
+  EXPECT_EQ(checked, 254 * 512);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// GEMV against the fp64 reference.
+
+struct Case {
+  GemvWeight weight;
+  GemvScale fp8_scale;
+  int m, n, k;
+  GemvOut out;
+  int split_k;  // 0 = heuristic
+};
+
+std::string case_name(const Case& c) {
+  std::string s = gemv_weight_name(c.weight);
+  if (c.weight == GemvWeight::FP8_BLOCK) s += c.fp8_scale == GemvScale::E8M0 ? "_e8m0" : "_f32scale";
+  s += "_m" + std::to_string(c.m) + "_n" + std::to_string(c.n) + "_k" + std::to_string(c.k);
+  s += c.out == GemvOut::F32 ? "_outf32" : "_outbf16";
+  s += c.split_k ? "_split" + std::to_string(c.split_k) : "_auto";
+  return s;
+}
+
+struct HostProblem {
+  std::vector<uint16_t> x;      // [m, k] bf16
+  std::vector<uint8_t> w, scale;
+  float scale_2 = 1.0f;
+  std::vector<double> w_deq;    // [n, k]
+};
+
+HostProblem make_problem(const Case& c, std::mt19937_64& rng) {
+  HostProblem h;
+  std::uniform_real_distribution<float> mag(0.05f, 1.0f);
+  std::bernoulli_distribution neg(0.5);
+  std::uniform_int_distribution<int> byte(0, 255);
+  const size_t n = size_t(c.n), k = size_t(c.k);
+  h.x.resize(size_t(c.m) * k);
+  for (auto& v : h.x) v = f32_to_bf16((neg(rng) ? -2.0f : 2.0f) * mag(rng));
+  h.w_deq.resize(n * k);
+  auto nonzero_e4m3 = [&] {
+    for (;;) {
+      const int v = byte(rng);
+      if ((v & 0x7f) != 0 && (v & 0x7f) != 0x7f) return uint8_t(v);
+    }
+  };
+  auto nonzero_e2m1 = [&] {
+    for (;;) {
+      const int v = byte(rng) & 15;
+      if ((v & 7) != 0) return uint8_t(v);
+    }
+  };
+  switch (c.weight) {
+    case GemvWeight::BF16: {
+      h.w.resize(n * k * 2);
+      for (size_t i = 0; i < n * k; ++i) {
+        const uint16_t b = f32_to_bf16((neg(rng) ? -1.0f : 1.0f) * mag(rng));
+        memcpy(&h.w[2 * i], &b, 2);
+        h.w_deq[i] = bf16_to_f32(b);
+      }
+      break;
+    }
+    case GemvWeight::FP8_BLOCK: {
+      const size_t sn = (n + 127) / 128, sk = (k + 127) / 128;
+      std::vector<double> s(sn * sk);
+      if (c.fp8_scale == GemvScale::E8M0) {
+        h.scale.resize(sn * sk);
+        std::uniform_int_distribution<int> e(118, 130);
+        for (size_t i = 0; i < s.size(); ++i) {
+          h.scale[i] = uint8_t(e(rng));
+          s[i] = e8m0_to_f32(h.scale[i]);
+        }
+      } else {
+        h.scale.resize(sn * sk * 4);
+        std::uniform_real_distribution<float> f(1e-3f, 1e-1f);
+        for (size_t i = 0; i < s.size(); ++i) {
+          const float v = f(rng);
+          memcpy(&h.scale[4 * i], &v, 4);
+          s[i] = v;
+        }
+      }
+      h.w.resize(n * k);
+      for (size_t r = 0; r < n; ++r)
+        for (size_t i = 0; i < k; ++i) {
+          const uint8_t q = nonzero_e4m3();
+          h.w[r * k + i] = q;
+          h.w_deq[r * k + i] = double(e4m3_to_f32(q)) * s[(r / 128) * sk + i / 128];
+        }
+      break;
+    }
+    case GemvWeight::MXFP4:
+    case GemvWeight::NVFP4: {
+      const bool mx = c.weight == GemvWeight::MXFP4;
+      const size_t block = mx ? 32 : 16, sk = k / block;
+      h.scale.resize(n * sk);
+      std::uniform_int_distribution<int> e(118, 128);
+      for (auto& v : h.scale) v = mx ? uint8_t(e(rng)) : [&] {
+        for (;;) {
+          const int s = byte(rng) & 0x7f;  // positive, finite, not zero (subnormals included)
+          if (s != 0 && s != 0x7f) return uint8_t(s);
+        }
+      }();
+      if (!mx) h.scale_2 = std::uniform_real_distribution<float>(1e-3f, 1e-2f)(rng);
+      h.w.resize(n * k / 2);
+      for (size_t r = 0; r < n; ++r)
+        for (size_t i = 0; i < k; i += 2) {
+          const uint8_t lo = nonzero_e2m1(), hi = nonzero_e2m1();
+          h.w[(r * k + i) / 2] = uint8_t(lo | hi << 4);
+          const uint8_t sc = h.scale[r * sk + i / block];
+          const double s = mx ? double(e8m0_to_f32(sc)) : double(e4m3_to_f32(sc)) * double(h.scale_2);
+          h.w_deq[r * k + i] = double(e2m1_to_f32(lo)) * s;
+          h.w_deq[r * k + i + 1] = double(e2m1_to_f32(hi)) * s;
+        }
+      break;
+    }
+  }
+  return h;
+}
+
+class GemvTest : public ::testing::TestWithParam<Case> {};
+
+TEST_P(GemvTest, MatchesFp64Reference) {
+  DSV4_REQUIRE_CUDA();
+  const Case c = GetParam();
+  const uint64_t seed = std::random_device{}() ^ std::hash<std::string>{}(case_name(c));
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const HostProblem h = make_problem(c, rng);
+
+  DeviceBuffer x(h.x.size() * 2), w(h.w.size()), scale(h.scale.size()), y(size_t(c.m) * c.n * 4);
+  x.upload(h.x.data(), h.x.size() * 2);
+  w.upload(h.w.data(), h.w.size());
+  if (!h.scale.empty()) scale.upload(h.scale.data(), h.scale.size());
+  y.fill_bytes(0xff);  // NaN in both output types
+
+  GemvParams p;
+  p.m = c.m, p.n = c.n, p.k = c.k;
+  p.x = x.data(), p.w = w.data(), p.w_scale = h.scale.empty() ? nullptr : scale.data();
+  p.w_scale_2 = h.scale_2, p.y = y.data();
+  p.weight = c.weight, p.fp8_scale = c.fp8_scale, p.out = c.out, p.split_k = c.split_k;
+  gemv(p);
+  DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+
+  std::vector<float> got(size_t(c.m) * c.n);
+  if (c.out == GemvOut::F32) {
+    y.download(got.data(), got.size() * 4);
+  } else {
+    std::vector<uint16_t> raw(got.size());
+    y.download(raw.data(), raw.size() * 2);
+    for (size_t i = 0; i < raw.size(); ++i) got[i] = bf16_to_f32(raw[i]);
+  }
+
+  // Bounds: fp32 output  |y - ref| <= 1e-5 * sum|x w|, and ||y - ref|| / ||ref|| <= 1e-5;
+  //         bf16 output  |y - ref| <= 4e-3 * |ref| + 1e-5 * sum|x w|, and the norm-wise error <= 4e-3.
+  const bool bf16_out = c.out == GemvOut::BF16;
+  const double rel_bound = bf16_out ? 4e-3 : 0.0, acc_bound = 1e-5, norm_bound = bf16_out ? 4e-3 : 1e-5;
+  double err2 = 0, ref2 = 0, worst_ratio = 0;
+  int unwritten = 0, bad = 0;
+  for (int mi = 0; mi < c.m; ++mi)
+    for (int ni = 0; ni < c.n; ++ni) {
+      double ref = 0, absum = 0;
+      const uint16_t* xr = &h.x[size_t(mi) * c.k];
+      const double* wr = &h.w_deq[size_t(ni) * c.k];
+      for (int ki = 0; ki < c.k; ++ki) {
+        const double t = double(bf16_to_f32(xr[ki])) * wr[ki];
+        ref += t;
+        absum += std::fabs(t);
+      }
+      const float v = got[size_t(mi) * c.n + ni];
+      if (!std::isfinite(v)) {
+        ++unwritten;
+        continue;
+      }
+      const double err = std::fabs(double(v) - ref), allowed = rel_bound * std::fabs(ref) + acc_bound * absum;
+      worst_ratio = std::max(worst_ratio, err / allowed);
+      if (err > allowed && ++bad <= 5)
+        ADD_FAILURE() << "y[" << mi << ", " << ni << "] = " << v << ", reference " << ref << " (allowed error "
+                      << allowed << ")";
+      err2 += (double(v) - ref) * (double(v) - ref);
+      ref2 += ref * ref;
+    }
+  EXPECT_EQ(unwritten, 0) << "non-finite (unwritten) outputs";
+  EXPECT_EQ(bad, 0);
+  const double normwise = std::sqrt(err2 / ref2);
+  EXPECT_LE(normwise, norm_bound);
+  std::printf("[gemv] %-48s normwise %.2e  worst err/allowed %.3f\n", case_name(c).c_str(), normwise, worst_ratio);
+}
+
+std::vector<Case> all_cases() {
+  struct FormatCase {
+    GemvWeight w;
+    GemvScale s;
+    int k_wide, k_deep, k_tall;  // k not a multiple of the chunk (or of the 128 scale block)
+  };
+  const FormatCase formats[] = {
+      {GemvWeight::BF16, GemvScale::E8M0, 1000, 4104, 64},
+      {GemvWeight::FP8_BLOCK, GemvScale::E8M0, 1040, 4112, 64},
+      {GemvWeight::FP8_BLOCK, GemvScale::F32, 1040, 4112, 64},
+      {GemvWeight::MXFP4, GemvScale::E8M0, 1056, 4128, 64},
+      {GemvWeight::NVFP4, GemvScale::E8M0, 1056, 4128, 64},
+  };
+  std::vector<Case> cases;
+  for (const FormatCase& f : formats) {
+    for (int m : {1, 3, 8, 13, 29, 64}) {  // 13 and 29 reach the 2- and 4-n-tile kernels
+      cases.push_back({f.w, f.s, m, 301, f.k_wide, GemvOut::F32, 0});
+      cases.push_back({f.w, f.s, m, 45, f.k_deep, GemvOut::F32, 0});  // few tiles: split_k 8
+    }
+    for (int m : {3, 64}) {
+      cases.push_back({f.w, f.s, m, 301, f.k_wide, GemvOut::BF16, 0});
+      cases.push_back({f.w, f.s, m, 45, f.k_deep, GemvOut::BF16, 0});
+    }
+    for (int split : {1, 2, 4, 8}) cases.push_back({f.w, f.s, 8, 301, f.k_wide, GemvOut::F32, split});
+    for (int m : {1, 64}) cases.push_back({f.w, f.s, m, 34000, f.k_tall, GemvOut::F32, 0});  // many tiles: split 1
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(AllFormats, GemvTest, ::testing::ValuesIn(all_cases()),
+                         [](const ::testing::TestParamInfo<Case>& info) { return case_name(info.param); });
+
+// ---------------------------------------------------------------------------------------------------------
+// Argument checks (no GPU needed: they throw before any CUDA call).
+
+GemvParams fake_params(GemvWeight w, int m, int n, int k) {
+  alignas(16) static char dummy[16];
+  GemvParams p;
+  p.m = m, p.n = n, p.k = k, p.weight = w;
+  p.x = dummy, p.w = dummy, p.w_scale = dummy, p.y = dummy;
+  return p;
+}
+
+TEST(GemvArgs, RejectsBadShapesAndPointers) {
+  EXPECT_THROW(gemv(fake_params(GemvWeight::BF16, 65, 16, 64)), Error);   // m > 64
+  EXPECT_THROW(gemv(fake_params(GemvWeight::BF16, 1, 16, 0)), Error);     // k == 0
+  EXPECT_THROW(gemv(fake_params(GemvWeight::BF16, 1, 16, 12)), Error);    // k % 8
+  EXPECT_THROW(gemv(fake_params(GemvWeight::FP8_BLOCK, 1, 16, 24)), Error);  // k % 16
+  EXPECT_THROW(gemv(fake_params(GemvWeight::MXFP4, 1, 16, 48)), Error);   // k % 32
+  EXPECT_THROW(gemv(fake_params(GemvWeight::NVFP4, 1, 16, 16)), Error);   // k % 32
+  GemvParams p = fake_params(GemvWeight::MXFP4, 1, 16, 64);
+  p.w_scale = nullptr;
+  EXPECT_THROW(gemv(p), Error);
+  p = fake_params(GemvWeight::BF16, 1, 16, 64);
+  p.split_k = 3;
+  EXPECT_THROW(gemv(p), Error);
+  p = fake_params(GemvWeight::BF16, 1, 16, 64);
+  p.x = static_cast<const char*>(p.x) + 2;  // misaligned
+  EXPECT_THROW(gemv(p), Error);
+  try {
+    gemv(fake_params(GemvWeight::MXFP4, 1, 16, 48));
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("mxfp4"), std::string::npos) << e.what();
+  }
+  EXPECT_NO_THROW(gemv(fake_params(GemvWeight::BF16, 0, 16, 64)));  // empty problem: no launch
+}
+
+TEST(GemvArgs, SplitHeuristic) {
+  GemvParams p = fake_params(GemvWeight::FP8_BLOCK, 1, 4096, 8192);
+  EXPECT_EQ(gemv_default_split_k(p, 132), 8);  // 256 tiles: split to fill the machine
+  p = fake_params(GemvWeight::BF16, 1, 129280, 4096);
+  EXPECT_EQ(gemv_default_split_k(p, 132), 1);  // 8080 tiles: one warp per tile
+  p = fake_params(GemvWeight::MXFP4, 1, 2048, 256);
+  EXPECT_EQ(gemv_default_split_k(p, 132), 2);  // only 2 chunks of 128 along k
+}
+
+TEST(CudaDevice, AvailabilityQueryNeverThrows) {
+  bool available = false;
+  EXPECT_NO_THROW(available = cuda_available());
+  if (available) {
+    const DeviceInfo info = device_info(0);
+    EXPECT_GT(info.sm_count, 0);
+    std::printf("[device] %s, cc %d.%d, %d SMs, %.1f GiB, L2 %.0f MB\n", info.name.c_str(), info.cc_major,
+                info.cc_minor, info.sm_count, double(info.global_mem_bytes) / (1 << 30), double(info.l2_bytes) / 1e6);
+  }
+}
+
+}  // namespace
+}  // namespace dsv4
