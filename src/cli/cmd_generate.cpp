@@ -63,8 +63,9 @@ int run_generate(const GenerateArgs& a) {
     });
   }
   spdlog::info("model {}: {}", a.model_dir, model.config().summary());
-  Session session(model, a.max_context);
-  spdlog::info("sequence state: {:.1f} MiB for --max-context {}", session.state().bytes() / 1048576.0,
+  std::unique_ptr<SequenceRunner> runner = make_cpu_runner(model, a.max_context);
+  Session session(*runner);
+  spdlog::info("sequence state: {:.1f} MiB for --max-context {}", runner->state_bytes() / 1048576.0,
                a.max_context);
 
   GenerateOptions options;

@@ -34,6 +34,7 @@ class Model {
 
   const ModelConfig& config() const { return config_; }
   const Numerics& numerics() const { return numerics_; }
+  const ModelWeights& weights() const { return weights_; }
   SequenceState new_sequence(int max_context) const { return SequenceState::create(config_, max_context); }
 
   // Consumes `tokens` at positions state.n_tokens.. and returns next-token logits [n, vocab] row-major

@@ -43,22 +43,45 @@ int32_t Sampler::sample(std::span<const float> logits) {
   return int32_t(order[pick(rng_)]);
 }
 
-Session::Session(const Model& model, int max_context) : model_(model), state_(model.new_sequence(max_context)) {}
+namespace {
+
+class CpuRunner final : public SequenceRunner {
+ public:
+  CpuRunner(const Model& model, int max_context) : model_(model), state_(model.new_sequence(max_context)) {}
+  const ModelConfig& config() const override { return model_.config(); }
+  std::vector<float> forward(std::span<const int32_t> tokens, bool last_only) override {
+    return model_.forward(state_, tokens, last_only);
+  }
+  int64_t n_tokens() const override { return state_.n_tokens; }
+  int max_context() const override { return state_.max_context; }
+  void reset() override { state_.reset(); }
+  size_t state_bytes() const override { return state_.bytes(); }
+
+ private:
+  const Model& model_;
+  SequenceState state_;
+};
+
+}  // namespace
+
+std::unique_ptr<SequenceRunner> make_cpu_runner(const Model& model, int max_context) {
+  return std::make_unique<CpuRunner>(model, max_context);
+}
 
 GenerateResult Session::generate(std::span<const int32_t> prompt, const GenerateOptions& options) {
   using Clock = std::chrono::steady_clock;
   DSV4_CHECK(!prompt.empty(), "the prompt is empty");
   DSV4_CHECK(options.max_new_tokens >= 0, "max_new_tokens must be >= 0, got {}", options.max_new_tokens);
-  const int V = model_.config().vocab_size;
-  DSV4_CHECK(state_.n_tokens + int64_t(prompt.size()) <= state_.max_context,
+  const int V = runner_.config().vocab_size;
+  DSV4_CHECK(runner_.n_tokens() + int64_t(prompt.size()) <= runner_.max_context(),
              "the prompt ({} tokens, {} already in the sequence) is longer than the context of {} tokens "
-             "(--max-context)", prompt.size(), state_.n_tokens, state_.max_context);
+             "(--max-context)", prompt.size(), runner_.n_tokens(), runner_.max_context());
   GenerateResult result;
   Sampler sampler(options.sampling);
-  const auto& eos = model_.config().eos_token_ids;
+  const auto& eos = runner_.config().eos_token_ids;
 
   auto t0 = Clock::now();
-  std::vector<float> logits = model_.forward(state_, prompt, !options.keep_logits);
+  std::vector<float> logits = runner_.forward(prompt, !options.keep_logits);
   result.prefill_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
   auto keep = [&](std::span<const float> rows, int n_rows) {
     if (!options.keep_logits) return;
@@ -75,11 +98,11 @@ GenerateResult Session::generate(std::span<const int32_t> prompt, const Generate
     if (options.on_token) options.on_token(next);
     const bool is_eos = std::find(eos.begin(), eos.end(), next) != eos.end();
     if (i + 1 == options.max_new_tokens || (options.stop_at_eos && is_eos)) break;
-    if (state_.n_tokens >= state_.max_context) {
-      spdlog::warn("context of {} tokens is full; stopping after {} new tokens", state_.max_context, i + 1);
+    if (runner_.n_tokens() >= runner_.max_context()) {
+      spdlog::warn("context of {} tokens is full; stopping after {} new tokens", runner_.max_context(), i + 1);
       break;
     }
-    logits = model_.forward(state_, std::span<const int32_t>(&next, 1), true);
+    logits = runner_.forward(std::span<const int32_t>(&next, 1), true);
     ++result.decode_steps;
     keep(logits, 1);
     last = std::span<const float>(logits.data(), V);

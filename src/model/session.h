@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "model/model.h"
+#include "model/runner.h"
 
 namespace dsv4 {
 
@@ -47,18 +48,17 @@ struct GenerateResult {
 
 class Session {
  public:
-  Session(const Model& model, int max_context);
+  explicit Session(SequenceRunner& runner) : runner_(runner) {}
 
   // Appends `prompt` to the sequence and generates up to max_new_tokens tokens. The last generated token is not
   // fed back, so the next call must pass it at the start of its prompt if the conversation continues.
   GenerateResult generate(std::span<const int32_t> prompt, const GenerateOptions& options);
 
-  void reset() { state_.reset(); }
-  const SequenceState& state() const { return state_; }
+  void reset() { runner_.reset(); }
+  const SequenceRunner& runner() const { return runner_; }
 
  private:
-  const Model& model_;
-  SequenceState state_;
+  SequenceRunner& runner_;
 };
 
 }  // namespace dsv4

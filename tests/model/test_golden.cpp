@@ -97,7 +97,8 @@ void check_model(const std::string& model_name) {
       diff_full_vs_decode = std::max(diff_full_vs_decode, double(std::fabs(full[i] - logits[i])));
 
     // 3. greedy generation
-    Session session(*model, max_context);
+    const auto runner = make_cpu_runner(*model, max_context);
+    Session session(*runner);
     GenerateOptions options;
     options.max_new_tokens = int(run.output.size());
     options.stop_at_eos = false;

@@ -1,0 +1,30 @@
+// SPDX-License-Identifier: MIT
+// One sequence being run on some backend. The CPU runner wraps Model + SequenceState; the CUDA backend provides
+// its own runner with device-resident weights and state. Session (generation, sampling) only sees this interface.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "model/config.h"
+
+namespace dsv4 {
+
+class Model;
+
+class SequenceRunner {
+ public:
+  virtual ~SequenceRunner() = default;
+  virtual const ModelConfig& config() const = 0;
+  // Consumes tokens at positions n_tokens().. and returns next-token logits [n, vocab] (or the last row only).
+  virtual std::vector<float> forward(std::span<const int32_t> tokens, bool last_only) = 0;
+  virtual int64_t n_tokens() const = 0;
+  virtual int max_context() const = 0;
+  virtual void reset() = 0;              // start a new sequence
+  virtual size_t state_bytes() const = 0;
+};
+
+std::unique_ptr<SequenceRunner> make_cpu_runner(const Model& model, int max_context);
+
+}  // namespace dsv4
