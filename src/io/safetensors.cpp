@@ -320,8 +320,8 @@ void convert_to_f32(const TensorView& t, std::span<float> out) {
   switch (t.dtype) {
     case DType::F32: std::memcpy(dst, src, size_t(n) * sizeof(float)); return;
     case DType::F64: decode_elements<double>(src, n, dst, [](double v) { return float(v); }); return;
-    case DType::BF16: decode_elements<uint16_t>(src, n, dst, bf16_to_f32); return;
-    case DType::F16: decode_elements<uint16_t>(src, n, dst, f16_to_f32); return;
+    case DType::BF16: decode_elements<uint16_t>(src, n, dst, [](uint16_t b) { return bf16_to_f32(b); }); return;
+    case DType::F16: decode_elements<uint16_t>(src, n, dst, [](uint16_t h) { return f16_to_f32(h); }); return;
     case DType::F8_E4M3: decode_bytes_via_table(src, n, dst, e4m3_to_f32); return;
     case DType::F8_E5M2: decode_bytes_via_table(src, n, dst, e5m2_to_f32); return;
     case DType::I64: decode_elements<int64_t>(src, n, dst, [](int64_t v) { return float(v); }); return;
