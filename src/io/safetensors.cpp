@@ -16,10 +16,10 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <nlohmann/json.hpp>
-#include <set>
+#include <optional>
 
 #include <fmt/ranges.h>
+#include <nlohmann/json.hpp>
 
 #include "core/check.h"
 #include "formats/bf16.h"
