@@ -4,7 +4,8 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
-#include <queue>
+#include <atomic>
+#include <cstring>
 
 #include "core/check.h"
 #include "tokenizer/utf8.h"
@@ -26,6 +27,8 @@ const std::array<char32_t, 256>& byte_to_unicode() {
 }
 
 namespace {
+std::atomic<uint64_t> g_next_serial{1};
+
 // Inverse of byte_to_unicode: code points 0..323 -> byte, -1 elsewhere.
 const std::array<int16_t, 324>& unicode_to_byte() {
   static const std::array<int16_t, 324> table = [] {
@@ -57,7 +60,8 @@ BpeModel::BpeModel(BpeModel&& o) noexcept
       byte_id_(o.byte_id_),
       merges_(std::move(o.merges_)),
       ignore_merges_(o.ignore_merges_),
-      raw_vocab_(std::move(o.raw_vocab_)) {}
+      raw_vocab_(std::move(o.raw_vocab_)),
+      serial_(o.serial_) {}
 
 BpeModel& BpeModel::operator=(BpeModel&& o) noexcept {
   vocab_ = std::move(o.vocab_);
@@ -66,7 +70,7 @@ BpeModel& BpeModel::operator=(BpeModel&& o) noexcept {
   merges_ = std::move(o.merges_);
   ignore_merges_ = o.ignore_merges_;
   raw_vocab_ = std::move(o.raw_vocab_);
-  cache_.clear();
+  serial_ = o.serial_;
   return *this;
 }
 
@@ -84,6 +88,7 @@ BpeModel BpeModel::from_json(const nlohmann::json& model) {
   }
 
   BpeModel m;
+  m.serial_ = g_next_serial.fetch_add(1);
   m.ignore_merges_ = model.value("ignore_merges", false);
   const auto& vocab = model.at("vocab");
   DSV4_CHECK(vocab.is_object(), "tokenizer.json: model.vocab must be an object");
@@ -113,7 +118,8 @@ BpeModel BpeModel::from_json(const nlohmann::json& model) {
 
   const auto& merges = model.at("merges");
   DSV4_CHECK(merges.is_array(), "tokenizer.json: model.merges must be an array");
-  m.merges_.reserve(merges.size());
+  std::unordered_map<uint64_t, Merge> merge_map;
+  merge_map.reserve(merges.size());
   auto lookup = [&](const std::string& s, size_t rank) {
     auto it = m.vocab_.find(s);
     DSV4_CHECK(it != m.vocab_.end(), "tokenizer.json: merge #{} uses `{}`, which is not in model.vocab", rank, s);
@@ -133,10 +139,23 @@ BpeModel BpeModel::from_json(const nlohmann::json& model) {
       a = e[0].get<std::string>(), b = e[1].get<std::string>();
     }
     // Later duplicates overwrite earlier ones, as HF's HashMap collect does.
-    m.merges_.insert_or_assign(pair_key(lookup(a, rank), lookup(b, rank)),
+    merge_map.insert_or_assign(pair_key(lookup(a, rank), lookup(b, rank)),
                                Merge{static_cast<int32_t>(rank), lookup(a + b, rank)});
   }
+  m.merges_.build(merge_map);
   return m;
+}
+
+void BpeModel::MergeTable::build(const std::unordered_map<uint64_t, Merge>& merges) {
+  size_t capacity = 16;
+  shift = 60;
+  while (capacity < 2 * merges.size()) capacity *= 2, --shift;
+  slots.assign(capacity, Slot{kEmpty, Merge{0, 0}});
+  for (const auto& [key, merge] : merges) {
+    size_t i = (key * 0x9E3779B97F4A7C15ull) >> shift;
+    while (slots[i].key != kEmpty) i = (i + 1) & (capacity - 1);
+    slots[i] = Slot{key, merge};
+  }
 }
 
 std::optional<int32_t> BpeModel::find(std::string_view spelling) const {
@@ -145,26 +164,58 @@ std::optional<int32_t> BpeModel::find(std::string_view spelling) const {
   return it->second;
 }
 
+namespace {
+
+// A per-thread, direct-mapped cache of short words (HF keeps a word cache too): most pre-tokens of
+// real text repeat, and a hit skips the merge loop. Collisions simply overwrite; no locks.
+struct WordCache {
+  static constexpr size_t kSlots = 1 << 14;
+  static constexpr size_t kMaxWordBytes = 38;
+  static constexpr size_t kMaxIds = 14;
+  struct Slot {
+    uint64_t hash = 0;
+    uint8_t len = 0, n_ids = 0;
+    char key[kMaxWordBytes];
+    int32_t ids[kMaxIds];
+  };
+  uint64_t owner = 0;  // serial of the BpeModel the slots belong to
+  std::vector<Slot> slots;
+};
+
+uint64_t hash_word(std::string_view s) {
+  uint64_t h = 0xcbf29ce484222325ull;  // FNV-1a
+  for (unsigned char c : s) h = (h ^ c) * 0x100000001b3ull;
+  return h | 1;  // never 0, the empty slot's hash
+}
+
+}  // namespace
+
 void BpeModel::encode(std::string_view piece, std::vector<int32_t>& ids) const {
   if (piece.empty()) return;
-  const bool cacheable = piece.size() <= kCacheMaxWordBytes;
-  if (cacheable) {
-    std::unique_lock lock(cache_mutex_, std::try_to_lock);
-    if (lock.owns_lock()) {
-      auto it = cache_.find(std::string(piece));
-      if (it != cache_.end()) {
-        ids.insert(ids.end(), it->second.begin(), it->second.end());
-        return;
-      }
-    }
+  if (piece.size() > WordCache::kMaxWordBytes) {
+    merge_word(piece, ids);
+    return;
+  }
+  thread_local WordCache cache;
+  if (cache.owner != serial_) {
+    cache.slots.assign(WordCache::kSlots, WordCache::Slot{});
+    cache.owner = serial_;
+  }
+  const uint64_t h = hash_word(piece);
+  WordCache::Slot& slot = cache.slots[h & (WordCache::kSlots - 1)];
+  if (slot.hash == h && slot.len == piece.size() && std::memcmp(slot.key, piece.data(), piece.size()) == 0) {
+    ids.insert(ids.end(), slot.ids, slot.ids + slot.n_ids);
+    return;
   }
   const size_t first = ids.size();
   merge_word(piece, ids);
-  if (cacheable) {
-    std::unique_lock lock(cache_mutex_, std::try_to_lock);
-    if (lock.owns_lock() && cache_.size() < kCacheCapacity) {
-      cache_.emplace(std::string(piece), std::vector<int32_t>(ids.begin() + first, ids.end()));
-    }
+  const size_t n = ids.size() - first;
+  if (n <= WordCache::kMaxIds) {
+    slot.hash = h;
+    slot.len = static_cast<uint8_t>(piece.size());
+    slot.n_ids = static_cast<uint8_t>(n);
+    std::memcpy(slot.key, piece.data(), piece.size());
+    std::copy(ids.begin() + first, ids.end(), slot.ids);
   }
 }
 
@@ -183,8 +234,16 @@ void BpeModel::merge_word(std::string_view piece, std::vector<int32_t>& ids) con
     int32_t prev, next;
     int32_t len;
   };
-  std::vector<Symbol> sym;
-  sym.reserve(piece.size());
+  struct Candidate {
+    int32_t rank, pos, new_id;
+    // Min-heap order on (rank, pos): the lowest rank first, leftmost among equal ranks.
+    bool operator>(const Candidate& o) const { return rank != o.rank ? rank > o.rank : pos > o.pos; }
+  };
+  // Per-thread scratch, reused across words to keep the allocator out of the loop.
+  thread_local std::vector<Symbol> sym;
+  thread_local std::vector<Candidate> heap;
+  sym.clear();
+  heap.clear();
   for (unsigned char b : piece) {
     const int32_t id = byte_id_[b];
     if (id < 0) continue;
@@ -194,21 +253,18 @@ void BpeModel::merge_word(std::string_view piece, std::vector<int32_t>& ids) con
   if (sym.empty()) return;
   sym.back().next = -1;
 
-  struct Candidate {
-    int32_t rank, pos, new_id;
-    bool operator>(const Candidate& o) const { return rank != o.rank ? rank > o.rank : pos > o.pos; }
+  auto push = [&](const Merge* m, int32_t pos) {
+    heap.push_back({m->rank, pos, m->new_id});
+    std::push_heap(heap.begin(), heap.end(), std::greater<Candidate>());
   };
-  std::priority_queue<Candidate, std::vector<Candidate>, std::greater<Candidate>> queue;
-  auto find_merge = [&](int32_t a, int32_t b) -> const Merge* {
-    auto it = merges_.find(pair_key(a, b));
-    return it == merges_.end() ? nullptr : &it->second;
-  };
+  auto find_merge = [&](int32_t a, int32_t b) { return merges_.find(pair_key(a, b)); };
   for (int32_t i = 0; i + 1 < static_cast<int32_t>(sym.size()); ++i) {
-    if (const Merge* m = find_merge(sym[i].id, sym[i + 1].id)) queue.push({m->rank, i, m->new_id});
+    if (const Merge* m = find_merge(sym[i].id, sym[i + 1].id)) push(m, i);
   }
-  while (!queue.empty()) {
-    const Candidate top = queue.top();
-    queue.pop();
+  while (!heap.empty()) {
+    std::pop_heap(heap.begin(), heap.end(), std::greater<Candidate>());
+    const Candidate top = heap.back();
+    heap.pop_back();
     Symbol& cur = sym[top.pos];
     if (cur.len == 0 || cur.next < 0) continue;
     const int32_t next_pos = cur.next;
@@ -223,10 +279,10 @@ void BpeModel::merge_word(std::string_view piece, std::vector<int32_t>& ids) con
     if (cur.next >= 0) sym[cur.next].prev = top.pos;
 
     if (cur.prev >= 0) {
-      if (const Merge* m = find_merge(sym[cur.prev].id, cur.id)) queue.push({m->rank, cur.prev, m->new_id});
+      if (const Merge* m = find_merge(sym[cur.prev].id, cur.id)) push(m, cur.prev);
     }
     if (cur.next >= 0) {
-      if (const Merge* m = find_merge(cur.id, sym[cur.next].id)) queue.push({m->rank, top.pos, m->new_id});
+      if (const Merge* m = find_merge(cur.id, sym[cur.next].id)) push(m, top.pos);
     }
   }
   for (const Symbol& s : sym) {

@@ -12,7 +12,6 @@
 
 #include <array>
 #include <cstdint>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -58,15 +57,31 @@ class BpeModel {
   std::unordered_map<std::string, int32_t> vocab_;  // byte-level spelling -> id
   std::vector<std::string> spellings_;              // id -> byte-level spelling
   std::array<int32_t, 256> byte_id_{};               // id of each single byte, -1 when absent
-  std::unordered_map<uint64_t, Merge> merges_;
+  // (left id, right id) -> merge, in an open-addressing table: the lookup is the hot loop of BPE.
+  struct MergeTable {
+    static constexpr uint64_t kEmpty = ~uint64_t{0};
+    struct Slot {
+      uint64_t key;  // pair_key(left, right), kEmpty when unused
+      Merge merge;
+    };
+    std::vector<Slot> slots;  // key and value side by side: one cache line per probe
+    int shift = 64;
+    void build(const std::unordered_map<uint64_t, Merge>& merges);
+    const Merge* find(uint64_t key) const {
+      if (slots.empty()) return nullptr;
+      const size_t mask = slots.size() - 1;
+      for (size_t i = (key * 0x9E3779B97F4A7C15ull) >> shift;; i = (i + 1) & mask) {
+        if (slots[i].key == key) return &slots[i].merge;
+        if (slots[i].key == kEmpty) return nullptr;
+      }
+    }
+  };
+  MergeTable merges_;
   bool ignore_merges_ = false;
   std::unordered_map<std::string, int32_t> raw_vocab_;  // raw bytes -> id (only for ignore_merges)
 
-  // Word cache, as in HF (bounded). try_lock keeps concurrent encoders from waiting on each other.
-  static constexpr size_t kCacheCapacity = 100000;
-  static constexpr size_t kCacheMaxWordBytes = 64;
-  mutable std::mutex cache_mutex_;
-  mutable std::unordered_map<std::string, std::vector<int32_t>> cache_;
+  // Each BpeModel gets a serial number so per-thread word caches (bpe.cpp) can tell models apart.
+  uint64_t serial_ = 0;
 };
 
 }  // namespace dsv4

@@ -204,13 +204,51 @@ std::vector<CorpusEntry> hand_written() {
 }  // namespace
 
 std::string make_natural_text(size_t n_bytes, uint64_t seed) {
+  // Paragraphs as chat and code traffic looks: English prose (words, numbers, punctuation, now and
+  // then a name with diacritics), source code, Chinese and Japanese sentences, a little emoji.
+  static const Pool kProse = {"the", "of", "and", "to", "in", "is", "that", "for", "it", "as", "was", "with", "be",
+                              "on", "not", "he", "this", "are", "or", "his", "from", "at", "which", "but", "have",
+                              "an", "they", "you", "were", "their", "one", "all", "we", "can", "her", "has", "there",
+                              "model", "tokenizer", "attention", "memory", "inference", "request", "latency",
+                              "throughput", "DeepSeek", "GPU", "kernel", "expert", "routing", "sequence", "cache",
+                              "don't", "it's", "we're", "café", "naïve", "Zürich", "São", "Paulo", "résumé"};
+  static const Pool kEnd = {".", ".", ".", "!", "?", ":", ";"};
   std::mt19937_64 rng(seed);
   std::string s;
   while (s.size() < n_bytes) {
-    const int style = static_cast<int>(rng() % 10);
-    // Mostly prose and code, some CJK, as a chat/code workload looks.
-    const int pool_style = style < 5 ? 0 : style < 7 ? 2 : style < 9 ? 1 : 3;
-    for (int i = 0; i < 40; ++i) s += random_unit(rng, pool_style);
+    const uint64_t kind = rng() % 10;
+    if (kind < 5) {  // English paragraph
+      for (int sentence = 0, n = 2 + static_cast<int>(rng() % 5); sentence < n; ++sentence) {
+        for (int w = 0, m = 6 + static_cast<int>(rng() % 14); w < m; ++w) {
+          std::string word = rng() % 12 == 0 ? std::to_string(rng() % 100000) : kProse[rng() % kProse.size()];
+          if (w == 0 && word[0] >= 'a' && word[0] <= 'z') word[0] = static_cast<char>(word[0] - 32);
+          s += word;
+          s += w + 1 == m ? kEnd[rng() % kEnd.size()] : rng() % 9 == 0 ? ", " : " ";
+        }
+        s += " ";
+      }
+      s += rng() % 20 == 0 ? kEmoji[rng() % kEmoji.size()] + "\n\n" : "\n\n";
+    } else if (kind < 7) {  // code
+      s += "```\n";
+      for (int l = 0, n = 3 + static_cast<int>(rng() % 8); l < n; ++l) s += kCode[rng() % kCode.size()] + "\n";
+      s += "```\n\n";
+    } else if (kind < 9) {  // Chinese / Japanese prose
+      static const Pool kCjkPunct = {"，", "。", "、", "：", "！", "？"};
+      for (int clause = 0, n = 3 + static_cast<int>(rng() % 6); clause < n; ++clause) {
+        for (int c = 0, m = 4 + static_cast<int>(rng() % 14); c < m; ++c) {
+          s += rng() % 5 == 0 ? cp(pick(rng, 0x3041, 0x3093)) : cp(pick(rng, 0x4E00, 0x9FA5));
+        }
+        if (rng() % 6 == 0) s += std::to_string(rng() % 3000);
+        s += kCjkPunct[rng() % kCjkPunct.size()];
+      }
+      s += "\n\n";
+    } else {  // a list of numbers and short items
+      for (int i = 0, n = 3 + static_cast<int>(rng() % 6); i < n; ++i) {
+        s += "- " + kWords[rng() % kWords.size()] + ": " + std::to_string(rng() % 1000000) + "." +
+             std::to_string(rng() % 100) + "\n";
+      }
+      s += "\n";
+    }
   }
   s.resize(utf8::complete_prefix_length(std::string_view(s).substr(0, n_bytes)));
   return s;
