@@ -12,5 +12,7 @@ using Handler = std::function<int()>;
 
 void add_generate_command(CLI::App& app, Handler& handler);
 void add_tokenize_commands(CLI::App& app, Handler& handler);
+void add_quantize_command(CLI::App& app, Handler& handler);
+void add_inspect_command(CLI::App& app, Handler& handler);
 
 }  // namespace dsv4::cli

@@ -1,0 +1,122 @@
+// SPDX-License-Identifier: MIT
+#include "quant/inspect.h"
+
+#include <algorithm>
+#include <map>
+#include <set>
+
+#include <fmt/format.h>
+
+#include "core/check.h"
+#include "io/safetensors.h"
+#include "model/config.h"
+#include "quant/stored_weight.h"
+
+namespace dsv4 {
+namespace {
+
+std::string lower(std::string_view s) {
+  std::string out(s);
+  for (char& c : out) c = char(std::tolower(static_cast<unsigned char>(c)));
+  return out;
+}
+
+std::string describe(const StoredWeight& w) {
+  switch (w.format) {
+    case WeightFormat::Float: return lower(dtype_name(w.weight->dtype));
+    case WeightFormat::Fp8Block:
+    case WeightFormat::Fp8Tensor:
+      return fmt::format("{} ({} scales)", format_name(w.format), lower(dtype_name(w.scale->dtype)));
+    default: return std::string(format_name(w.format));
+  }
+}
+
+std::string human_bytes(double b) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int u = 0;
+  while (b >= 1024.0 && u < 4) b /= 1024.0, ++u;
+  return u == 0 ? fmt::format("{:.0f} B", b) : fmt::format("{:.2f} {}", b, units[u]);
+}
+
+}  // namespace
+
+InspectReport inspect_checkpoint(const std::string& model_dir) {
+  const ModelConfig config = ModelConfig::from_model_dir(model_dir);
+  const Checkpoint ckpt = Checkpoint::open(model_dir);
+  InspectReport r;
+  r.config_summary = config.summary();
+  if (!config.quantization_config.is_null()) r.quantization_config = config.quantization_config.dump();
+
+  // Weights first, so that their companions are known before the leftovers are counted as tensors of their own.
+  std::vector<StoredWeight> weights;
+  std::set<std::string> companions;
+  for (const auto& [name, t] : ckpt.tensors()) {
+    if (t->dtype != DType::F8_E4M3 && t->dtype != DType::I8 && t->dtype != DType::U8) continue;
+    StoredWeight w;
+    try {
+      w = classify_weight(ckpt, *t);
+    } catch (const Error&) {
+      continue;  // no scale beside it: a plain byte tensor (counted below as such)
+    }
+    for (const TensorView* c : {w.scale, w.scale_2, w.input_scale})
+      if (c) companions.insert(c->name);
+    weights.push_back(w);
+  }
+  std::set<std::string> quantised;
+  for (const StoredWeight& w : weights) quantised.insert(w.weight->name);
+  for (const auto& [name, t] : ckpt.tensors()) {
+    if (quantised.count(name) || companions.count(name)) continue;
+    StoredWeight w;
+    w.weight = t;
+    w.logical_shape = t->shape;
+    weights.push_back(w);
+  }
+
+  const double expert_fraction =
+      config.n_routed_experts > 0 ? double(config.n_experts_per_tok) / config.n_routed_experts : 1.0;
+  std::map<std::pair<int, std::string>, InspectRow> rows;
+  for (const StoredWeight& w : weights) {
+    const TensorGroup g = tensor_group(w.weight->name);
+    const std::string format = describe(w);
+    InspectRow& row = rows[{int(g), format}];
+    row.group = g;
+    row.format = format;
+    int64_t params = 1;
+    for (int64_t d : w.logical_shape) params *= d;
+    const uint64_t bytes = uint64_t(w.bytes());
+    double per_token = double(bytes);
+    const bool one_row = g == TensorGroup::Embed || w.weight->name.find("tid2eid") != std::string::npos;
+    if (one_row && !w.logical_shape.empty() && w.logical_shape[0] > 0) per_token /= double(w.logical_shape[0]);
+    if (g == TensorGroup::RoutedExperts) per_token *= expert_fraction;
+    if (g == TensorGroup::Mtp) per_token = 0;
+    row.tensors += 1;
+    row.params += params;
+    row.bytes += bytes;
+    row.bytes_per_token += uint64_t(per_token + 0.5);
+  }
+  for (auto& [key, row] : rows) {
+    r.params += row.params;
+    r.bytes += row.bytes;
+    r.bytes_per_token += row.bytes_per_token;
+    r.rows.push_back(row);
+  }
+  return r;
+}
+
+std::string format_report(const InspectReport& r) {
+  std::string s = fmt::format("config: {}\n", r.config_summary);
+  s += fmt::format("quantization_config: {}\n\n", r.quantization_config.empty() ? "(none)" : r.quantization_config);
+  s += fmt::format("{:<20} {:<28} {:>8} {:>16} {:>12} {:>14}\n", "group", "format", "tensors", "params", "on disk",
+                   "per token");
+  for (const InspectRow& row : r.rows)
+    s += fmt::format("{:<20} {:<28} {:>8} {:>16} {:>12} {:>14}\n", group_name(row.group), row.format, row.tensors,
+                     row.params, human_bytes(double(row.bytes)), human_bytes(double(row.bytes_per_token)));
+  s += fmt::format("{:<20} {:<28} {:>8} {:>16} {:>12} {:>14}\n", "total", "", "", r.params,
+                   human_bytes(double(r.bytes)), human_bytes(double(r.bytes_per_token)));
+  s += fmt::format("\nparameters: {} ({:.3f} B); bytes on disk: {} ({}); bytes read per decoded token (batch 1): {} "
+                   "({})\n", r.params, r.params / 1e9, r.bytes, human_bytes(double(r.bytes)), r.bytes_per_token,
+                   human_bytes(double(r.bytes_per_token)));
+  return s;
+}
+
+}  // namespace dsv4

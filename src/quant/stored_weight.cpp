@@ -1,0 +1,307 @@
+// SPDX-License-Identifier: MIT
+#include "quant/stored_weight.h"
+
+#include <atomic>
+#include <cmath>
+#include <cstring>
+
+#include <fmt/ranges.h>
+
+#include "core/check.h"
+#include "formats/blocks.h"
+#include "formats/nvfp4.h"
+#include "io/safetensors.h"
+
+namespace dsv4 {
+namespace {
+
+bool ends_with(std::string_view s, std::string_view suffix) {
+  return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
+}
+
+std::string shape_str(const std::vector<int64_t>& s) { return fmt::format("[{}]", fmt::join(s, ", ")); }
+
+int64_t product(const std::vector<int64_t>& s, size_t begin, size_t end) {
+  int64_t p = 1;
+  for (size_t i = begin; i < end; ++i) p *= s[i];
+  return p;
+}
+
+const TensorView* find_first(const Checkpoint& c, const std::vector<std::string>& names) {
+  for (const std::string& n : names)
+    if (const TensorView* t = c.find(n)) return t;
+  return nullptr;
+}
+
+bool is_float_dtype(DType d) { return d == DType::F32 || d == DType::F64 || d == DType::BF16 || d == DType::F16; }
+
+// Float values of a small scale tensor (F32/BF16/F16/F64 or F8_E4M3; e8m0 decoded separately).
+std::vector<float> float_scales(const TensorView& s) {
+  std::vector<float> v(size_t(s.numel()));
+  convert_to_f32(s, v);
+  return v;
+}
+
+// e8m0 scales as floats; a 0xFF byte (NaN) is rejected with its position.
+std::vector<float> e8m0_scales(const TensorView& s, const TensorView& weight) {
+  std::vector<float> v(size_t(s.numel()));
+  for (size_t i = 0; i < v.size(); ++i) {
+    DSV4_CHECK(s.data[i] != 0xff, "tensor \"{}\" in {}: scale \"{}\" element {} is 0xFF (NaN in e8m0)", weight.name,
+               weight.file, s.name, i);
+    v[i] = e8m0_to_f32(s.data[i]);
+  }
+  return v;
+}
+
+void check_scale_values(const std::vector<float>& v, const TensorView& s, const TensorView& weight) {
+  for (size_t i = 0; i < v.size(); ++i)
+    DSV4_CHECK(std::isfinite(v[i]) && v[i] >= 0.0f,
+               "tensor \"{}\" in {}: scale \"{}\" element {} is {} (scales must be finite and >= 0)", weight.name,
+               weight.file, s.name, i, v[i]);
+}
+
+// Same element count and the same innermost extent: accepts a scale stored flattened over its leading dims
+// (e.g. [E*O, I/16] next to a weight [E, O, I/2]), the layout quirk of some grouped-expert exports.
+bool scale_shape_fits(const std::vector<int64_t>& got, const std::vector<int64_t>& want) {
+  if (got == want) return true;
+  if (got.empty() || want.empty()) return false;
+  return got.back() == want.back() && product(got, 0, got.size()) == product(want, 0, want.size());
+}
+
+bool is_fp8_block_scale(const std::vector<int64_t>& weight, const std::vector<int64_t>& scale) {
+  if (weight.size() < 2) return false;
+  std::vector<int64_t> want(weight.begin(), weight.end() - 2);
+  want.push_back(ceil_div(weight[weight.size() - 2], kFp8BlockSize));
+  want.push_back(ceil_div(weight.back(), kFp8BlockSize));
+  return scale_shape_fits(scale, want);
+}
+
+void check_shape_rank(const StoredWeight& w, const std::vector<int64_t>& shape) {
+  const TensorView& t = *w.weight;
+  DSV4_CHECK(shape.size() >= 2, "tensor \"{}\" in {}: {} weights must be matrices, but the model expects shape {}",
+             t.name, t.file, format_name(w.format), shape_str(shape));
+  DSV4_CHECK(t.shape.size() == shape.size(), "tensor \"{}\" in {}: stored {} has rank {}, the model expects {}",
+             t.name, t.file, t.shape_str(), t.shape.size(), shape_str(shape));
+}
+
+std::vector<float> decode_float(const StoredWeight& w, const std::vector<int64_t>& shape) {
+  const TensorView& t = *w.weight;
+  DSV4_CHECK(t.shape == shape, "tensor \"{}\" in {}: expected shape {}, got {}", t.name, t.file, shape_str(shape),
+             t.shape_str());
+  return to_f32(t);
+}
+
+// Per-element scale index maps: out[m, o, i] *= scales[m * per_matrix + f(o, i)].
+std::vector<float> decode_fp8(const StoredWeight& w, const std::vector<int64_t>& shape) {
+  const TensorView& t = *w.weight;
+  const TensorView& s = *w.scale;
+  check_shape_rank(w, shape);
+  DSV4_CHECK(t.shape == shape, "tensor \"{}\" in {}: expected shape {}, got {}", t.name, t.file, shape_str(shape),
+             t.shape_str());
+  const size_t r = shape.size();
+  const int64_t O = shape[r - 2], I = shape[r - 1], M = product(shape, 0, r - 2);
+  const int64_t bo = ceil_div(O, kFp8BlockSize), bi = ceil_div(I, kFp8BlockSize);
+
+  std::vector<float> scales;
+  if (s.dtype == DType::F8_E8M0) scales = e8m0_scales(s, t);
+  else if (is_float_dtype(s.dtype)) scales = float_scales(s);
+  else DSV4_FAIL("tensor \"{}\" in {}: scale \"{}\" has dtype {}; FP8 weights take F8_E8M0 or float scales", t.name,
+                 t.file, s.name, dtype_name(s.dtype));
+  check_scale_values(scales, s, t);
+
+  int64_t per_matrix = 0;  // scales per [O, I] matrix: bo*bi (block) or 1 (per tensor / per matrix)
+  if (w.format == WeightFormat::Fp8Block) {
+    std::vector<int64_t> want(shape.begin(), shape.end() - 2);
+    want.push_back(bo);
+    want.push_back(bi);
+    DSV4_CHECK(scale_shape_fits(s.shape, want),
+               "tensor \"{}\" in {}: FP8 weight {} needs a 128x128 block scale of shape {}, but \"{}\" is {}", t.name,
+               t.file, t.shape_str(), shape_str(want), s.name, s.shape_str());
+    per_matrix = bo * bi;
+  } else {
+    DSV4_CHECK(s.numel() == 1 || s.numel() == M,
+               "tensor \"{}\" in {}: per-tensor FP8 scale \"{}\" has {} elements; expected 1 or {} (one per matrix)",
+               t.name, t.file, s.name, s.numel(), M);
+    per_matrix = s.numel() == 1 ? 0 : 1;
+  }
+
+  std::vector<float> out(size_t(t.numel()));
+  std::atomic<int64_t> bad_code{-1};
+#pragma omp parallel for schedule(static)
+  for (int64_t row = 0; row < M * O; ++row) {
+    const int64_t m = row / O, o = row % O;
+    const uint8_t* codes = t.data + row * I;
+    float* dst = out.data() + row * I;
+    const float* srow = scales.data() + m * per_matrix + (per_matrix > 1 ? (o / kFp8BlockSize) * bi : 0);
+    for (int64_t i = 0; i < I; ++i) {
+      const uint8_t c = codes[i];
+      if ((c & 0x7f) == 0x7f) bad_code.store(row * I + i);
+      dst[i] = e4m3_to_f32(c) * srow[per_matrix > 1 ? i / kFp8BlockSize : 0];
+    }
+  }
+  DSV4_CHECK(bad_code.load() < 0, "tensor \"{}\" in {}: element {} is an e4m3 NaN code", t.name, t.file,
+             bad_code.load());
+  return out;
+}
+
+// Shared by MXFP4 and NVFP4: packed [.., O, I/2] nibbles times a per-group scale along K.
+std::vector<float> decode_fp4(const StoredWeight& w, const std::vector<int64_t>& shape) {
+  const TensorView& t = *w.weight;
+  const TensorView& s = *w.scale;
+  check_shape_rank(w, shape);
+  const size_t r = shape.size();
+  const int64_t O = shape[r - 2], I = shape[r - 1], M = product(shape, 0, r - 2);
+  DSV4_CHECK(I % 2 == 0, "tensor \"{}\" in {}: packed FP4 needs an even K (inner dimension), the model expects {}",
+             t.name, t.file, shape_str(shape));
+  std::vector<int64_t> packed = shape;
+  packed.back() = I / 2;
+  DSV4_CHECK(t.shape == packed, "tensor \"{}\" in {}: packed FP4 weight for logical shape {} must be stored as {}, got {}",
+             t.name, t.file, shape_str(shape), shape_str(packed), t.shape_str());
+
+  const bool nv = w.format == WeightFormat::Nvfp4;
+  const int64_t group = nv ? kNvfp4GroupSize : kMxfp4GroupSize;
+  const int64_t groups = ceil_div(I, group);
+  std::vector<int64_t> want(shape.begin(), shape.end() - 1);
+  want.push_back(groups);
+  DSV4_CHECK(scale_shape_fits(s.shape, want), "tensor \"{}\" in {}: {} weight {} needs a scale of shape {} (one per {} "
+             "along K), but \"{}\" is {}", t.name, t.file, format_name(w.format), shape_str(shape), shape_str(want),
+             group, s.name, s.shape_str());
+
+  std::vector<float> scales;
+  std::vector<float> global(size_t(M), 1.0f);
+  if (nv) {
+    DSV4_CHECK(s.dtype == DType::F8_E4M3, "tensor \"{}\" in {}: NVFP4 weight_scale \"{}\" must be F8_E4M3, got {}",
+               t.name, t.file, s.name, dtype_name(s.dtype));
+    scales = float_scales(s);
+    check_scale_values(scales, s, t);
+    const TensorView& s2 = *w.scale_2;
+    DSV4_CHECK(is_float_dtype(s2.dtype), "tensor \"{}\" in {}: weight_scale_2 \"{}\" must be a float, got {}", t.name,
+               t.file, s2.name, dtype_name(s2.dtype));
+    DSV4_CHECK(s2.numel() == 1 || s2.numel() == M,
+               "tensor \"{}\" in {}: weight_scale_2 \"{}\" has {} elements; expected 1 or {} (one per matrix)", t.name,
+               t.file, s2.name, s2.numel(), M);
+    const std::vector<float> g = float_scales(s2);
+    check_scale_values(g, s2, t);
+    for (int64_t m = 0; m < M; ++m) global[size_t(m)] = g[g.size() == 1 ? 0 : size_t(m)];
+  } else {
+    DSV4_CHECK(s.dtype == DType::F8_E8M0, "tensor \"{}\" in {}: FP4 expert scale \"{}\" must be F8_E8M0, got {}",
+               t.name, t.file, s.name, dtype_name(s.dtype));
+    scales = e8m0_scales(s, t);
+  }
+
+  std::vector<float> out(size_t(M * O * I));
+#pragma omp parallel for schedule(static)
+  for (int64_t row = 0; row < M * O; ++row) {
+    const uint8_t* bytes = t.data + row * (I / 2);
+    const float* srow = scales.data() + row * groups;
+    const float g = global[size_t(row / O)];
+    float* dst = out.data() + row * I;
+    for (int64_t i = 0; i < I; ++i) {
+      const uint8_t code = fp4_code_at(bytes, i);
+      dst[i] = nv ? nvfp4_decode(code, srow[i / group], g) : e2m1_to_f32(code) * srow[i / group];
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+std::string_view format_name(WeightFormat f) {
+  switch (f) {
+    case WeightFormat::Float: return "float";
+    case WeightFormat::Fp8Block: return "fp8-block128";
+    case WeightFormat::Fp8Tensor: return "fp8-tensor";
+    case WeightFormat::Mxfp4: return "mxfp4";
+    case WeightFormat::Nvfp4: return "nvfp4";
+  }
+  return "?";
+}
+
+int64_t StoredWeight::bytes() const {
+  int64_t n = 0;
+  for (const TensorView* t : {weight, scale, scale_2, input_scale})
+    if (t) n += int64_t(t->nbytes);
+  return n;
+}
+
+CompanionNames companion_names(const std::string& weight_name) {
+  std::vector<std::string> bases;  // stems to which a suffix is appended
+  CompanionNames c;
+  auto with_prefix_toggled = [](std::vector<std::string> names) {
+    std::vector<std::string> out;
+    for (const std::string& n : names) {
+      out.push_back(n);
+      out.push_back(n.rfind("model.", 0) == 0 ? n.substr(6) : "model." + n);
+    }
+    return out;
+  };
+  if (ends_with(weight_name, ".weight")) {
+    const std::string p = weight_name.substr(0, weight_name.size() - 7);
+    c.scale = with_prefix_toggled({p + ".scale", p + ".weight_scale_inv", p + ".weight_scale"});
+    c.scale_2 = with_prefix_toggled({p + ".weight_scale_2"});
+    c.input_scale = with_prefix_toggled({p + ".input_scale"});
+  } else {
+    const std::string& p = weight_name;
+    c.scale = with_prefix_toggled({p + "_scale_inv", p + "_scale", p + "_weight_scale"});
+    c.scale_2 = with_prefix_toggled({p + "_weight_scale_2", p + "_scale_2"});
+    c.input_scale = with_prefix_toggled({p + "_input_scale"});
+  }
+  return c;
+}
+
+StoredWeight classify_weight(const Checkpoint& checkpoint, const TensorView& t) {
+  StoredWeight w;
+  w.weight = &t;
+  w.logical_shape = t.shape;
+  if (is_float_dtype(t.dtype)) return w;
+
+  const CompanionNames names = companion_names(t.name);
+  w.scale = find_first(checkpoint, names.scale);
+  w.scale_2 = find_first(checkpoint, names.scale_2);
+  w.input_scale = find_first(checkpoint, names.input_scale);
+  switch (t.dtype) {
+    case DType::F8_E4M3:
+      DSV4_CHECK(w.scale, "tensor \"{}\" in {}: F8_E4M3 weight without a scale tensor (looked for: {})", t.name,
+                 t.file, fmt::join(names.scale, ", "));
+      w.format = is_fp8_block_scale(t.shape, w.scale->shape) || (w.scale->numel() != 1 &&
+                 (t.shape.size() < 3 || w.scale->numel() != product(t.shape, 0, t.shape.size() - 2)))
+                     ? WeightFormat::Fp8Block
+                     : WeightFormat::Fp8Tensor;
+      return w;
+    case DType::I8:
+    case DType::U8: {
+      DSV4_CHECK(w.scale, "tensor \"{}\" in {}: {} weight (packed FP4) without a scale tensor (looked for: {})",
+                 t.name, t.file, dtype_name(t.dtype), fmt::join(names.scale, ", "));
+      DSV4_CHECK(!t.shape.empty(), "tensor \"{}\" in {}: packed FP4 weight must have a shape", t.name, t.file);
+      w.logical_shape.back() *= 2;
+      if (w.scale->dtype == DType::F8_E8M0) {
+        w.format = WeightFormat::Mxfp4;
+      } else if (w.scale->dtype == DType::F8_E4M3) {
+        DSV4_CHECK(w.scale_2, "tensor \"{}\" in {}: NVFP4 weight (F8_E4M3 block scale \"{}\") without its global "
+                   "scale (looked for: {})", t.name, t.file, w.scale->name, fmt::join(names.scale_2, ", "));
+        w.format = WeightFormat::Nvfp4;
+      } else {
+        DSV4_FAIL("tensor \"{}\" in {}: packed FP4 weight with scale \"{}\" of dtype {}; expected F8_E8M0 (DeepSeek "
+                  "FP4, 32 per scale) or F8_E4M3 (NVFP4, 16 per scale)", t.name, t.file, w.scale->name,
+                  dtype_name(w.scale->dtype));
+      }
+      return w;
+    }
+    default:
+      DSV4_FAIL("tensor \"{}\" in {}: weights stored as {} are not supported (expected a float dtype, F8_E4M3 with "
+                "scales, or packed FP4 in I8/U8)", t.name, t.file, dtype_name(t.dtype));
+  }
+}
+
+std::vector<float> dequantize(const StoredWeight& w, const std::vector<int64_t>& shape) {
+  switch (w.format) {
+    case WeightFormat::Float: return decode_float(w, shape);
+    case WeightFormat::Fp8Block:
+    case WeightFormat::Fp8Tensor: return decode_fp8(w, shape);
+    case WeightFormat::Mxfp4:
+    case WeightFormat::Nvfp4: return decode_fp4(w, shape);
+  }
+  DSV4_FAIL("tensor \"{}\": unknown weight format", w.weight->name);
+}
+
+}  // namespace dsv4
