@@ -16,6 +16,7 @@ if command -v compute-sanitizer >/dev/null; then
     --gtest_filter='*m3_n301*auto*:*m64_n45*outf32_auto*:*m1_n34000*:CudaDequant*' > "$OUT/memcheck.log" 2>&1
   echo "memcheck exit code: $? ($(grep -c 'OK \]' "$OUT/memcheck.log") ok, $(grep -E 'ERROR SUMMARY' "$OUT/memcheck.log" | tail -1))"
 fi
+command -v cuobjdump >/dev/null && cuobjdump -sass "$BUILD/bench/cuda/dsv4_gemv_bench" > "$OUT/gemv.sass" 2>&1
 echo "=== tests"
 grep -E "^\[  (PASSED|FAILED|SKIPPED) |FAILED  \]|tests ran" "$OUT/tests.log" | head -20
 grep "^\[device\]" "$OUT/tests.log"

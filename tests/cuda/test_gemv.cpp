@@ -103,6 +103,8 @@ std::string case_name(const Case& c) {
   return s;
 }
 
+void PrintTo(const Case& c, std::ostream* os) { *os << case_name(c); }
+
 struct HostProblem {
   std::vector<uint16_t> x;      // [m, k] bf16
   std::vector<uint8_t> w, scale;
