@@ -113,6 +113,25 @@ size_t round_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 
 }  // namespace
 
+// --one FORMAT N K M: 20 plain launches of one configuration (for ncu / compute-sanitizer), no timing.
+int run_one(const std::string& fmt, int n, int k, int m) {
+  GemvParams p;
+  p.m = m, p.n = n, p.k = k, p.out = GemvOut::BF16, p.w_scale_2 = 0.5f;
+  p.weight = fmt == "bf16" ? GemvWeight::BF16 : fmt == "mxfp4" ? GemvWeight::MXFP4 : fmt == "nvfp4" ? GemvWeight::NVFP4
+                                                                                                    : GemvWeight::FP8_BLOCK;
+  const size_t wb = p.weight == GemvWeight::BF16 ? size_t(n) * k * 2 : p.weight == GemvWeight::FP8_BLOCK ? size_t(n) * k
+                                                                                                         : size_t(n) * k / 2;
+  DeviceBuffer w(wb), s(size_t(n) * k / 8 + 4096), x(size_t(m) * k * 2), y(size_t(m) * n * 4);
+  fill(w.data(), wb, 3, p.weight == GemvWeight::FP8_BLOCK ? 0xBFBFBFBFu : ~0u, 0);
+  check(cudaMemset(s.data(), p.weight == GemvWeight::NVFP4 ? 0x38 : 120, s.size()), "memset");
+  fill(x.data(), x.size(), 7, 0x807F807Fu, 0x3F003F00u);
+  p.x = x.data(), p.w = w.data(), p.w_scale = s.data(), p.y = y.data();
+  for (int i = 0; i < 20; ++i) gemv(p);
+  check(cudaDeviceSynchronize(), "sync");
+  std::printf("ran %s %dx%d m=%d split=%d\n", fmt.c_str(), n, k, m, gemv_default_split_k(p, device_info(0).sm_count));
+  return 0;
+}
+
 int main(int argc, char** argv) {
   std::string md_path;
   for (int i = 1; i < argc; ++i)
@@ -120,6 +139,14 @@ int main(int argc, char** argv) {
   if (!cuda_available()) {
     std::fprintf(stderr, "no CUDA device\n");
     return 1;
+  }
+  if (argc == 6 && std::string(argv[1]) == "--one") {
+    try {
+      return run_one(argv[2], std::atoi(argv[3]), std::atoi(argv[4]), std::atoi(argv[5]));
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "error: %s\n", e.what());
+      return 1;
+    }
   }
   try {
     const DeviceInfo info = device_info(0);

@@ -16,6 +16,13 @@ if command -v compute-sanitizer >/dev/null; then
     --gtest_filter='*m3_n301*auto*:*m64_n45*outf32_auto*:*m1_n34000*:CudaDequant*' > "$OUT/memcheck.log" 2>&1
   echo "memcheck exit code: $? ($(grep -c 'OK \]' "$OUT/memcheck.log") ok, $(grep -E 'ERROR SUMMARY' "$OUT/memcheck.log" | tail -1))"
 fi
+if command -v ncu >/dev/null; then
+  for c in "mxfp4 4096 8192 1" "fp8 4096 8192 1" "bf16 32768 1024 1" "mxfp4 4096 8192 32"; do
+    timeout 60 ncu --clock-control none --launch-skip 5 --launch-count 1 --section SpeedOfLight \
+      --metrics sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active,smsp__issue_active.avg.pct_of_peak_sustained_active,sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active,l1tex__throughput.avg.pct_of_peak_sustained_active,sm__warps_active.avg.pct_of_peak_sustained_active \
+      "$BUILD/bench/cuda/dsv4_gemv_bench" --one $c > "$OUT/ncu_${c// /_}.log" 2>&1
+  done
+fi
 command -v cuobjdump >/dev/null && cuobjdump -sass "$BUILD/bench/cuda/dsv4_gemv_bench" > "$OUT/gemv.sass" 2>&1
 echo "=== tests"
 grep -E "^\[  (PASSED|FAILED|SKIPPED) |FAILED  \]|tests ran" "$OUT/tests.log" | head -20
@@ -26,5 +33,6 @@ for f in bf16 fp8_block_e8m0 fp8_block_f32scale mxfp4 nvfp4; do
       END { printf "%-28s cases %3d  max normwise %.2e  max err/allowed %.3f\n", n, c, mx, mr }'
   done
 done
+for f in "$OUT"/ncu_*.log; do [ -f "$f" ] && { echo "--- $(basename "$f")"; grep -E "DRAM Throughput|Duration|pct_of_peak|Memory Throughput" "$f" | sed -E 's/ +/ /g'; }; done
 echo "=== bench"
 cat "$OUT/bench.log"
