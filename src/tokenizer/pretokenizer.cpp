@@ -38,6 +38,88 @@ std::string escape_literal(std::string_view s) {
   return out;
 }
 
+// The third Split of the DeepSeek V3/V4 pre-tokenizer, as tokenizer.json spells it.
+constexpr std::string_view kDeepSeekWordPattern =
+    "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+|"
+    " ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+";
+
+// An exact ASCII-only evaluation of kDeepSeekWordPattern at one position, which avoids a PCRE2 call
+// per match on the common case (this regex dominates encode time). Whenever the answer depends on a
+// non-ASCII character (a letter run that continues into "é", a space run into U+3000, ...) it gives
+// up and the caller asks PCRE2. The alternatives are tried in the regex's order, first match wins.
+enum class Fast { kMatch, kNoMatchHere, kAskRegex };
+
+bool ascii_letter(unsigned char c) { return (c | 0x20) >= 'a' && (c | 0x20) <= 'z'; }
+bool ascii_punct(unsigned char c) {  // all 32 are in \p{P} or \p{S}
+  return (c >= '!' && c <= '/') || (c >= ':' && c <= '@') || (c >= '[' && c <= '`') || (c >= '{' && c <= '~');
+}
+bool ascii_space(unsigned char c) { return c == ' ' || (c >= '\t' && c <= '\r'); }
+bool crlf(unsigned char c) { return c == '\r' || c == '\n'; }
+
+Fast deepseek_word_match(std::string_view s, size_t i, size_t& end) {
+  const size_t n = s.size();
+  auto at = [&](size_t k) { return static_cast<unsigned char>(s[k]); };
+  const unsigned char c = at(i);
+  if (c >= 0x80) return Fast::kAskRegex;
+  const bool has_next = i + 1 < n;
+  const unsigned char d = has_next ? at(i + 1) : 0;
+  // 1. [punct][A-Za-z]+ (ASCII letters only, so no look beyond ASCII is needed)
+  if (ascii_punct(c) && has_next && ascii_letter(d)) {
+    end = i + 2;
+    while (end < n && ascii_letter(at(end))) ++end;
+    return Fast::kMatch;
+  }
+  // 2. [^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+
+  size_t run = n;  // start of the letter run, if any
+  if (ascii_letter(c)) {
+    run = i;
+  } else if (!crlf(c) && !ascii_punct(c)) {  // c can be the optional prefix
+    if (has_next && d >= 0x80) return Fast::kAskRegex;
+    if (has_next && ascii_letter(d)) run = i + 1;
+  }
+  if (run < n) {
+    end = run + 1;
+    while (end < n && ascii_letter(at(end))) ++end;
+    if (end < n && at(end) >= 0x80) return Fast::kAskRegex;  // a mark or letter may continue the run
+    return Fast::kMatch;
+  }
+  // 3. " ?[\p{P}\p{S}]+[\r\n]*"
+  size_t punct = n;
+  if (ascii_punct(c)) {
+    punct = i;
+  } else if (c == ' ' && has_next) {
+    if (d >= 0x80) return Fast::kAskRegex;
+    if (ascii_punct(d)) punct = i + 1;
+  }
+  if (punct < n) {
+    end = punct + 1;
+    while (end < n && ascii_punct(at(end))) ++end;
+    if (end < n && at(end) >= 0x80) return Fast::kAskRegex;  // a non-ASCII symbol may continue the run
+    while (end < n && crlf(at(end))) ++end;
+    return Fast::kMatch;
+  }
+  if (!ascii_space(c)) return Fast::kNoMatchHere;  // a digit or control character starts nothing
+  // The white-space run [i, j); U+0085, NBSP, U+3000... would extend it, so stop at non-ASCII.
+  size_t j = i + 1;
+  while (j < n && ascii_space(at(j))) ++j;
+  if (j < n && at(j) >= 0x80) return Fast::kAskRegex;
+  // 4. \s*[\r\n]+ : up to the run's last CR/LF
+  for (size_t k = j; k-- > i;) {
+    if (crlf(at(k))) {
+      end = k + 1;
+      return Fast::kMatch;
+    }
+  }
+  // 5. \s+(?!\S) : the run, minus its last character when something follows
+  if (j == n) {
+    end = j;
+    return Fast::kMatch;
+  }
+  // 6. \s+
+  end = j - 1 > i ? j - 1 : j;
+  return Fast::kMatch;
+}
+
 // Per-thread PCRE2 scratch: one match data block (group 0 only is needed) and a JIT stack large
 // enough for megabyte-long pieces.
 struct MatchScratch {
@@ -132,7 +214,8 @@ std::string rewrite_regex_for_pcre2(std::string_view p) {
 // One Split stage: a compiled regex and what to do with its matches.
 class RegexSplitter {
  public:
-  RegexSplitter(std::string_view hf_pattern, bool keep_matches) : keep_matches_(keep_matches) {
+  RegexSplitter(std::string_view hf_pattern, bool keep_matches)
+      : keep_matches_(keep_matches), deepseek_word_(hf_pattern == kDeepSeekWordPattern) {
     const std::string pattern = rewrite_regex_for_pcre2(hf_pattern);
     int err = 0;
     PCRE2_SIZE err_offset = 0;
@@ -152,17 +235,16 @@ class RegexSplitter {
 
   // Appends the pieces of `piece` to out (gaps always, matches when keep_matches_).
   void split(std::string_view piece, std::vector<std::string_view>& out) const {
-    MatchScratch& s = scratch();
-    const auto* subject = reinterpret_cast<PCRE2_SPTR>(piece.data());
     const size_t n = piece.size();
     size_t prev = 0, pos = 0;
-    while (pos <= n) {
-      const int rc = jit_ ? pcre2_jit_match(code_, subject, n, pos, PCRE2_NO_UTF_CHECK, s.data, s.context)
-                          : pcre2_match(code_, subject, n, pos, PCRE2_NO_UTF_CHECK, s.data, s.context);
-      if (rc == PCRE2_ERROR_NOMATCH) break;
-      DSV4_CHECK(rc >= 0, "tokenizer regex match failed with PCRE2 error {} on a {}-byte piece", rc, n);
-      const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(s.data);
-      const size_t start = ov[0], end = ov[1];
+    while (pos < n || (pos == n && !deepseek_word_)) {
+      size_t start = pos, end = pos;
+      const Fast fast = deepseek_word_ ? deepseek_word_match(piece, pos, end) : Fast::kAskRegex;
+      if (fast == Fast::kNoMatchHere) {
+        ++pos;
+        continue;
+      }
+      if (fast == Fast::kAskRegex && !regex_match(piece, pos, start, end)) break;
       if (start > prev) out.push_back(piece.substr(prev, start - prev));
       if (keep_matches_ && end > start) out.push_back(piece.substr(start, end - start));
       prev = end;
@@ -176,10 +258,24 @@ class RegexSplitter {
     if (prev < n) out.push_back(piece.substr(prev));
   }
 
+  // The leftmost match in piece at or after pos; false when there is none.
+  bool regex_match(std::string_view piece, size_t pos, size_t& start, size_t& end) const {
+    MatchScratch& s = scratch();
+    const auto* subject = reinterpret_cast<PCRE2_SPTR>(piece.data());
+    const int rc = jit_ ? pcre2_jit_match(code_, subject, piece.size(), pos, PCRE2_NO_UTF_CHECK, s.data, s.context)
+                        : pcre2_match(code_, subject, piece.size(), pos, PCRE2_NO_UTF_CHECK, s.data, s.context);
+    if (rc == PCRE2_ERROR_NOMATCH) return false;
+    DSV4_CHECK(rc >= 0, "tokenizer regex match failed with PCRE2 error {} on a {}-byte piece", rc, piece.size());
+    const PCRE2_SIZE* ov = pcre2_get_ovector_pointer(s.data);
+    start = ov[0], end = ov[1];
+    return true;
+  }
+
  private:
   pcre2_code* code_ = nullptr;
   bool jit_ = false;
   bool keep_matches_;
+  bool deepseek_word_;  // the pattern is kDeepSeekWordPattern: use deepseek_word_match first
 };
 
 PreTokenizer::PreTokenizer() = default;

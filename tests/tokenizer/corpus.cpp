@@ -268,6 +268,15 @@ std::vector<CorpusEntry> make_corpus(const CorpusOptions& o) {
   for (int i = 0; i < o.n_random_mixed; ++i) v.push_back({"random mixed", random_mixed(rng)});
   for (int i = 0; i < o.n_random_codepoints; ++i) v.push_back({"random code points", random_codepoints(rng)});
   for (int i = 0; i < o.n_invalid; ++i) v.push_back({"invalid UTF-8", insert_invalid(rng, random_mixed(rng))});
+  // Dense combinations of the character kinds the word regex distinguishes, ASCII and the
+  // non-ASCII characters that continue its runs (letter, mark, symbol, spaces).
+  static const Pool kDense = {"a", "Z", "q", " ", " ", "\t", "\n", "\r", "\v", "\f", "!", ".", "$", "'", "1", "\x01",
+                              "\x7F", "é", "\u0301", "\u00A0", "\u3000", "\u0085", "中", "€", "™", "　", "\u2028"};
+  for (int i = 0; i < o.n_dense; ++i) {
+    std::string t;
+    for (int k = 0, len = 1 + static_cast<int>(rng() % 24); k < len; ++k) t += kDense[rng() % kDense.size()];
+    v.push_back({"dense character mix", t});
+  }
 
   const size_t n = o.long_bytes;
   v.push_back({"long natural text", make_natural_text(n, o.seed + 1)});

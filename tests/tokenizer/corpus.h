@@ -20,6 +20,7 @@ struct CorpusOptions {
   int n_random_mixed = 3000;     // strings drawn from character pools
   int n_random_codepoints = 800; // strings of arbitrary code points (all planes, unassigned too)
   int n_invalid = 300;           // strings with invalid UTF-8 inserted
+  int n_dense = 2000;            // short strings densely mixing the word regex's character kinds
   size_t long_bytes = 200000;    // size of each very long input
 };
 
