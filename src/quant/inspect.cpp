@@ -26,7 +26,8 @@ std::string describe(const StoredWeight& w) {
     case WeightFormat::Float: return lower(dtype_name(w.weight->dtype));
     case WeightFormat::Fp8Block:
     case WeightFormat::Fp8Tensor:
-      return fmt::format("{} ({} scales)", format_name(w.format), lower(dtype_name(w.scale->dtype)));
+      return fmt::format("{} ({} scales)", format_name(w.format),
+                         w.scale->dtype == DType::F8_E8M0 ? "e8m0" : lower(dtype_name(w.scale->dtype)));
     default: return std::string(format_name(w.format));
   }
 }

@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <set>
 
@@ -153,6 +154,33 @@ Action action_for(const std::string& name, QuantTarget target, bool all_linears)
 
 std::vector<float> dequantized(const StoredWeight& w) { return dequantize(w, w.logical_shape); }
 
+// One input shard mapped on its own while it is processed, so that its pages are released (munmap) before the
+// next shard: the checkpoint-wide mapping is only used for headers, and peak memory stays near one shard.
+class ShardReader {
+ public:
+  explicit ShardReader(const std::string& path) : file_(SafetensorsFile::open(path)) {
+    for (const TensorView& t : file_->tensors()) by_name_[t.name] = &t;
+  }
+  // `p` with every tensor it refers to taken from this shard's mapping where the shard holds it.
+  Planned rebind(Planned p) const {
+    auto local = [&](const TensorView* t) -> const TensorView* {
+      if (!t) return t;
+      auto it = by_name_.find(t->name);
+      return it == by_name_.end() ? t : it->second;
+    };
+    p.tensor = local(p.tensor);
+    p.stored.weight = local(p.stored.weight);
+    p.stored.scale = local(p.stored.scale);
+    p.stored.scale_2 = local(p.stored.scale_2);
+    p.stored.input_scale = local(p.stored.input_scale);
+    return p;
+  }
+
+ private:
+  std::unique_ptr<SafetensorsFile> file_;
+  std::map<std::string, const TensorView*> by_name_;
+};
+
 json read_json(const fs::path& p) {
   std::ifstream in(p);
   DSV4_CHECK(in.good(), "cannot open {}", p.string());
@@ -213,19 +241,23 @@ QuantizeReport quantize_checkpoint(const QuantizeOptions& o) {
                                        "were copied unquantised; re-save with per-expert official names to quantise",
                                        n_fused));
 
+  std::map<std::string, std::vector<std::string>> by_file;  // input shard -> tensors it holds (kept ones)
+  for (const auto& [name, p] : plan)
+    if (p.action != Action::Drop) by_file[p.tensor->file].push_back(name);
+
   // 2. Shared input => shared weight_scale_2 (ModelOpt unifies the amax of linears fused on one input).
   std::map<std::string, float> group_amax;
   if (o.target == QuantTarget::Nvfp4)
-    for (const auto& [name, p] : plan)
-      if (p.action == Action::Nvfp4) {
-        float& a = group_amax[input_partner_key(name)];
-        a = std::fmax(a, abs_max(dequantized(p.stored)));
-      }
+    for (const auto& [file, names] : by_file) {
+      const ShardReader shard(file);
+      for (const std::string& name : names)
+        if (const Planned& p = plan.at(name); p.action == Action::Nvfp4) {
+          float& a = group_amax[input_partner_key(name)];
+          a = std::fmax(a, abs_max(dequantized(shard.rebind(p).stored)));
+        }
+    }
 
   // 3. Stream: one input shard in, one output shard out.
-  std::map<std::string, std::vector<std::string>> by_file;
-  for (const auto& [name, p] : plan)
-    if (p.action != Action::Drop) by_file[p.tensor->file].push_back(name);
   fs::create_directories(o.out_dir);
   json weight_map = json::object();
   const int64_t total = int64_t(plan.size());
@@ -236,9 +268,10 @@ QuantizeReport quantize_checkpoint(const QuantizeOptions& o) {
     const std::string shard =
         by_file.size() == 1 ? "model.safetensors"
                             : fmt::format("model-{:05d}-of-{:05d}.safetensors", shard_no, by_file.size());
+    const ShardReader reader(file);
     std::vector<OwnedTensor> out;
     for (const std::string& name : names) {
-      const Planned& p = plan.at(name);
+      const Planned p = reader.rebind(plan.at(name));
       const TensorView& t = *p.tensor;
       switch (p.action) {
         case Action::Copy:
