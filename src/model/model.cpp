@@ -84,7 +84,7 @@ void hc_pre(const HyperConnWeights& w, const ModelConfig& c, const float* stream
   const int hc = c.hc_mult, D = c.hidden_size, width = hc * D, n_mix = (2 + hc) * hc;
   std::vector<float> mix(size_t(n) * n_mix);
   gemm_nt(streams, w.fn.data.data(), mix.data(), n, n_mix, width);
-#pragma omp parallel for if (n > 4)
+#pragma omp parallel for if (n > 16)
   for (int t = 0; t < n; ++t) {
     const float* xs = streams + int64_t(t) * width;
     double sum_sq = 0;
@@ -136,7 +136,7 @@ void hc_pre(const HyperConnWeights& w, const ModelConfig& c, const float* stream
 // mHC "post" (spec 2.4): streams[k] <- post_k · out + Σ_j comb[j][k] · streams[j]   (Cᵀ·R, not C·R)
 void hc_post(const ModelConfig& c, const float* out, const float* post, const float* comb, int n, float* streams) {
   const int hc = c.hc_mult, D = c.hidden_size;
-#pragma omp parallel for if (n > 4)
+#pragma omp parallel for if (n > 16)
   for (int t = 0; t < n; ++t) {
     float* xs = streams + int64_t(t) * hc * D;
     const std::vector<float> old(xs, xs + hc * D);
@@ -280,17 +280,17 @@ void Model::attention(int l, const float* x, Chunk& chunk, SequenceState& state,
     for (float& v : wi) v *= w_scale;
   }
 
-  // 3.7 / 3.8 per-query key selection and attention with sink.
-  std::vector<float> o(size_t(n) * H * hd);
-  const float scale = 1.0f / std::sqrt(float(hd));
+  // 3.7 per-query key selection: the window, then the selected (CSA) or all (HCA) visible compressed entries.
   const int window = c.window;
-#pragma omp parallel for schedule(dynamic)
+  std::vector<std::vector<const float*>> keys(n);
+  int64_t total_keys = 0;
+#pragma omp parallel for schedule(dynamic) if (n > 1 && A.indexer) reduction(+ : total_keys)
   for (int t = 0; t < n; ++t) {
     const int64_t p = chunk.pos0 + t;
-    std::vector<const float*> keys;
+    std::vector<const float*>& kt = keys[t];
     for (int64_t s = std::max<int64_t>(0, p - window + 1); s <= p; ++s)
-      keys.push_back(s >= chunk.pos0 ? &kv[size_t(s - chunk.pos0) * hd]
-                                     : &S.window[size_t(s % state.window_slots) * hd]);
+      kt.push_back(s >= chunk.pos0 ? &kv[size_t(s - chunk.pos0) * hd]
+                                   : &S.window[size_t(s % state.window_slots) * hd]);
     if (r) {
       const int n_visible = std::min<int>(int((p + 1) / r), S.n_compressed);
       if (A.indexer) {
@@ -306,32 +306,40 @@ void Model::attention(int l, const float* x, Chunk& chunk, SequenceState& state,
           }
           score[s] = acc;
         }
-        for (int s : cpu::top_k_indices(score, c.index_topk)) keys.push_back(&S.compressed[size_t(s) * hd]);
+        for (int s : cpu::top_k_indices(score, c.index_topk)) kt.push_back(&S.compressed[size_t(s) * hd]);
       } else {
-        for (int s = 0; s < n_visible; ++s) keys.push_back(&S.compressed[size_t(s) * hd]);
+        for (int s = 0; s < n_visible; ++s) kt.push_back(&S.compressed[size_t(s) * hd]);
       }
     }
-    std::vector<float> logit(keys.size());
-    for (int h = 0; h < H; ++h) {
-      const float* qh = &q[(size_t(t) * H + h) * hd];
-      float mx = A.sink[h];  // the sink is a virtual key with zero value (denominator only)
-      for (size_t j = 0; j < keys.size(); ++j) {
-        float dot = 0;
-        for (int i = 0; i < hd; ++i) dot += qh[i] * keys[j][i];
-        logit[j] = dot * scale;
-        mx = std::max(mx, logit[j]);
-      }
-      float denom = std::exp(A.sink[h] - mx);
-      float* oh = &o[(size_t(t) * H + h) * hd];
-      std::fill(oh, oh + hd, 0.0f);
-      for (size_t j = 0; j < keys.size(); ++j) {
-        const float e = std::exp(logit[j] - mx);
-        denom += e;
-        for (int i = 0; i < hd; ++i) oh[i] += e * keys[j][i];
-      }
-      for (int i = 0; i < hd; ++i) oh[i] /= denom;
-      cpu::rope_interleaved(oh + nope, rd, inv_freq, p, true);  // V carries RoPE: de-rotate at the query position
+    total_keys += int64_t(kt.size());
+  }
+
+  // 3.8 attention with sink, per (query, head); threads only when the work pays for them.
+  std::vector<float> o(size_t(n) * H * hd);
+  const float scale = 1.0f / std::sqrt(float(hd));
+#pragma omp parallel for schedule(dynamic) if (total_keys * H * hd > (1 << 20))
+  for (int th = 0; th < n * H; ++th) {
+    const int t = th / H, h = th % H;
+    const std::vector<const float*>& kt = keys[t];
+    const float* qh = &q[(size_t(t) * H + h) * hd];
+    std::vector<float> logit(kt.size());
+    float mx = A.sink[h];  // the sink is a virtual key with zero value (denominator only)
+    for (size_t j = 0; j < kt.size(); ++j) {
+      float dot = 0;
+      for (int i = 0; i < hd; ++i) dot += qh[i] * kt[j][i];
+      logit[j] = dot * scale;
+      mx = std::max(mx, logit[j]);
     }
+    float denom = std::exp(A.sink[h] - mx);
+    float* oh = &o[(size_t(t) * H + h) * hd];
+    std::fill(oh, oh + hd, 0.0f);
+    for (size_t j = 0; j < kt.size(); ++j) {
+      const float e = std::exp(logit[j] - mx);
+      denom += e;
+      for (int i = 0; i < hd; ++i) oh[i] += e * kt[j][i];
+    }
+    for (int i = 0; i < hd; ++i) oh[i] /= denom;
+    cpu::rope_interleaved(oh + nope, rd, inv_freq, chunk.pos0 + t, true);  // V carries RoPE: de-rotate at query pos
   }
   trace("attn_core", l, o.data(), n, H * hd);
 
