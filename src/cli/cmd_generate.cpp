@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <memory>
+#include <optional>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -12,6 +13,10 @@
 #include "core/check.h"
 #include "io/npy.h"
 #include "model/session.h"
+#include "tokenizer/tokenizer.h"
+#ifdef DSV4_HAVE_CUDA
+#include "cuda/runner.h"
+#endif
 
 namespace dsv4::cli {
 namespace {
@@ -46,9 +51,21 @@ std::vector<int32_t> parse_ids(const std::string& text) {
 }
 
 int run_generate(const GenerateArgs& a) {
+#ifdef DSV4_HAVE_CUDA
+  DSV4_CHECK(a.device == "cpu" || a.device == "cuda", "--device {}: expected cpu or cuda", a.device);
+#else
   DSV4_CHECK(a.device == "cpu", "--device {}: only the cpu backend is available in this build", a.device);
-  DSV4_CHECK(a.prompt_text.empty(), "--prompt needs the tokenizer, which is not available yet; use --prompt-ids");
-  const std::vector<int32_t> prompt = parse_ids(a.prompt_ids);
+#endif
+  std::optional<Tokenizer> tokenizer;
+  std::vector<int32_t> prompt;
+  if (!a.prompt_text.empty()) {
+    tokenizer = Tokenizer::load(a.model_dir);
+    if (tokenizer->add_bos_token() && tokenizer->bos_id()) prompt.push_back(*tokenizer->bos_id());
+    const std::vector<int32_t> ids = tokenizer->encode(a.prompt_text);
+    prompt.insert(prompt.end(), ids.begin(), ids.end());
+  } else {
+    prompt = parse_ids(a.prompt_ids);
+  }
   Numerics numerics{parse_kv_storage(a.kv_dtype), parse_indexer_storage(a.indexer_dtype)};
   Model model = Model::load(a.model_dir, numerics);
   if (!a.trace_dir.empty()) {
@@ -63,7 +80,12 @@ int run_generate(const GenerateArgs& a) {
     });
   }
   spdlog::info("model {}: {}", a.model_dir, model.config().summary());
+#ifdef DSV4_HAVE_CUDA
+  std::unique_ptr<SequenceRunner> runner =
+      a.device == "cuda" ? make_cuda_runner(model, a.max_context) : make_cpu_runner(model, a.max_context);
+#else
   std::unique_ptr<SequenceRunner> runner = make_cpu_runner(model, a.max_context);
+#endif
   Session session(*runner);
   spdlog::info("sequence state: {:.1f} MiB for --max-context {}", runner->state_bytes() / 1048576.0,
                a.max_context);
@@ -73,6 +95,14 @@ int run_generate(const GenerateArgs& a) {
   options.stop_at_eos = !a.ignore_eos;
   options.keep_logits = !a.logits_out.empty();
   options.sampling = {a.temperature, a.top_p, a.top_k, a.seed};
+  std::optional<StreamDecoder> stream;
+  if (tokenizer && !a.json) {
+    stream.emplace(*tokenizer);
+    options.on_token = [&](int32_t id) {
+      std::fputs(stream->push(id).c_str(), stdout);
+      std::fflush(stdout);
+    };
+  }
   const GenerateResult r = session.generate(prompt, options);
 
   if (!a.logits_out.empty())
@@ -81,7 +111,10 @@ int run_generate(const GenerateArgs& a) {
     nlohmann::ordered_json j;
     j["prompt_ids"] = prompt;
     j["output_ids"] = r.output_ids;
+    if (tokenizer) j["text"] = tokenizer->decode(r.output_ids);
     std::printf("%s\n", j.dump().c_str());
+  } else if (stream) {
+    std::printf("%s\n", stream->finish().c_str());
   } else {
     std::string line;
     for (int32_t id : r.output_ids) line += (line.empty() ? "" : " ") + std::to_string(id);
@@ -110,7 +143,7 @@ void add_generate_command(CLI::App& app, Handler& handler) {
   cmd->add_option("--top-k", args->top_k, "Sample among the k most likely tokens; 0 = all")
       ->capture_default_str()->check(CLI::NonNegativeNumber);
   cmd->add_option("--seed", args->seed, "Random seed for sampling")->capture_default_str();
-  cmd->add_option("--device", args->device, "Backend: cpu")->capture_default_str();
+  cmd->add_option("--device", args->device, "Backend: cpu or cuda (builds with DSV4_CUDA)")->capture_default_str();
   cmd->add_option("--max-context", args->max_context, "Tokens of state preallocated per sequence")
       ->capture_default_str()->check(CLI::PositiveNumber);
   cmd->add_option("--kv-dtype", args->kv_dtype, "KV cache storage: fp8 (official rounding), bf16, f32")
