@@ -106,7 +106,7 @@ int main(int argc, char** argv) {
     }
     fs::path json = tokenizer_path;
     if (fs::is_directory(json)) json /= "tokenizer.json";
-    const std::string cmd = fmt::format("node '{}/tools/tokref/bench_hf.mjs' '{}' '{}' '{}'", DSV4_SOURCE_DIR,
+    const std::string cmd = fmt::format("TOKENIZERS_PARALLELISM=false node '{}/tools/tokref/bench_hf.mjs' '{}' '{}' '{}'", DSV4_SOURCE_DIR,
                                         json.string(), (dir / "docs.txt").string(), (dir / "ids.txt").string());
     std::fflush(stdout);
     const int rc = std::system(cmd.c_str());

@@ -12,6 +12,7 @@ using Handler = std::function<int()>;
 
 void add_generate_command(CLI::App& app, Handler& handler);
 void add_tokenize_commands(CLI::App& app, Handler& handler);
+void add_chat_command(CLI::App& app, Handler& handler);
 void add_quantize_command(CLI::App& app, Handler& handler);
 void add_inspect_command(CLI::App& app, Handler& handler);
 

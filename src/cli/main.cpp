@@ -15,6 +15,7 @@ int main(int argc, char** argv) {
   dsv4::cli::Handler handler;
   dsv4::cli::add_generate_command(app, handler);
   dsv4::cli::add_tokenize_commands(app, handler);
+  dsv4::cli::add_chat_command(app, handler);
   dsv4::cli::add_quantize_command(app, handler);
   dsv4::cli::add_inspect_command(app, handler);
   try {
