@@ -1,0 +1,292 @@
+// SPDX-License-Identifier: MIT
+#include "server/scheduler.h"
+
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "core/check.h"
+#include "server/text_output.h"
+
+namespace dsv4::server {
+
+using Clock = std::chrono::steady_clock;
+
+namespace {
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+}  // namespace
+
+const char* finish_reason_name(FinishReason reason) {
+  switch (reason) {
+    case FinishReason::kStop: return "stop";
+    case FinishReason::kLength: return "length";
+    case FinishReason::kCancelled: return "cancelled";
+    case FinishReason::kError: return "error";
+  }
+  return "error";
+}
+
+RequestHandle::RequestHandle(GenerationRequest request) : request_(std::move(request)) {}
+
+bool RequestHandle::wait_events(std::vector<StreamEvent>& out, std::chrono::milliseconds timeout) {
+  std::unique_lock lock(mutex_);
+  if (!ready_.wait_for(lock, timeout, [&] { return !events_.empty(); })) return false;
+  for (StreamEvent& e : events_) out.push_back(std::move(e));
+  events_.clear();
+  return true;
+}
+
+bool RequestHandle::finished() const {
+  std::lock_guard lock(mutex_);
+  return finished_;
+}
+
+void RequestHandle::push(StreamEvent event) {
+  {
+    std::lock_guard lock(mutex_);
+    if (event.finish) finished_ = true;
+    events_.push_back(std::move(event));
+  }
+  ready_.notify_all();
+}
+
+// One batch position: a sequence's state plus the request using it (none when free).
+struct Scheduler::Slot {
+  std::unique_ptr<SequenceRunner> runner;
+  std::shared_ptr<RequestHandle> request;
+  size_t prompt_done = 0;  // prompt tokens already consumed by the model
+  int32_t last_token = -1; // chosen but not yet fed back
+  int generated = 0;
+  std::optional<Sampler> sampler;
+  std::optional<TextOutput> text;
+  Clock::time_point last_token_time;
+};
+
+Scheduler::Scheduler(const Tokenizer& tokenizer, const RunnerFactory& make_runner, SchedulerOptions options,
+                     Metrics& metrics)
+    : tokenizer_(tokenizer), options_(options), metrics_(metrics) {
+  DSV4_CHECK(options.max_batch >= 1, "--max-batch must be >= 1, got {}", options.max_batch);
+  DSV4_CHECK(options.max_queue >= 0, "--max-queue must be >= 0, got {}", options.max_queue);
+  DSV4_CHECK(options.max_context >= 2, "--max-context must be >= 2, got {}", options.max_context);
+  DSV4_CHECK(options.prefill_chunk >= 1, "--prefill-chunk must be >= 1, got {}", options.prefill_chunk);
+  for (int i = 0; i < options.max_batch; ++i) {
+    auto slot = std::make_unique<Slot>();
+    slot->runner = make_runner(options.max_context);
+    DSV4_CHECK(slot->runner != nullptr, "the runner factory returned no runner for slot {}", i);
+    slots_.push_back(std::move(slot));
+  }
+  const ModelConfig& config = slots_[0]->runner->config();
+  vocab_limit_ = std::min<int>(config.vocab_size, tokenizer.vocab_size());
+  eos_ids_ = config.eos_token_ids;
+  if (auto eos = tokenizer.eos_id(); eos && std::find(eos_ids_.begin(), eos_ids_.end(), *eos) == eos_ids_.end())
+    eos_ids_.push_back(*eos);
+  engine_ = std::thread([this] { engine_loop(); });
+}
+
+Scheduler::~Scheduler() { shutdown(); }
+
+std::shared_ptr<RequestHandle> Scheduler::submit(GenerationRequest request, Admission& admission) {
+  DSV4_CHECK(!request.prompt.empty(), "the request has an empty prompt");
+  DSV4_CHECK(request.max_tokens >= 1, "max_tokens must be >= 1, got {}", request.max_tokens);
+  DSV4_CHECK(int64_t(request.prompt.size()) < options_.max_context,
+             "the prompt ({} tokens) does not fit the context of {} tokens", request.prompt.size(),
+             options_.max_context);
+  for (int32_t id : request.prompt)
+    DSV4_CHECK(id >= 0 && id < slots_[0]->runner->config().vocab_size, "prompt token id {} is outside the vocabulary",
+               id);
+  auto handle = std::make_shared<RequestHandle>(std::move(request));
+  {
+    std::lock_guard lock(mutex_);
+    if (!accepting_ || stopping_) {
+      admission = Admission::kDraining;
+    } else if (int(queue_.size()) >= options_.max_queue + (options_.max_batch - running_)) {
+      admission = Admission::kQueueFull;  // every slot busy and the waiting line full
+    } else {
+      admission = Admission::kAccepted;
+      queue_.push_back(handle);
+    }
+  }
+  if (admission != Admission::kAccepted) {
+    metrics_.request_rejected(admission == Admission::kQueueFull ? "queue_full" : "draining");
+    return nullptr;
+  }
+  wake_.notify_one();
+  return handle;
+}
+
+void Scheduler::stop_accepting() { accepting_ = false; }
+
+void Scheduler::cancel_all() {
+  std::lock_guard lock(mutex_);
+  for (auto& r : queue_) r->cancel();
+  cancel_running_ = true;  // the slots belong to the engine thread: it cancels the running ones itself
+  wake_.notify_one();
+}
+
+bool Scheduler::idle() const {
+  std::lock_guard lock(mutex_);
+  return queue_.empty() && running_ == 0;
+}
+
+bool Scheduler::wait_idle(Clock::time_point deadline) const {
+  std::unique_lock lock(mutex_);
+  return idle_cv_.wait_until(lock, deadline, [&] { return queue_.empty() && running_ == 0; });
+}
+
+void Scheduler::shutdown() {
+  {
+    std::lock_guard lock(mutex_);
+    if (stopping_ && !engine_.joinable()) return;
+    stopping_ = true;
+    accepting_ = false;
+  }
+  cancel_all();
+  if (engine_.joinable()) engine_.join();
+}
+
+int Scheduler::queue_length() const {
+  std::lock_guard lock(mutex_);
+  return int(queue_.size());
+}
+
+void Scheduler::engine_loop() {
+  for (;;) {
+    {
+      std::unique_lock lock(mutex_);
+      wake_.wait(lock, [&] { return stopping_ || cancel_running_ || !queue_.empty() || running_ > 0; });
+      if (stopping_ && queue_.empty() && running_ == 0) return;
+    }
+    const bool cancel_everything = cancel_running_.exchange(false);
+    admit_queued();
+    const auto step_start = Clock::now();
+    int batch = 0;
+    for (auto& slot : slots_) {
+      if (!slot->request) continue;
+      if (cancel_everything) slot->request->cancel();
+      ++batch;
+      step_slot(*slot);
+    }
+    if (batch > 0) metrics_.engine_step(seconds_since(step_start), batch);
+    std::lock_guard lock(mutex_);
+    if (queue_.empty() && running_ == 0) idle_cv_.notify_all();
+  }
+}
+
+void Scheduler::admit_queued() {
+  std::lock_guard lock(mutex_);
+  // Cancelled requests leave the line without ever taking a slot.
+  for (auto it = queue_.begin(); it != queue_.end();) {
+    if (!(*it)->cancelled()) {
+      ++it;
+      continue;
+    }
+    StreamEvent event;
+    event.finish = FinishReason::kCancelled;
+    metrics_.request_finished("cancelled", seconds_since((*it)->arrival_));
+    (*it)->push(std::move(event));
+    it = queue_.erase(it);
+  }
+  for (auto& slot : slots_) {
+    if (queue_.empty()) break;
+    if (slot->request) continue;
+    slot->request = std::move(queue_.front());
+    queue_.pop_front();
+    const GenerationRequest& r = slot->request->request();
+    slot->runner->reset();
+    slot->prompt_done = 0;
+    slot->last_token = -1;
+    slot->generated = 0;
+    slot->sampler.emplace(r.sampling);
+    slot->text.emplace(tokenizer_, r.stop);
+    ++running_;
+    metrics_.prompt_tokens(int64_t(r.prompt.size()));
+  }
+}
+
+void Scheduler::step_slot(Slot& slot) {
+  if (slot.request->cancelled()) return finish_slot(slot, FinishReason::kCancelled);
+  const std::vector<int32_t>& prompt = slot.request->request().prompt;
+  try {
+    if (slot.prompt_done < prompt.size()) {
+      const size_t n = std::min(size_t(options_.prefill_chunk), prompt.size() - slot.prompt_done);
+      const std::vector<float> logits =
+          slot.runner->forward(std::span<const int32_t>(prompt.data() + slot.prompt_done, n), true);
+      slot.prompt_done += n;
+      if (slot.prompt_done == prompt.size()) choose_token(slot, logits);
+    } else {
+      const std::vector<float> logits = slot.runner->forward(std::span<const int32_t>(&slot.last_token, 1), true);
+      choose_token(slot, logits);
+    }
+  } catch (const std::exception& e) {
+    spdlog::error("request failed in the engine: {}", e.what());
+    finish_slot(slot, FinishReason::kError, e.what());
+  }
+}
+
+void Scheduler::choose_token(Slot& slot, std::span<const float> logits_row) {
+  const GenerationRequest& r = slot.request->request();
+  // Ids the tokenizer has no text for (the model's vocabulary may be padded past it) are never chosen.
+  const std::span<const float> logits = logits_row.first(size_t(vocab_limit_));
+  GeneratedToken token{slot.sampler->sample(logits), 0.0f, {}};
+  if (r.top_logprobs >= 0) {
+    const float max_logit = *std::max_element(logits.begin(), logits.end());
+    double sum = 0;
+    for (float l : logits) sum += std::exp(double(l) - max_logit);
+    const float log_z = max_logit + float(std::log(sum));
+    token.logprob = logits[size_t(token.id)] - log_z;
+    const int k = std::min(r.top_logprobs, vocab_limit_);
+    std::vector<int32_t> order(logits.size());
+    std::iota(order.begin(), order.end(), 0);
+    std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int32_t a, int32_t b) {
+      return logits[size_t(a)] > logits[size_t(b)] || (logits[size_t(a)] == logits[size_t(b)] && a < b);
+    });
+    for (int i = 0; i < k; ++i) token.top.push_back({order[size_t(i)], logits[size_t(order[size_t(i)])] - log_z});
+  }
+
+  const auto now = Clock::now();
+  if (slot.generated == 0)
+    metrics_.time_to_first_token(std::chrono::duration<double>(now - slot.request->arrival_).count());
+  else
+    metrics_.inter_token_latency(std::chrono::duration<double>(now - slot.last_token_time).count());
+  metrics_.generated_token();
+  slot.last_token_time = now;
+  slot.last_token = token.id;
+  ++slot.generated;
+
+  StreamEvent event;
+  event.tokens.push_back(std::move(token));
+  std::optional<FinishReason> finish;
+  const bool is_eos = std::find(eos_ids_.begin(), eos_ids_.end(), slot.last_token) != eos_ids_.end();
+  if (is_eos && !r.ignore_eos) {
+    finish = FinishReason::kStop;  // the end-of-sequence token has no text
+  } else {
+    event.text = slot.text->push(slot.last_token);
+    if (slot.text->stopped())
+      finish = FinishReason::kStop;
+    else if (slot.generated >= r.max_tokens || slot.runner->n_tokens() >= slot.runner->max_context())
+      finish = FinishReason::kLength;  // asked-for length reached, or no room to feed the token back
+  }
+  if (finish) {
+    event.text += slot.text->finish();
+    return finish_slot(slot, *finish, {}, std::move(event));
+  }
+  event.completion_tokens = slot.generated;
+  slot.request->push(std::move(event));
+}
+
+void Scheduler::finish_slot(Slot& slot, FinishReason reason, std::string error, StreamEvent event) {
+  event.finish = reason;
+  event.error = std::move(error);
+  event.completion_tokens = slot.generated;
+  metrics_.request_finished(finish_reason_name(reason), seconds_since(slot.request->arrival_));
+  slot.request->push(std::move(event));
+  slot.request.reset();
+  slot.sampler.reset();
+  slot.text.reset();
+  std::lock_guard lock(mutex_);
+  --running_;
+}
+
+}  // namespace dsv4::server
