@@ -11,6 +11,10 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,
 echo "tests exit code: $?"
 "$BUILD/bench/cuda/dsv4_gemv_bench" --md "$OUT/gemv_bench.md" > "$OUT/bench.log" 2>&1
 echo "bench exit code: $?"
+if [ -x "$BUILD/v1/dsv4_gemv_bench" ]; then  # an earlier kernel version carried for A/B, if present
+  "$BUILD/v1/dsv4_gemv_bench" > "$OUT/bench_v1.log" 2>&1
+  echo "bench v1 exit code: $?"
+fi
 if command -v compute-sanitizer >/dev/null; then
   timeout 120 compute-sanitizer --tool memcheck --print-limit 5 "$BUILD/tests/cuda/dsv4_cuda_tests" \
     --gtest_filter='*m3_n301*auto*:*m64_n45*outf32_auto*:*m1_n34000*:CudaDequant*' > "$OUT/memcheck.log" 2>&1
@@ -34,5 +38,6 @@ for f in bf16 fp8_block_e8m0 fp8_block_f32scale mxfp4 nvfp4; do
   done
 done
 for f in "$OUT"/ncu_*.log; do [ -f "$f" ] && { echo "--- $(basename "$f")"; grep -E "DRAM Throughput|Duration|pct_of_peak|Memory Throughput" "$f" | sed -E 's/ +/ /g'; }; done
+if [ -f "$OUT/bench_v1.log" ]; then echo "=== bench v1 (earlier decoders)"; grep -E "^(bf16|fp8|mxfp4|nvfp4)" "$OUT/bench_v1.log" | awk '{print $1, $2, $3, $4, $(NF-4), $(NF-3)}' | grep -v "^bf16"; fi
 echo "=== bench"
 cat "$OUT/bench.log"

@@ -2,7 +2,7 @@
 // Register-level weight decoding for the mma.sync kernels: packed checkpoint bytes -> bf16x2 words whose low half
 // is the even element (natural order, so activations need no permutation). Every value equals the
 // src/formats decoders exactly (tests/cuda checks all codes): the bit tricks only move the code's exponent and
-// mantissa bits into bf16 positions, which represents `value * 2^-bias_gap`, and one bf16x2 multiply by a
+// mantissa bits into bf16 positions (byte permutes, masks, and multiplies that act as shifts on the FMA pipe), which represents `value * 2^-bias_gap`, and one bf16x2 multiply by a
 // power-of-two factor (with any block scale folded in when that stays exact) restores the value.
 //   e4m3 -> bf16 bits (s<<15 | (e,m)<<4)  = e4m3 * 2^-120  (e4m3 subnormals land on bf16 subnormals: exact)
 //   e2m1 -> bf16 bits (s<<15 | (e,m)<<6)  = e2m1 * 2^-126
@@ -34,32 +34,39 @@ __device__ __forceinline__ uint32_t bf16x2_broadcast(float f) {
   return h | (h << 16);
 }
 
+// PTX prmt in its default mode: a selector nibble with bit 3 set replicates the sign of the chosen byte, which gives
+// a zero byte whenever that byte is < 0x80 (CUDA's __byte_perm documents only 3-bit selectors).
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+  return r;
+}
+
 // Four e4m3 bytes (b0 lowest) -> out[0] = (b0, b1), out[1] = (b2, b3), each multiplied by `factor`
 // (bf16x2 of 2^120 * block scale; the 2^120 undoes the bias gap).
+// Per half we need (b & 0x7f) << 4 | (b & 0x80) << 8 = b * 16 + (b & 0x80) * 240: the carry of the second term
+// moves the sign from bit 11 to bit 15. Two integer-ALU ops per pair; the multiplies run on the FMA pipe.
 __device__ __forceinline__ void e4m3x4_to_bf16x2(uint32_t q, uint32_t factor, uint32_t out[2]) {
-  const uint32_t t0 = __byte_perm(q, 0, 0x1404);  // [0, b0, 0, b1]
-  const uint32_t t1 = __byte_perm(q, 0, 0x3424);  // [0, b2, 0, b3]
-  const uint32_t r0 = (t0 & 0x80008000u) | ((t0 >> 4) & 0x07F007F0u);
-  const uint32_t r1 = (t1 & 0x80008000u) | ((t1 >> 4) & 0x07F007F0u);
+  const uint32_t t0 = prmt(q, 0, 0x4140);  // [b0, 0, b1, 0]
+  const uint32_t t1 = prmt(q, 0, 0x4342);  // [b2, 0, b3, 0]
+  const uint32_t r0 = t0 * 16u + (t0 & 0x00800080u) * 240u;
+  const uint32_t r1 = t1 * 16u + (t1 & 0x00800080u) * 240u;
   out[0] = bf16x2_mul(r0, factor);
   out[1] = bf16x2_mul(r1, factor);
 }
 
 // Eight e2m1 nibbles (nibble j = element j, low nibble first) -> out[p] = (element 2p, element 2p+1), p = 0..3,
 // each multiplied by `factor` (bf16x2 of 2^126 * scale, see the callers).
+// With nibble n alone in the low bits of a 16-bit half, n * 0x1040 = n << 6 | n << 12 (no overlap, no carry out
+// of the half), and masking with 0x81C0 keeps the magnitude bits at 6..8 and the sign at 15.
 __device__ __forceinline__ void e2m1x8_to_bf16x2(uint32_t q, uint32_t factor, uint32_t out[4]) {
-  const uint32_t q4 = q >> 4;
-  // t_lo = [q.b0, q.b1, q4.b0, q4.b1]: nibble 0 at bits 0..3, 1 at 16..19, 2 at 8..11, 3 at 24..27.
-  const uint32_t t_lo = __byte_perm(q, q4, 0x5410);
-  const uint32_t t_hi = __byte_perm(q, q4, 0x7632);  // same for nibbles 4..7
-  const uint32_t r0 = ((t_lo << 6) & 0x01C001C0u) | ((t_lo << 12) & 0x80008000u);
-  const uint32_t r1 = ((t_lo >> 2) & 0x01C001C0u) | ((t_lo << 4) & 0x80008000u);
-  const uint32_t r2 = ((t_hi << 6) & 0x01C001C0u) | ((t_hi << 12) & 0x80008000u);
-  const uint32_t r3 = ((t_hi >> 2) & 0x01C001C0u) | ((t_hi << 4) & 0x80008000u);
-  out[0] = bf16x2_mul(r0, factor);
-  out[1] = bf16x2_mul(r1, factor);
-  out[2] = bf16x2_mul(r2, factor);
-  out[3] = bf16x2_mul(r3, factor);
+  const uint32_t even = q & 0x0F0F0F0Fu;         // nibbles 0, 2, 4, 6, one per byte
+  const uint32_t odd = (q >> 4) & 0x0F0F0F0Fu;   // nibbles 1, 3, 5, 7
+#pragma unroll
+  for (int p = 0; p < 4; ++p) {
+    const uint32_t t = prmt(even, odd, 0x8480u + 0x101u * p);  // [even.b_p, 0, odd.b_p, 0]
+    out[p] = bf16x2_mul((t * 0x1040u) & 0x81C081C0u, factor);
+  }
 }
 
 // Factors. Each returns the bf16x2 multiplier for the raw bit patterns above.
