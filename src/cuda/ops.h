@@ -1,0 +1,201 @@
+// SPDX-License-Identifier: MIT
+// The DeepSeek-V4 forward pass's kernels other than the linear layers (those are gemv.h). Each launcher takes one
+// params struct of raw device pointers, checks nothing the caller already knows, and enqueues on `stream`
+// (asynchronous; launch errors are thrown as dsv4::Error). Activations are fp32 row-major; "bf16" buffers hold
+// uint16_t bit patterns (round to nearest even). The CPU reference these reproduce is src/model/model.cpp and
+// src/cpu/ops.h; section numbers refer to the architecture spec.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace dsv4::gpu {
+
+// Simulated storage rounding applied to a row after norm / RoPE (cpu::round_kv, cpu::round_indexer).
+enum class RowRound {
+  None,
+  Bf16,        // every element -> bf16
+  KvFp8,       // first dim - rope_dim elements -> e4m3 in blocks of 64 (pow2 scale), last rope_dim -> bf16
+  IndexerFp4,  // Hadamard (dim a power of two), then e2m1 in blocks of 32 (pow2 scale)
+};
+
+// Row-wise  y = round(rope(rms_norm(x)))  over rows (token t, head h), each of `dim` values:
+//   x[t * x_token_stride + h * x_head_stride + i],  y likewise with the y strides (y == x allowed).
+//   norm:  x · (mean(x²) + eps)^-½ · weight (weight nullptr = 1), sum of squares in fp64 like cpu::rms_norm.
+//   rope:  interleaved RoPE on the last rope_dim values at position pos0 + t · pos_step, angles fp32
+//          position · inv_freq[i] (inv_freq: device [rope_dim/2]); `inverse` rotates backwards. rope_dim 0 = none.
+//   y_bf16: optional contiguous [tokens · heads, dim] bf16 copy of y.
+// dim <= 4096; KvFp8 needs (dim - rope_dim) % 64 == 0, IndexerFp4 a power-of-two dim >= 32.
+struct RowOpParams {
+  const float* x = nullptr;
+  int64_t x_token_stride = 0, x_head_stride = 0;
+  float* y = nullptr;  // may be nullptr when only y_bf16 is wanted
+  int64_t y_token_stride = 0, y_head_stride = 0;
+  uint16_t* y_bf16 = nullptr;
+  int tokens = 0, heads = 1, dim = 0;
+  bool norm = false;
+  const float* weight = nullptr;
+  float eps = 1e-6f;
+  int rope_dim = 0;
+  const float* inv_freq = nullptr;
+  int64_t pos0 = 0;
+  int pos_step = 1;
+  bool inverse = false;
+  RowRound round = RowRound::None;
+};
+void row_op(const RowOpParams& p, cudaStream_t stream);
+
+// y[m, n] = scale · x[m, k] · W[n, k]ᵀ in fp32 (small fp32 matrices: mHC mixes, router gate, indexer weights).
+struct LinearF32Params {
+  const float* x = nullptr;
+  const float* w = nullptr;
+  float* y = nullptr;
+  int m = 0, n = 0, k = 0;
+  float scale = 1.0f;
+};
+void linear_f32(const LinearF32Params& p, cudaStream_t stream);
+
+// 2.1: streams[t, k, :] = embed[tokens[t], :] for each of the hc streams. embed bf16 [vocab, D].
+void embed_tokens(const uint16_t* embed, const int32_t* tokens, int n, int D, int hc, float* streams,
+                  cudaStream_t stream);
+
+// 2.3 mHC pre + the sublayer's RMSNorm: from mix = streams · fnᵀ [n, (2+hc)·hc] and streams [n, hc, D]:
+//   rs = (mean over hc·D of streams²+eps)^-½; pre_k = σ(mix_k·rs·scale0 + base_k) + hc_eps;
+//   post_k = 2σ(mix_{hc+k}·rs·scale1 + base_{hc+k}); comb = Sinkhorn(softmax rows(...) + hc_eps);
+//   normed = rms_norm(Σ_k pre_k · streams_k, norm_weight). Outputs post [n, hc], comb [n, hc, hc],
+//   normed fp32 [n, D] and/or bf16 [n, D] (either may be nullptr). hc <= 8.
+struct HcPreParams {
+  const float* streams = nullptr;
+  const float* mix = nullptr;
+  const float* base = nullptr;   // [(2+hc)·hc]
+  const float* scale = nullptr;  // [3]
+  const float* norm_weight = nullptr;
+  int n = 0, hc = 0, D = 0, sinkhorn_iters = 0;
+  float hc_eps = 1e-6f, eps = 1e-6f;
+  float* post = nullptr;
+  float* comb = nullptr;
+  float* normed = nullptr;
+  uint16_t* normed_bf16 = nullptr;
+};
+void hc_pre(const HcPreParams& p, cudaStream_t stream);
+
+// 2.4 mHC post:  streams[t, k] <- post[t, k] · (out[t] + out2[t]) + Σ_j comb[t, j, k] · streams[t, j]
+// (out2 optional: the shared expert's output).
+void hc_post(const float* out, const float* out2, const float* post, const float* comb, int n, int hc, int D,
+             float* streams, cudaStream_t stream);
+
+// 2.5 + 5: final collapse y = Σ_k (σ(mix_k·rs·scale0 + base_k) + hc_eps) · streams_k, then rms_norm(y, norm_weight)
+// written as bf16 [n, D] (the head GEMM's input). mix [n, hc].
+void hc_head_norm(const float* streams, const float* mix, const float* base, const float* scale,
+                  const float* norm_weight, int n, int hc, int D, float hc_eps, float eps, uint16_t* y_bf16,
+                  cudaStream_t stream);
+
+// 3.5 compressor advance (reference partial-state layout, see model/state.h) over a chunk of n tokens at
+// positions pos0..: row (overlap ? r + i : i), i = p % r, gets kv_in[t] / gate_in[t] + ape[i]; when (p+1) % r == 0
+// the softmax-pooled entry b = p / r is written (un-normalised) to entries[b]; overlapped states then shift the
+// current block into the previous-block rows. Columns are independent, so one thread owns a column pair.
+struct CompressorParams {
+  const float* kv_in = nullptr;    // [n, width] with row stride in_stride
+  const float* gate_in = nullptr;  // [n, width] with row stride in_stride
+  int64_t in_stride = 0;
+  const float* ape = nullptr;      // [ratio, width]
+  float* state_kv = nullptr;       // [rows, width]
+  float* state_score = nullptr;    // [rows, width]
+  float* entries = nullptr;        // [max_entries, dim]
+  int ratio = 0, dim = 0, n = 0;
+  bool overlap = false;
+  int64_t pos0 = 0;
+};
+void compressor_advance(const CompressorParams& p, cudaStream_t stream);
+
+// 3.6 lightning indexer: for query t at p = pos0 + t and the n_visible = (p+1) / ratio keys s,
+//   score[s] = Σ_h w_scale · w[t, h] · max(q[t, h] · keys[s], 0),
+// then selected[t, 0..min(topk, n_visible)) = indices of the largest scores, descending, ties lower index first
+// (cpu::top_k_indices). scores is scratch [n, max_entries].
+struct IndexerTopkParams {
+  const float* q = nullptr;  // q[t * q_token_stride + h * dim + i]
+  int64_t q_token_stride = 0;
+  const float* w = nullptr;  // [n, heads]
+  float w_scale = 1.0f;
+  const float* keys = nullptr;  // [max_entries, dim]
+  float* scores = nullptr;
+  int32_t* selected = nullptr;  // [n, topk]
+  int n = 0, heads = 0, dim = 0, ratio = 0, topk = 0, max_entries = 0;
+  int64_t pos0 = 0;
+};
+void indexer_topk(const IndexerTopkParams& p, cudaStream_t stream);
+
+// 3.7/3.8 attention with sink, one shared K = V head, for query t at p = pos0 + t and head h:
+//   keys = window positions max(0, p-window+1)..p (this chunk's rows from kv_chunk, older ones from the ring
+//   window_ring[s % window_slots]) ∪ compressed entries (selected[t, :min(topk, (p+1)/ratio)] when selected != nullptr,
+//   else all (p+1)/ratio; none when ratio == 0);
+//   o = Σ_j softmax_j(q·k_j·scale | sink_h) k_j, then inverse RoPE at p on the last rope_dim dims.
+// Output bf16, grouped for the output projection: head h of token t goes to out[g][t][(h % hpg)·dim + i] with
+// hpg = heads / groups, g = h / hpg  (layout [groups, n, hpg·dim]). dim <= 512, dim % 32 == 0.
+struct AttentionParams {
+  const float* q = nullptr;  // q[t * q_token_stride + h * dim + i]
+  int64_t q_token_stride = 0;
+  const float* kv_chunk = nullptr;  // [n, dim]
+  const float* window_ring = nullptr;  // [window_slots, dim]
+  int window_slots = 0, window = 0;
+  const float* compressed = nullptr;  // [max_entries, dim]
+  int ratio = 0;
+  const int32_t* selected = nullptr;  // [n, topk]
+  int topk = 0;
+  const float* sink = nullptr;  // [heads]
+  const float* inv_freq = nullptr;
+  int rope_dim = 0;
+  int n = 0, heads = 0, dim = 0, groups = 1;
+  int64_t pos0 = 0;
+  float scale = 1.0f;
+  uint16_t* out = nullptr;
+};
+void attention(const AttentionParams& p, cudaStream_t stream);
+
+// 3.4 window ring: window[(pos0 + t) % slots] = kv_chunk[t] for the last min(n, slots) rows of the chunk.
+void window_store(const float* kv_chunk, int n, int dim, int64_t pos0, float* window, int slots,
+                  cudaStream_t stream);
+
+// [groups, n, width] -> [n, groups, width] (bf16), the grouped projection's outputs back to token-major.
+void ungroup_bf16(const uint16_t* in, int groups, int n, int width, uint16_t* out, cudaStream_t stream);
+
+// 4.1 router: from logits = x · gateᵀ [n, E]: s = sqrt(softplus) | sigmoid | softmax (scoring 0 | 1 | 2);
+// picks = tid2eid[tokens[t]] (hash layers, tid2eid != nullptr) or top-k of s + bias (descending, ties lower index);
+// weights = (norm_topk ? s / Σ_picks s : s) · routed_scale. Outputs ids / weights [n, k]. E <= 1024.
+struct RouterParams {
+  const float* logits = nullptr;
+  const float* bias = nullptr;
+  const int32_t* tid2eid = nullptr;  // [vocab, k]
+  const int32_t* tokens = nullptr;   // [n]
+  int n = 0, experts = 0, k = 0, scoring = 0;
+  bool norm_topk = true;
+  float routed_scale = 1.0f;
+  int32_t* ids = nullptr;
+  float* weights = nullptr;
+};
+void router(const RouterParams& p, cudaStream_t stream);
+
+// 4.2 experts, computed only for the (token, expert) pairs picked: expert e = ids[t, i] (ids nullptr: expert 0
+// with weight 1, the shared expert):
+//   up:   h[t, i, :] = silu(min(x_t·w1_eᵀ, limit)) · clamp(x_t·w3_eᵀ, ±limit) · weight[t, i]   (limit 0 = no clamp)
+//   down: out[t, :] = Σ_i h[t, i, :] · w2_eᵀ
+// Weights bf16: w13 [E, 2·inter, D] (rows 0..inter-1 = w1, inter..2·inter-1 = w3), w2 [E, D, inter].
+// D and inter multiples of 8. h fp32 [n, k, inter], out fp32 [n, D] (overwritten).
+struct ExpertParams {
+  const float* x = nullptr;
+  const uint16_t* w13 = nullptr;
+  const uint16_t* w2 = nullptr;
+  const int32_t* ids = nullptr;
+  const float* weights = nullptr;
+  int n = 0, k = 1, D = 0, inter = 0;
+  float limit = 0.0f;
+  float* h = nullptr;
+  float* out = nullptr;
+};
+void experts_up(const ExpertParams& p, cudaStream_t stream);
+void experts_down(const ExpertParams& p, cudaStream_t stream);
+
+// Fills n floats with value (state reset: compressor scores start at -inf).
+void fill_f32(float* x, int64_t n, float value, cudaStream_t stream);
+
+}  // namespace dsv4::gpu

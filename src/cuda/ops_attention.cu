@@ -1,0 +1,322 @@
+// SPDX-License-Identifier: MIT
+// Sequence kernels of the forward pass: KV compressors, the lightning indexer with its top-k, sparse attention
+// with sink, the MoE router and the routed / shared experts (bf16 weights, fp32 activations).
+#include <cmath>
+
+#include "cuda/ops.h"
+#include "cuda/ops_common.cuh"
+
+namespace dsv4::gpu {
+namespace {
+
+using detail::blocks_for;
+using detail::unpack_bf16x8;
+using detail::warp_sum;
+
+constexpr int kMaxHeadDim = 512;
+constexpr int kAttnWarps = 4;
+constexpr int kMaxPerLane = kMaxHeadDim / 32;
+constexpr int kMaxTopK = 16;  // experts per token
+
+// One thread per column j < dim (and its partner dim + j of the second series when overlapped); columns never
+// interact, so the chunk's tokens are walked in order without block synchronisation.
+__global__ void compressor_kernel(CompressorParams p) {
+  const int j = blockIdx.x * blockDim.x + threadIdx.x;
+  if (j >= p.dim) return;
+  const int r = p.ratio, d = p.dim, width = p.overlap ? 2 * d : d, n_rows = p.overlap ? 2 * r : r;
+  const int n_cols = p.overlap ? 2 : 1;
+  for (int t = 0; t < p.n; ++t) {
+    const int64_t pos = p.pos0 + t;
+    const int i = int(pos % r), row = p.overlap ? r + i : i;
+    for (int c = 0; c < n_cols; ++c) {
+      const int col = j + c * d;
+      p.state_kv[row * width + col] = p.kv_in[t * p.in_stride + col];
+      p.state_score[row * width + col] = p.gate_in[t * p.in_stride + col] + p.ape[i * width + col];
+    }
+    if ((pos + 1) % r != 0) continue;
+    float mx = -INFINITY;
+    for (int rr = 0; rr < n_rows; ++rr) {
+      const int col = p.overlap && rr >= r ? d + j : j;
+      mx = fmaxf(mx, p.state_score[rr * width + col]);
+    }
+    float sum = 0, acc = 0;
+    for (int rr = 0; rr < n_rows; ++rr) {
+      const int col = p.overlap && rr >= r ? d + j : j;
+      const float e = expf(p.state_score[rr * width + col] - mx);
+      sum = __fadd_rn(sum, e);
+      acc = __fadd_rn(acc, __fmul_rn(e, p.state_kv[rr * width + col]));
+    }
+    p.entries[(pos / r) * d + j] = acc / sum;
+    if (p.overlap)
+      for (int rr = 0; rr < r; ++rr)
+        for (int c = 0; c < n_cols; ++c) {
+          const int col = j + c * d;
+          p.state_kv[rr * width + col] = p.state_kv[(r + rr) * width + col];
+          p.state_score[rr * width + col] = p.state_score[(r + rr) * width + col];
+        }
+  }
+}
+
+// One block per query token: a warp per key for the scores, then each score's rank (the number of scores that
+// beat it, ties to the lower index) places it in the top-k list. O(n_visible²) per token: fine for the context
+// lengths tested here; a radix select replaces it for long contexts.
+__global__ void indexer_topk_kernel(IndexerTopkParams p) {
+  extern __shared__ float q[];  // [heads, dim]
+  const int t = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+  const int64_t pos = p.pos0 + t;
+  const int n_visible = int((pos + 1) / p.ratio);
+  const float* qt = p.q + t * p.q_token_stride;
+  for (int i = threadIdx.x; i < p.heads * p.dim; i += blockDim.x) q[i] = qt[i];
+  __syncthreads();
+  float* score = p.scores + int64_t(t) * p.max_entries;
+  for (int s = warp; s < n_visible; s += n_warps) {
+    const float* k = p.keys + int64_t(s) * p.dim;
+    float acc = 0;
+    for (int h = 0; h < p.heads; ++h) {
+      float dot = 0;
+      for (int i = lane; i < p.dim; i += 32) dot += q[h * p.dim + i] * k[i];
+      dot = warp_sum(dot);
+      acc += p.w[t * p.heads + h] * p.w_scale * fmaxf(dot, 0.0f);
+    }
+    if (lane == 0) score[s] = acc;
+  }
+  __syncthreads();
+  for (int s = threadIdx.x; s < n_visible; s += blockDim.x) {
+    const float v = score[s];
+    int rank = 0;
+    for (int s2 = 0; s2 < n_visible && rank < p.topk; ++s2) {
+      const float v2 = score[s2];
+      rank += (v2 > v) || (v2 == v && s2 < s);
+    }
+    if (rank < p.topk) p.selected[t * p.topk + rank] = s;
+  }
+}
+
+// One block per (head, token); each warp runs an online softmax over a strided share of the keys with the
+// query and its accumulator spread over the lanes (element lane + 32·e), then the warps are merged with the sink.
+__global__ void attention_kernel(AttentionParams p) {
+  __shared__ float warp_max[kAttnWarps], warp_sum_e[kAttnWarps], warp_factor[kAttnWarps], inv_denom;
+  __shared__ float warp_acc[kAttnWarps][kMaxHeadDim];
+  __shared__ float o[kMaxHeadDim];
+  const int h = blockIdx.x, t = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int dim = p.dim, per_lane = dim / 32;
+  const int64_t pos = p.pos0 + t;
+  const float* qv = p.q + t * p.q_token_stride + int64_t(h) * dim;
+  float qr[kMaxPerLane], acc[kMaxPerLane];  // fully unrolled with guards, so they stay in registers
+#pragma unroll
+  for (int e = 0; e < kMaxPerLane; ++e) {
+    qr[e] = e < per_lane ? qv[lane + 32 * e] : 0.0f;
+    acc[e] = 0;
+  }
+  const int64_t first = pos - p.window + 1 > 0 ? pos - p.window + 1 : 0;
+  const int n_window = int(pos - first + 1);
+  int n_comp = p.ratio ? int((pos + 1) / p.ratio) : 0;
+  if (p.selected && n_comp > p.topk) n_comp = p.topk;
+  float m = -INFINITY, l = 0;
+  for (int j = warp; j < n_window + n_comp; j += kAttnWarps) {
+    const float* key;
+    if (j < n_window) {
+      const int64_t s = first + j;
+      key = s >= p.pos0 ? p.kv_chunk + (s - p.pos0) * dim : p.window_ring + (s % p.window_slots) * dim;
+    } else {
+      const int c = j - n_window;
+      key = p.compressed + int64_t(p.selected ? p.selected[t * p.topk + c] : c) * dim;
+    }
+    float kr[kMaxPerLane], dot = 0;
+#pragma unroll
+    for (int e = 0; e < kMaxPerLane; ++e) {
+      kr[e] = e < per_lane ? key[lane + 32 * e] : 0.0f;
+      dot += qr[e] * kr[e];
+    }
+    const float logit = warp_sum(dot) * p.scale;
+    const float m_new = fmaxf(m, logit), correction = expf(m - m_new), w = expf(logit - m_new);
+    l = l * correction + w;
+#pragma unroll
+    for (int e = 0; e < kMaxPerLane; ++e) acc[e] = acc[e] * correction + w * kr[e];
+    m = m_new;
+  }
+  if (lane == 0) {
+    warp_max[warp] = m;
+    warp_sum_e[warp] = l;
+  }
+#pragma unroll
+  for (int e = 0; e < kMaxPerLane; ++e)
+    if (e < per_lane) warp_acc[warp][lane + 32 * e] = acc[e];
+  __syncthreads();
+  if (threadIdx.x == 0) {  // the sink is a virtual key with zero value: it only adds to the denominator
+    const float sink = p.sink[h];
+    float mx = sink;
+    for (int w = 0; w < kAttnWarps; ++w) mx = fmaxf(mx, warp_max[w]);
+    float denom = expf(sink - mx);
+    for (int w = 0; w < kAttnWarps; ++w) {
+      warp_factor[w] = warp_sum_e[w] > 0 ? expf(warp_max[w] - mx) : 0.0f;
+      denom += warp_sum_e[w] * warp_factor[w];
+    }
+    inv_denom = 1.0f / denom;
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+    float v = 0;
+    for (int w = 0; w < kAttnWarps; ++w) v += warp_acc[w][i] * warp_factor[w];
+    o[i] = v * inv_denom;
+  }
+  __syncthreads();
+  // V carries RoPE: de-rotate the last rope_dim dims at the query position (fp32 angle like the reference).
+  float* rope = o + dim - p.rope_dim;
+  for (int i = threadIdx.x; i < p.rope_dim / 2; i += blockDim.x) {
+    const float angle = __fmul_rn(float(pos), p.inv_freq[i]);
+    const float c = float(cos(double(angle))), s = -float(sin(double(angle)));
+    const float a = rope[2 * i], b = rope[2 * i + 1];
+    rope[2 * i] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+    rope[2 * i + 1] = __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c));
+  }
+  __syncthreads();
+  const int heads_per_group = p.heads / p.groups, g = h / heads_per_group, width = heads_per_group * dim;
+  uint16_t* out = p.out + (int64_t(g) * p.n + t) * width + (h % heads_per_group) * dim;
+  for (int i = threadIdx.x; i < dim; i += blockDim.x) out[i] = f32_to_bf16(o[i]);
+}
+
+// One block per token; thread 0 picks the experts sequentially (k passes over E) exactly like top_k_indices.
+__global__ void router_kernel(RouterParams p) {
+  extern __shared__ float s[];  // [E]
+  __shared__ int picks[kMaxTopK];
+  const int t = blockIdx.x, E = p.experts, k = p.k;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    const float v = p.logits[int64_t(t) * E + e];
+    if (p.scoring == 0) s[e] = sqrtf(v > 20.0f ? v : log1pf(expf(v)));
+    else if (p.scoring == 1) s[e] = detail::sigmoid(v);
+    else s[e] = v;
+  }
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  if (p.scoring == 2) {
+    float mx = -INFINITY, sum = 0;
+    for (int e = 0; e < E; ++e) mx = fmaxf(mx, s[e]);
+    for (int e = 0; e < E; ++e) sum += (s[e] = expf(s[e] - mx));
+    for (int e = 0; e < E; ++e) s[e] /= sum;
+  }
+  if (p.tid2eid) {
+    for (int i = 0; i < k; ++i) picks[i] = p.tid2eid[int64_t(p.tokens[t]) * k + i];
+  } else {
+    for (int i = 0; i < k; ++i) {
+      int best = -1;
+      float best_v = 0;
+      for (int e = 0; e < E; ++e) {
+        bool taken = false;
+        for (int q = 0; q < i; ++q) taken |= picks[q] == e;
+        if (taken) continue;
+        const float v = s[e] + (p.bias ? p.bias[e] : 0.0f);
+        if (best < 0 || v > best_v) best = e, best_v = v;
+      }
+      picks[i] = best;
+    }
+  }
+  float sum = 0;
+  for (int i = 0; i < k; ++i) sum += s[picks[i]];
+  for (int i = 0; i < k; ++i) {
+    const float w = s[picks[i]];
+    p.ids[t * k + i] = picks[i];
+    p.weights[t * k + i] = (p.norm_topk ? w / sum : w) * p.routed_scale;
+  }
+}
+
+// Dot product of an fp32 vector (shared or global) with a bf16 row, 8 elements per lane step, summed over the warp.
+__device__ float dot_bf16_row(const float* x, const uint16_t* row, int len) {
+  const uint4* w = reinterpret_cast<const uint4*>(row);
+  float acc = 0, wf[8];
+  for (int c = threadIdx.x & 31; c < len / 8; c += 32) {
+    unpack_bf16x8(w[c], wf);
+    for (int q = 0; q < 8; ++q) acc += x[c * 8 + q] * wf[q];
+  }
+  return warp_sum(acc);
+}
+
+constexpr int kExpertWarps = 8;
+
+__global__ void experts_up_kernel(ExpertParams p) {
+  extern __shared__ float x[];  // [D]
+  const int pair = blockIdx.y, t = pair / p.k, i = pair % p.k;
+  const int e = p.ids ? p.ids[t * p.k + i] : 0;
+  const float weight = p.ids ? p.weights[t * p.k + i] : 1.0f;
+  for (int d = threadIdx.x; d < p.D; d += blockDim.x) x[d] = p.x[int64_t(t) * p.D + d];
+  __syncthreads();
+  const int j = blockIdx.x * kExpertWarps + (threadIdx.x >> 5);
+  if (j >= p.inter) return;
+  const uint16_t* w13 = p.w13 + int64_t(e) * 2 * p.inter * p.D;
+  float g = dot_bf16_row(x, w13 + int64_t(j) * p.D, p.D);
+  float u = dot_bf16_row(x, w13 + int64_t(p.inter + j) * p.D, p.D);
+  if ((threadIdx.x & 31) != 0) return;
+  if (p.limit > 0) {  // gate clamped from above only, up on both sides
+    g = fminf(g, p.limit);
+    u = fminf(fmaxf(u, -p.limit), p.limit);
+  }
+  p.h[int64_t(pair) * p.inter + j] = g / (1.0f + expf(-g)) * u * weight;
+}
+
+__global__ void experts_down_kernel(ExpertParams p) {
+  const int t = blockIdx.y, d = blockIdx.x * kExpertWarps + (threadIdx.x >> 5);
+  if (d >= p.D) return;
+  float acc = 0;
+  for (int i = 0; i < p.k; ++i) {
+    const int e = p.ids ? p.ids[t * p.k + i] : 0;
+    const uint16_t* row = p.w2 + (int64_t(e) * p.D + d) * p.inter;
+    acc += dot_bf16_row(p.h + (int64_t(t) * p.k + i) * p.inter, row, p.inter);
+  }
+  if ((threadIdx.x & 31) == 0) p.out[int64_t(t) * p.D + d] = acc;
+}
+
+}  // namespace
+
+void compressor_advance(const CompressorParams& p, cudaStream_t stream) {
+  if (p.n == 0) return;
+  OPS_CHECK(p.ratio > 0 && p.dim > 0, "compressor_advance: ratio %d and dim %d must be positive", p.ratio, p.dim);
+  compressor_kernel<<<blocks_for(p.dim, 128), 128, 0, stream>>>(p);
+  DSV4_CUDA_LAUNCHED();
+}
+
+void indexer_topk(const IndexerTopkParams& p, cudaStream_t stream) {
+  if (p.n == 0) return;
+  OPS_CHECK(p.ratio > 0 && p.topk > 0, "indexer_topk: ratio %d and topk %d must be positive", p.ratio, p.topk);
+  OPS_CHECK(p.heads * p.dim <= 12288, "indexer_topk: heads x dim = %d exceeds 12288 (shared memory)",
+            p.heads * p.dim);
+  indexer_topk_kernel<<<p.n, 256, p.heads * p.dim * sizeof(float), stream>>>(p);
+  DSV4_CUDA_LAUNCHED();
+}
+
+void attention(const AttentionParams& p, cudaStream_t stream) {
+  if (p.n == 0) return;
+  OPS_CHECK(p.dim % 32 == 0 && p.dim <= kMaxHeadDim, "attention: head_dim %d must be a multiple of 32 and <= %d",
+            p.dim, kMaxHeadDim);
+  OPS_CHECK(p.groups > 0 && p.heads % p.groups == 0, "attention: %d heads do not split into %d groups", p.heads,
+            p.groups);
+  attention_kernel<<<dim3(p.heads, p.n), kAttnWarps * 32, 0, stream>>>(p);
+  DSV4_CUDA_LAUNCHED();
+}
+
+void router(const RouterParams& p, cudaStream_t stream) {
+  if (p.n == 0) return;
+  OPS_CHECK(p.k > 0 && p.k <= kMaxTopK && p.k <= p.experts, "router: %d experts per token (at most %d, E = %d)",
+            p.k, kMaxTopK, p.experts);
+  OPS_CHECK(p.experts <= 12288, "router: %d experts exceed 12288 (shared memory)", p.experts);
+  router_kernel<<<p.n, 256, p.experts * sizeof(float), stream>>>(p);
+  DSV4_CUDA_LAUNCHED();
+}
+
+void experts_up(const ExpertParams& p, cudaStream_t stream) {
+  if (p.n == 0) return;
+  OPS_CHECK(p.D % 8 == 0 && p.inter % 8 == 0, "experts_up: D %d and inter %d must be multiples of 8", p.D, p.inter);
+  OPS_CHECK(p.D <= 12288, "experts_up: D %d exceeds 12288 (shared memory)", p.D);
+  experts_up_kernel<<<dim3(blocks_for(p.inter, kExpertWarps), p.n * p.k), kExpertWarps * 32, p.D * sizeof(float),
+                      stream>>>(p);
+  DSV4_CUDA_LAUNCHED();
+}
+
+void experts_down(const ExpertParams& p, cudaStream_t stream) {
+  if (p.n == 0) return;
+  OPS_CHECK(p.D % 8 == 0 && p.inter % 8 == 0, "experts_down: D %d and inter %d must be multiples of 8", p.D,
+            p.inter);
+  experts_down_kernel<<<dim3(blocks_for(p.D, kExpertWarps), p.n), kExpertWarps * 32, 0, stream>>>(p);
+  DSV4_CUDA_LAUNCHED();
+}
+
+}  // namespace dsv4::gpu

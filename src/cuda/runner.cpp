@@ -1,0 +1,646 @@
+// SPDX-License-Identifier: MIT
+// CUDA SequenceRunner: the forward pass of src/model/model.cpp, step for step, as kernel launches on one stream.
+// Launch order per layer (decode, CSA layer):
+//   attention: mix (fp32 linear) -> hc_pre+norm -> gemv [wq_a|wkv|compressor wkv,wgate|indexer wkv,wgate]
+//              -> q_norm -> gemv [wq_b|indexer wq_b] -> q norm+rope -> kv norm+rope+round -> compressors (+ entry
+//              norm/rope/round when a block completes) -> indexer q rope+round -> weights_proj -> scores+top-k
+//              -> attention -> window ring -> G x gemv wo_a -> gemv wo_b -> hc_post
+//   ffn:       mix -> hc_pre+norm -> gate (fp32 linear) -> router -> experts up/down -> shared up/down -> hc_post
+#include "cuda/runner.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <vector>
+
+#include "core/check.h"
+#include "cuda/cuda_check.h"
+#include "cuda/device.h"
+#include "cuda/gemv.h"
+#include "cuda/ops.h"
+#include "formats/bf16.h"
+#include "model/model.h"
+
+namespace dsv4 {
+namespace {
+
+using gpu::RowOpParams;
+using gpu::RowRound;
+
+// ---- uploads ---------------------------------------------------------------------------------------------
+
+DeviceBuffer upload_f32(const std::vector<float>& v) {
+  DeviceBuffer b(std::max<size_t>(v.size(), 1) * sizeof(float));
+  if (!v.empty()) b.upload(v.data(), v.size() * sizeof(float));
+  return b;
+}
+
+DeviceBuffer upload_i32(const std::vector<int32_t>& v) {
+  DeviceBuffer b(std::max<size_t>(v.size(), 1) * sizeof(int32_t));
+  if (!v.empty()) b.upload(v.data(), v.size() * sizeof(int32_t));
+  return b;
+}
+
+// Row-concatenation of matrices with equal column counts, as bf16.
+DeviceBuffer upload_bf16(const std::vector<const Matrix*>& parts) {
+  std::vector<uint16_t> host;
+  for (const Matrix* m : parts)
+    for (float v : m->data) host.push_back(f32_to_bf16(v));
+  DeviceBuffer b(std::max<size_t>(host.size(), 1) * sizeof(uint16_t));
+  if (!host.empty()) b.upload(host.data(), host.size() * sizeof(uint16_t));
+  return b;
+}
+
+DeviceBuffer zeros(size_t bytes) {
+  DeviceBuffer b(std::max<size_t>(bytes, 16));
+  b.fill_bytes(0);
+  return b;
+}
+
+// ---- device model -------------------------------------------------------------------------------------------
+
+struct HcDevice {
+  DeviceBuffer fn, base, scale;
+  explicit HcDevice(const HyperConnWeights& w) : fn(upload_f32(w.fn.data)), base(upload_f32(w.base)),
+                                                 scale(upload_f32(w.scale)) {}
+};
+
+// Compressor weights plus its partial-block state ([rows, width] kv and score) on the device.
+struct CompressorDevice {
+  int ratio = 0, dim = 0, rows = 0, width = 0;
+  bool overlap = false;
+  DeviceBuffer ape, norm, state_kv, state_score;
+};
+
+struct LayerDevice {
+  int ratio = 0;  // 0 = sliding only
+  bool indexer = false, hash = false;
+  const float* inv_freq = nullptr;
+  HcDevice hc_attn, hc_ffn;
+  DeviceBuffer attn_norm, ffn_norm, q_norm, kv_norm, sink;
+  // x-side fused projection rows: wq_a | wkv | compressor wkv | compressor wgate | indexer wkv | indexer wgate
+  DeviceBuffer w_x;
+  int n_x = 0, off_kv = 0, off_ckv = 0, off_cgate = 0, off_ikv = 0, off_igate = 0;
+  // q-side fused projection rows: wq_b | indexer wq_b
+  DeviceBuffer w_q;
+  int n_q = 0, off_iq = 0;
+  DeviceBuffer wo_a, wo_b;
+  std::optional<CompressorDevice> compressor, index_compressor;
+  DeviceBuffer index_wproj;  // fp32 [index_n_heads, D]
+  // MoE
+  DeviceBuffer gate, gate_bias, tid2eid, w13, w2, shared_w13, shared_w2;
+  int shared_inter = 0;
+  // sequence state
+  DeviceBuffer window, compressed, index_keys;
+
+  LayerDevice(const LayerWeights& w) : hc_attn(w.hc_attn), hc_ffn(w.hc_ffn) {}
+};
+
+size_t bytes_of(const DeviceBuffer& b) { return b.data() ? b.size() : 0; }
+
+class CudaRunner final : public SequenceRunner {
+ public:
+  CudaRunner(const Model& model, int max_context);
+  ~CudaRunner() override;
+
+  const ModelConfig& config() const override { return c_; }
+  std::vector<float> forward(std::span<const int32_t> tokens, bool last_only) override;
+  int64_t n_tokens() const override { return n_tokens_; }
+  int max_context() const override { return max_context_; }
+  void reset() override;
+  size_t state_bytes() const override { return state_bytes_; }
+  CudaRunnerStats stats() const { return stats_; }
+
+ private:
+  enum class Rows { None, Last, All };  // logits rows a chunk returns
+  void run_chunk(std::span<const int32_t> tokens, int64_t pos0, Rows rows, std::vector<float>& logits);
+  void attention_block(int l, int n, int64_t pos0);
+  void ffn_block(int l, int n);
+  void row_op(const RowOpParams& p) {
+    gpu::row_op(p, stream_);
+    ++launches_;
+  }
+  // y[n, rows] = x[n, k] · W[rows, k]ᵀ with bf16 x and W (gemv: n <= 64 by construction of the chunk size).
+  void linear(const void* x, const void* w, void* y, int m, int rows, int k, GemvOut out) {
+    GemvParams p;
+    p.m = m;
+    p.n = rows;
+    p.k = k;
+    p.x = x;
+    p.w = w;
+    p.y = y;
+    p.out = out;
+    p.stream = stream_;
+    gemv(p);
+    ++launches_;
+  }
+  void linear_f32(const float* x, const DeviceBuffer& w, float* y, int m, int rows, int k, float scale = 1.0f) {
+    gpu::linear_f32({x, w.as<float>(), y, m, rows, k, scale}, stream_);
+    ++launches_;
+  }
+
+  const Model& model_;
+  const ModelConfig& c_;
+  const Numerics numerics_;
+  int max_context_ = 0, window_slots_ = 0;
+  int64_t n_tokens_ = 0;
+  size_t state_bytes_ = 0;
+  CudaRunnerStats stats_;
+  int64_t launches_ = 0;
+  cudaStream_t stream_ = nullptr;
+
+  // weights
+  DeviceBuffer embed_, head_, final_norm_, inv_freq_main_, inv_freq_compress_;
+  std::optional<HcDevice> hc_head_;
+  std::vector<LayerDevice> layers_;
+
+  // workspaces, sized for kCudaMaxChunk tokens
+  DeviceBuffer tokens_, streams_, mix_, post_, comb_, normed_, normed_bf16_, y_x_, qr_bf16_, y_q_, kv_chunk_,
+      index_w_, scores_, selected_, o_grouped_, z_grouped_, z_, attn_out_, router_logits_, expert_ids_,
+      expert_weights_, h_, h_shared_, ffn_out_, shared_out_, head_in_, logits_;
+  int max_entries_ = 1;  // largest compressed-entry count of any layer (scores scratch row length)
+  int32_t* host_tokens_ = nullptr;  // pinned
+  float* host_logits_ = nullptr;    // pinned [kCudaMaxChunk, vocab]
+};
+
+CudaRunner::CudaRunner(const Model& model, int max_context)
+    : model_(model), c_(model.config()), numerics_(model.numerics()), max_context_(max_context) {
+  DSV4_CHECK(cuda_available(), "--device cuda: no usable CUDA device or driver");
+  DSV4_CHECK(max_context > 0, "--max-context must be positive, got {}", max_context);
+  const ModelConfig& c = c_;
+  const ModelWeights& W = model.weights();
+  const int D = c.hidden_size, H = c.n_heads, hd = c.head_dim, rd = c.rope_dim, hc = c.hc_mult;
+  DSV4_CHECK(hd % 32 == 0 && hd <= 512, "cuda runner: head_dim {} must be a multiple of 32 and at most 512", hd);
+  DSV4_CHECK(D % 8 == 0 && c.q_lora_rank % 8 == 0, "cuda runner: hidden_size {} and q_lora_rank {} must be multiples of 8",
+             D, c.q_lora_rank);
+  DSV4_CHECK(c.o_groups > 0 && H % c.o_groups == 0, "cuda runner: {} heads do not split into o_groups = {}", H,
+             c.o_groups);
+  DSV4_CHECK(c.moe_inter % 8 == 0, "cuda runner: moe_intermediate_size {} must be a multiple of 8", c.moe_inter);
+  DSV4_CUDA_CHECK(cudaStreamCreate(&stream_));  // blocking stream: ordered after the synchronous uploads
+
+  window_slots_ = std::min(c.window, max_context);
+  embed_ = upload_bf16({&W.embed});
+  head_ = upload_bf16({&W.head});
+  final_norm_ = upload_f32(W.norm);
+  hc_head_.emplace(W.hc_head);
+  inv_freq_main_ = upload_f32(rope_inv_freq(c.rope_main, rd));
+  inv_freq_compress_ = upload_f32(rope_inv_freq(c.rope_compress, rd));
+
+  int max_n_x = 0, max_n_q = 0, max_inter = 1, max_shared = 1;
+  layers_.reserve(c.n_layers);
+  for (int l = 0; l < c.n_layers; ++l) {
+    const LayerWeights& L = W.layers[l];
+    const AttentionWeights& A = L.attn;
+    LayerDevice& d = layers_.emplace_back(L);
+    d.ratio = c.compress_ratio[l];
+    d.indexer = A.indexer.has_value();
+    d.hash = c.hash_routed[l];
+    d.inv_freq = (c.has_compressor(l) ? inv_freq_compress_ : inv_freq_main_).as<float>();
+    d.attn_norm = upload_f32(L.attn_norm);
+    d.ffn_norm = upload_f32(L.ffn_norm);
+    d.q_norm = upload_f32(A.q_norm);
+    d.kv_norm = upload_f32(A.kv_norm);
+    d.sink = upload_f32(A.sink);
+
+    std::vector<const Matrix*> x_rows = {&A.wq_a, &A.wkv};
+    d.off_kv = c.q_lora_rank;
+    int n_x = c.q_lora_rank + hd;
+    auto add_compressor = [&](const CompressorWeights& cw, int& off_kv, int& off_gate) {
+      off_kv = n_x;
+      off_gate = n_x + cw.wkv.rows;
+      n_x += cw.wkv.rows + cw.wgate.rows;
+      x_rows.push_back(&cw.wkv);
+      x_rows.push_back(&cw.wgate);
+      CompressorDevice dev;
+      dev.ratio = cw.ratio;
+      dev.dim = cw.dim;
+      dev.overlap = cw.overlap;
+      dev.rows = (cw.overlap ? 2 : 1) * cw.ratio;
+      dev.width = (cw.overlap ? 2 : 1) * cw.dim;
+      dev.ape = upload_f32(cw.ape.data);
+      dev.norm = upload_f32(cw.norm);
+      dev.state_kv = DeviceBuffer(size_t(dev.rows) * dev.width * sizeof(float));
+      dev.state_score = DeviceBuffer(size_t(dev.rows) * dev.width * sizeof(float));
+      state_bytes_ += 2 * size_t(dev.rows) * dev.width * sizeof(float);
+      return dev;
+    };
+    if (A.compressor) d.compressor = add_compressor(*A.compressor, d.off_ckv, d.off_cgate);
+    if (A.indexer) d.index_compressor = add_compressor(A.indexer->compressor, d.off_ikv, d.off_igate);
+    d.n_x = n_x;
+    d.w_x = upload_bf16(x_rows);
+    std::vector<const Matrix*> q_rows = {&A.wq_b};
+    d.n_q = H * hd;
+    d.off_iq = H * hd;
+    if (A.indexer) {
+      q_rows.push_back(&A.indexer->wq_b);
+      d.n_q += A.indexer->wq_b.rows;
+      d.index_wproj = upload_f32(A.indexer->weights_proj.data);
+    }
+    d.w_q = upload_bf16(q_rows);
+    d.wo_a = upload_bf16({&A.wo_a});
+    d.wo_b = upload_bf16({&A.wo_b});
+    max_n_x = std::max(max_n_x, d.n_x);
+    max_n_q = std::max(max_n_q, d.n_q);
+
+    // state: same sizes as SequenceState::create
+    d.window = DeviceBuffer(size_t(window_slots_) * hd * sizeof(float));
+    state_bytes_ += d.window.size();
+    if (d.ratio) {
+      const int entries = max_context / d.ratio;
+      max_entries_ = std::max(max_entries_, entries);
+      d.compressed = DeviceBuffer(std::max<size_t>(size_t(entries) * hd * sizeof(float), 16));
+      state_bytes_ += size_t(entries) * hd * sizeof(float);
+      if (d.indexer) {
+        d.index_keys = DeviceBuffer(std::max<size_t>(size_t(entries) * c.index_head_dim * sizeof(float), 16));
+        state_bytes_ += size_t(entries) * c.index_head_dim * sizeof(float);
+      }
+    }
+
+    const MoEWeights& M = L.ffn;
+    d.gate = upload_f32(M.gate.data);
+    if (!M.gate_bias.empty()) d.gate_bias = upload_f32(M.gate_bias);
+    if (d.hash) d.tid2eid = upload_i32(M.tid2eid);
+    std::vector<const Matrix*> up, down;
+    for (const ExpertWeights& e : M.experts) {
+      up.push_back(&e.w1);
+      up.push_back(&e.w3);
+      down.push_back(&e.w2);
+    }
+    d.w13 = upload_bf16(up);
+    d.w2 = upload_bf16(down);
+    max_inter = std::max(max_inter, c.moe_inter);
+    if (M.shared) {
+      d.shared_inter = M.shared->w1.rows;
+      DSV4_CHECK(d.shared_inter % 8 == 0, "cuda runner: shared expert width {} must be a multiple of 8",
+                 d.shared_inter);
+      d.shared_w13 = upload_bf16({&M.shared->w1, &M.shared->w3});
+      d.shared_w2 = upload_bf16({&M.shared->w2});
+      max_shared = std::max(max_shared, d.shared_inter);
+    }
+  }
+  for (const DeviceBuffer* b : {&embed_, &head_}) stats_.weight_bytes += bytes_of(*b);
+  for (const LayerDevice& d : layers_)
+    for (const DeviceBuffer* b : {&d.w_x, &d.w_q, &d.wo_a, &d.wo_b, &d.gate, &d.w13, &d.w2, &d.shared_w13,
+                                  &d.shared_w2, &d.index_wproj})
+      stats_.weight_bytes += bytes_of(*b);
+
+  const size_t C = kCudaMaxChunk, f = sizeof(float), b16 = sizeof(uint16_t);
+  const int n_mix = (2 + hc) * hc, k = c.n_experts_per_tok;
+  tokens_ = zeros(C * sizeof(int32_t));
+  streams_ = zeros(C * hc * D * f);
+  mix_ = zeros(C * n_mix * f);
+  post_ = zeros(C * hc * f);
+  comb_ = zeros(C * hc * hc * f);
+  normed_ = zeros(C * D * f);
+  normed_bf16_ = zeros(C * D * b16);
+  y_x_ = zeros(C * max_n_x * f);
+  qr_bf16_ = zeros(C * c.q_lora_rank * b16);
+  y_q_ = zeros(C * max_n_q * f);
+  kv_chunk_ = zeros(C * hd * f);
+  index_w_ = zeros(C * std::max(c.index_n_heads, 1) * f);
+  scores_ = zeros(C * max_entries_ * f);
+  selected_ = zeros(C * std::max(c.index_topk, 1) * sizeof(int32_t));
+  o_grouped_ = zeros(C * H * hd * b16);
+  z_grouped_ = zeros(C * c.o_groups * c.o_lora_rank * b16);
+  z_ = zeros(C * c.o_groups * c.o_lora_rank * b16);
+  attn_out_ = zeros(C * D * f);
+  router_logits_ = zeros(C * c.n_routed_experts * f);
+  expert_ids_ = zeros(C * k * sizeof(int32_t));
+  expert_weights_ = zeros(C * k * f);
+  h_ = zeros(C * k * max_inter * f);
+  h_shared_ = zeros(C * max_shared * f);
+  ffn_out_ = zeros(C * D * f);
+  shared_out_ = zeros(C * D * f);
+  head_in_ = zeros(C * D * b16);
+  logits_ = zeros(C * c.vocab_size * f);
+  for (const DeviceBuffer* b : {&tokens_, &streams_, &mix_, &post_, &comb_, &normed_, &normed_bf16_, &y_x_,
+                                &qr_bf16_, &y_q_, &kv_chunk_, &index_w_, &scores_, &selected_, &o_grouped_,
+                                &z_grouped_, &z_, &attn_out_, &router_logits_, &expert_ids_, &expert_weights_, &h_,
+                                &h_shared_, &ffn_out_, &shared_out_, &head_in_, &logits_})
+    stats_.workspace_bytes += b->size();
+  DSV4_CUDA_CHECK(cudaMallocHost(&host_tokens_, C * sizeof(int32_t)));
+  DSV4_CUDA_CHECK(cudaMallocHost(&host_logits_, C * c.vocab_size * f));
+  reset();
+  DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+CudaRunner::~CudaRunner() {
+  if (stream_) cudaStreamSynchronize(stream_);
+  if (host_tokens_) cudaFreeHost(host_tokens_);
+  if (host_logits_) cudaFreeHost(host_logits_);
+  if (stream_) cudaStreamDestroy(stream_);
+}
+
+void CudaRunner::reset() {
+  n_tokens_ = 0;
+  for (LayerDevice& d : layers_)  // spec 3.5: kv 0, scores -inf at sequence start
+    for (auto* cs : {&d.compressor, &d.index_compressor})
+      if (*cs) {
+        const int64_t n = int64_t((*cs)->rows) * (*cs)->width;
+        gpu::fill_f32((*cs)->state_kv.as<float>(), n, 0.0f, stream_);
+        gpu::fill_f32((*cs)->state_score.as<float>(), n, -std::numeric_limits<float>::infinity(), stream_);
+      }
+}
+
+std::vector<float> CudaRunner::forward(std::span<const int32_t> tokens, bool last_only) {
+  const int n = int(tokens.size());
+  DSV4_CHECK(n > 0, "forward: no tokens");
+  DSV4_CHECK(n_tokens_ + n <= max_context_,
+             "sequence of {} tokens does not fit the context of {} tokens (--max-context)", n_tokens_ + n,
+             max_context_);
+  for (int32_t id : tokens)
+    DSV4_CHECK(id >= 0 && id < c_.vocab_size, "token id {} is outside the vocabulary [0, {})", id, c_.vocab_size);
+  launches_ = 0;
+  std::vector<float> logits;
+  for (int at = 0; at < n; at += kCudaMaxChunk) {
+    const int len = std::min(kCudaMaxChunk, n - at);
+    const Rows rows = !last_only ? Rows::All : at + len == n ? Rows::Last : Rows::None;
+    run_chunk(tokens.subspan(at, len), n_tokens_, rows, logits);
+    n_tokens_ += len;
+  }
+  stats_.launches_last_forward = launches_;
+  return logits;
+}
+
+void CudaRunner::run_chunk(std::span<const int32_t> tokens, int64_t pos0, Rows wanted, std::vector<float>& logits) {
+  const ModelConfig& c = c_;
+  const int n = int(tokens.size()), D = c.hidden_size, hc = c.hc_mult, V = c.vocab_size;
+  std::memcpy(host_tokens_, tokens.data(), n * sizeof(int32_t));
+  DSV4_CUDA_CHECK(cudaMemcpyAsync(tokens_.data(), host_tokens_, n * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+  gpu::embed_tokens(embed_.as<uint16_t>(), tokens_.as<int32_t>(), n, D, hc, streams_.as<float>(), stream_);
+  ++launches_;
+  for (int l = 0; l < c.n_layers; ++l) {
+    attention_block(l, n, pos0);
+    ffn_block(l, n);
+  }
+  if (wanted == Rows::None) return;
+  // 5: final collapse, norm, head for the rows asked for
+  const int first = wanted == Rows::Last ? n - 1 : 0, rows = n - first;
+  const float* streams = streams_.as<float>() + size_t(first) * hc * D;
+  linear_f32(streams, hc_head_->fn, mix_.as<float>(), rows, hc, hc * D);
+  gpu::hc_head_norm(streams, mix_.as<float>(), hc_head_->base.as<float>(), hc_head_->scale.as<float>(),
+                    final_norm_.as<float>(), rows, hc, D, c.hc_eps, c.rms_norm_eps, head_in_.as<uint16_t>(), stream_);
+  ++launches_;
+  linear(head_in_.data(), head_.data(), logits_.data(), rows, V, D, GemvOut::F32);
+  const size_t count = size_t(rows) * V;
+  DSV4_CUDA_CHECK(cudaMemcpyAsync(host_logits_, logits_.data(), count * sizeof(float), cudaMemcpyDeviceToHost, stream_));
+  DSV4_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  logits.insert(logits.end(), host_logits_, host_logits_ + count);
+}
+
+void CudaRunner::attention_block(int l, int n, int64_t pos0) {
+  const ModelConfig& c = c_;
+  LayerDevice& d = layers_[l];
+  const int D = c.hidden_size, H = c.n_heads, hd = c.head_dim, rd = c.rope_dim, hc = c.hc_mult;
+  const int n_mix = (2 + hc) * hc, r = d.ratio;
+  float* y_x = y_x_.as<float>();
+  float* y_q = y_q_.as<float>();
+
+  // 2.3 mHC pre + attn_norm
+  linear_f32(streams_.as<float>(), d.hc_attn.fn, mix_.as<float>(), n, n_mix, hc * D);
+  gpu::hc_pre({streams_.as<float>(), mix_.as<float>(), d.hc_attn.base.as<float>(), d.hc_attn.scale.as<float>(),
+               d.attn_norm.as<float>(), n, hc, D, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps, post_.as<float>(),
+               comb_.as<float>(), normed_.as<float>(), normed_bf16_.as<uint16_t>()},
+              stream_);
+  ++launches_;
+
+  // 3.2 / 3.3 / 3.5 input projections in one GEMM, then q_norm and the q projections in another.
+  linear(normed_bf16_.data(), d.w_x.data(), y_x, n, d.n_x, D, GemvOut::F32);
+  RowOpParams qn;
+  qn.x = y_x;
+  qn.x_token_stride = d.n_x;
+  qn.y_bf16 = qr_bf16_.as<uint16_t>();
+  qn.tokens = n;
+  qn.dim = c.q_lora_rank;
+  qn.norm = true;
+  qn.weight = d.q_norm.as<float>();
+  qn.eps = c.rms_norm_eps;
+  row_op(qn);
+  linear(qr_bf16_.data(), d.w_q.data(), y_q, n, d.n_q, c.q_lora_rank, GemvOut::F32);
+
+  RowOpParams q;  // per-head norm (no weight) + RoPE, in place
+  q.x = q.y = y_q;
+  q.x_token_stride = q.y_token_stride = d.n_q;
+  q.x_head_stride = q.y_head_stride = hd;
+  q.tokens = n;
+  q.heads = H;
+  q.dim = hd;
+  q.norm = true;
+  q.eps = c.rms_norm_eps;
+  q.rope_dim = rd;
+  q.inv_freq = d.inv_freq;
+  q.pos0 = pos0;
+  row_op(q);
+
+  const RowRound kv_round = numerics_.kv == cpu::KvStorage::FP8    ? RowRound::KvFp8
+                            : numerics_.kv == cpu::KvStorage::BF16 ? RowRound::Bf16
+                                                                   : RowRound::None;
+  const RowRound index_round = numerics_.indexer == cpu::IndexerStorage::FP4    ? RowRound::IndexerFp4
+                               : numerics_.indexer == cpu::IndexerStorage::BF16 ? RowRound::Bf16
+                                                                                : RowRound::None;
+  RowOpParams kv;
+  kv.x = y_x + d.off_kv;
+  kv.x_token_stride = d.n_x;
+  kv.y = kv_chunk_.as<float>();
+  kv.y_token_stride = hd;
+  kv.tokens = n;
+  kv.dim = hd;
+  kv.norm = true;
+  kv.weight = d.kv_norm.as<float>();
+  kv.eps = c.rms_norm_eps;
+  kv.rope_dim = rd;
+  kv.inv_freq = d.inv_freq;
+  kv.pos0 = pos0;
+  kv.round = kv_round;
+  row_op(kv);
+
+  // 3.5 compressors; the entries completed in this chunk (blocks pos0/r .. (pos0+n)/r - 1) are finished after.
+  auto advance = [&](CompressorDevice& cd, int off_kv, int off_gate, float* entries, RowRound round) {
+    gpu::compressor_advance({y_x + off_kv, y_x + off_gate, d.n_x, cd.ape.as<float>(), cd.state_kv.as<float>(),
+                             cd.state_score.as<float>(), entries, cd.ratio, cd.dim, n, cd.overlap, pos0},
+                            stream_);
+    ++launches_;
+    const int64_t b_first = pos0 / r, b_end = (pos0 + n) / r;
+    if (b_end == b_first) return;
+    RowOpParams fin;
+    fin.x = fin.y = entries + b_first * cd.dim;
+    fin.x_token_stride = fin.y_token_stride = cd.dim;
+    fin.tokens = int(b_end - b_first);
+    fin.dim = cd.dim;
+    fin.norm = true;
+    fin.weight = cd.norm.as<float>();
+    fin.eps = c.rms_norm_eps;
+    fin.rope_dim = rd;
+    fin.inv_freq = d.inv_freq;
+    fin.pos0 = b_first * r;
+    fin.pos_step = r;
+    fin.round = round;
+    row_op(fin);
+  };
+  if (d.compressor) advance(*d.compressor, d.off_ckv, d.off_cgate, d.compressed.as<float>(), kv_round);
+
+  // 3.6 lightning indexer
+  const int nh = c.index_n_heads, ihd = c.index_head_dim;
+  if (d.indexer) {
+    advance(*d.index_compressor, d.off_ikv, d.off_igate, d.index_keys.as<float>(), index_round);
+    RowOpParams qi;  // RoPE + rounding, no norm
+    qi.x = qi.y = y_q + d.off_iq;
+    qi.x_token_stride = qi.y_token_stride = d.n_q;
+    qi.x_head_stride = qi.y_head_stride = ihd;
+    qi.tokens = n;
+    qi.heads = nh;
+    qi.dim = ihd;
+    qi.rope_dim = rd;
+    qi.inv_freq = d.inv_freq;
+    qi.pos0 = pos0;
+    qi.round = index_round;
+    row_op(qi);
+    linear_f32(normed_.as<float>(), d.index_wproj, index_w_.as<float>(), n, nh, D);
+    gpu::IndexerTopkParams ip;
+    ip.q = y_q + d.off_iq;
+    ip.q_token_stride = d.n_q;
+    ip.w = index_w_.as<float>();
+    ip.w_scale = 1.0f / std::sqrt(float(ihd)) / std::sqrt(float(nh));
+    ip.keys = d.index_keys.as<float>();
+    ip.scores = scores_.as<float>();
+    ip.selected = selected_.as<int32_t>();
+    ip.n = n;
+    ip.heads = nh;
+    ip.dim = ihd;
+    ip.ratio = r;
+    ip.topk = c.index_topk;
+    ip.max_entries = max_entries_;
+    ip.pos0 = pos0;
+    gpu::indexer_topk(ip, stream_);
+    ++launches_;
+  }
+
+  // 3.7 / 3.8 attention, then the window ring takes this chunk's last positions.
+  gpu::AttentionParams ap;
+  ap.q = y_q;
+  ap.q_token_stride = d.n_q;
+  ap.kv_chunk = kv_chunk_.as<float>();
+  ap.window_ring = d.window.as<float>();
+  ap.window_slots = window_slots_;
+  ap.window = c.window;
+  ap.compressed = r ? d.compressed.as<float>() : nullptr;
+  ap.ratio = r;
+  ap.selected = d.indexer ? selected_.as<int32_t>() : nullptr;
+  ap.topk = c.index_topk;
+  ap.sink = d.sink.as<float>();
+  ap.inv_freq = d.inv_freq;
+  ap.rope_dim = rd;
+  ap.n = n;
+  ap.heads = H;
+  ap.dim = hd;
+  ap.groups = c.o_groups;
+  ap.pos0 = pos0;
+  ap.scale = 1.0f / std::sqrt(float(hd));
+  ap.out = o_grouped_.as<uint16_t>();
+  gpu::attention(ap, stream_);
+  ++launches_;
+  gpu::window_store(kv_chunk_.as<float>(), n, hd, pos0, d.window.as<float>(), window_slots_, stream_);
+  ++launches_;
+
+  // 3.9 grouped low-rank output projection: group g's heads through wo_a rows g·o_lora.., then wo_b.
+  const int G = c.o_groups, ol = c.o_lora_rank, gw = H * hd / G;
+  uint16_t* z_out = n == 1 ? z_.as<uint16_t>() : z_grouped_.as<uint16_t>();  // one token: [G, 1, ol] = [1, G·ol]
+  for (int g = 0; g < G; ++g)
+    linear(o_grouped_.as<uint16_t>() + size_t(g) * n * gw, d.wo_a.as<uint16_t>() + size_t(g) * ol * gw,
+           z_out + size_t(g) * n * ol, n, ol, gw, GemvOut::BF16);
+  if (n > 1) {
+    gpu::ungroup_bf16(z_grouped_.as<uint16_t>(), G, n, ol, z_.as<uint16_t>(), stream_);
+    ++launches_;
+  }
+  linear(z_.data(), d.wo_b.data(), attn_out_.data(), n, D, G * ol, GemvOut::F32);
+
+  gpu::hc_post(attn_out_.as<float>(), nullptr, post_.as<float>(), comb_.as<float>(), n, hc, D, streams_.as<float>(),
+               stream_);
+  ++launches_;
+}
+
+void CudaRunner::ffn_block(int l, int n) {
+  const ModelConfig& c = c_;
+  LayerDevice& d = layers_[l];
+  const int D = c.hidden_size, hc = c.hc_mult, n_mix = (2 + hc) * hc, E = c.n_routed_experts;
+  const int k = c.n_experts_per_tok;
+
+  linear_f32(streams_.as<float>(), d.hc_ffn.fn, mix_.as<float>(), n, n_mix, hc * D);
+  gpu::hc_pre({streams_.as<float>(), mix_.as<float>(), d.hc_ffn.base.as<float>(), d.hc_ffn.scale.as<float>(),
+               d.ffn_norm.as<float>(), n, hc, D, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps, post_.as<float>(),
+               comb_.as<float>(), normed_.as<float>(), nullptr},
+              stream_);
+  ++launches_;
+
+  // 4.1 router (fp32)
+  linear_f32(normed_.as<float>(), d.gate, router_logits_.as<float>(), n, E, D);
+  gpu::RouterParams rp;
+  rp.logits = router_logits_.as<float>();
+  rp.bias = d.hash || !d.gate_bias.data() ? nullptr : d.gate_bias.as<float>();
+  rp.tid2eid = d.hash ? d.tid2eid.as<int32_t>() : nullptr;
+  rp.tokens = tokens_.as<int32_t>();
+  rp.n = n;
+  rp.experts = E;
+  rp.k = k;
+  rp.scoring = c.scoring == ScoringFunc::SqrtSoftplus ? 0 : c.scoring == ScoringFunc::Sigmoid ? 1 : 2;
+  rp.norm_topk = c.norm_topk_prob;
+  rp.routed_scale = c.routed_scaling_factor;
+  rp.ids = expert_ids_.as<int32_t>();
+  rp.weights = expert_weights_.as<float>();
+  gpu::router(rp, stream_);
+  ++launches_;
+
+  // 4.2 routed experts (only the picked ones), then the shared expert
+  gpu::ExpertParams ep;
+  ep.x = normed_.as<float>();
+  ep.w13 = d.w13.as<uint16_t>();
+  ep.w2 = d.w2.as<uint16_t>();
+  ep.ids = expert_ids_.as<int32_t>();
+  ep.weights = expert_weights_.as<float>();
+  ep.n = n;
+  ep.k = k;
+  ep.D = D;
+  ep.inter = c.moe_inter;
+  ep.limit = c.swiglu_limit;
+  ep.h = h_.as<float>();
+  ep.out = ffn_out_.as<float>();
+  gpu::experts_up(ep, stream_);
+  gpu::experts_down(ep, stream_);
+  launches_ += 2;
+  const bool shared = d.shared_inter > 0;
+  if (shared) {
+    gpu::ExpertParams sp = ep;
+    sp.w13 = d.shared_w13.as<uint16_t>();
+    sp.w2 = d.shared_w2.as<uint16_t>();
+    sp.ids = nullptr;
+    sp.weights = nullptr;
+    sp.k = 1;
+    sp.inter = d.shared_inter;
+    sp.h = h_shared_.as<float>();
+    sp.out = shared_out_.as<float>();
+    gpu::experts_up(sp, stream_);
+    gpu::experts_down(sp, stream_);
+    launches_ += 2;
+  }
+  gpu::hc_post(ffn_out_.as<float>(), shared ? shared_out_.as<float>() : nullptr, post_.as<float>(), comb_.as<float>(),
+               n, hc, D, streams_.as<float>(), stream_);
+  ++launches_;
+}
+
+}  // namespace
+
+std::unique_ptr<SequenceRunner> make_cuda_runner(const Model& model, int max_context) {
+  return std::make_unique<CudaRunner>(model, max_context);
+}
+
+CudaRunnerStats cuda_runner_stats(const SequenceRunner& runner) {
+  const auto* cuda = dynamic_cast<const CudaRunner*>(&runner);
+  DSV4_CHECK(cuda, "cuda_runner_stats: not a CUDA runner");
+  return cuda->stats();
+}
+
+}  // namespace dsv4

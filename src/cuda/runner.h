@@ -1,0 +1,30 @@
+// SPDX-License-Identifier: MIT
+// The CUDA backend's SequenceRunner: the whole DeepSeek-V4 forward pass on one GPU.
+//   weights   uploaded once: linear layers as bf16 (the gemv() kernels; the mHC mixes, router gate and indexer
+//             weight projection stay fp32 like the reference), norms / hc / sink / ape fp32, embedding bf16.
+//   state     preallocated from max_context with the CPU layout and sizes of model/state.h (window ring,
+//             compressed KV, indexer keys, compressor partial states), fp32.
+//   forward   chunks of at most kCudaMaxChunk tokens (= gemv's m limit; spec 3.11 makes chunking exact), every
+//             activation in preallocated workspaces; only token ids go up and logits come back. Decoding one
+//             token allocates nothing and synchronises once (the logits copy).
+#pragma once
+#include <cstdint>
+#include <memory>
+
+#include "model/runner.h"
+
+namespace dsv4 {
+
+constexpr int kCudaMaxChunk = 64;
+
+// Throws dsv4::Error when no CUDA device is usable or the model has a shape the kernels do not support.
+std::unique_ptr<SequenceRunner> make_cuda_runner(const Model& model, int max_context);
+
+struct CudaRunnerStats {
+  int64_t launches_last_forward = 0;  // kernels enqueued by the last forward() call
+  size_t weight_bytes = 0, workspace_bytes = 0;
+};
+// Stats of a runner made by make_cuda_runner (throws for other runners).
+CudaRunnerStats cuda_runner_stats(const SequenceRunner& runner);
+
+}  // namespace dsv4

@@ -1,0 +1,501 @@
+// SPDX-License-Identifier: MIT
+// The CUDA forward pass against the CPU reference.
+//   Kernels: row_op (rms_norm, RoPE, round_kv, Hadamard + round_indexer) and indexer_topk (scores + top-k with
+//   ties) against src/cpu/ops on random inputs of odd sizes, outputs poisoned with NaN first.
+//   Model: the tiny-flash / tiny-pro shapes (tests/data/golden/<name> when present, else the same config with
+//   random weights), prefill of a prompt longer than one 64-token chunk plus teacher-forced decode, in both
+//   numerics modes. Tolerances: the CUDA runner stores linear weights as bf16 and feeds the GEMMs bf16
+//   activations, so logits differ from the fp32 CPU reference at the ~1e-2 relative level; max |diff| is
+//   checked against 3e-2·max|logit| (f32 numerics) and 1e-1·max|logit| (FP8 KV / FP4 indexer, where a tiny
+//   difference can flip a rounding step or an indexer selection). Greedy tokens must agree wherever the CPU's
+//   top-2 margin exceeds twice the step's max |diff| (then no error of that size can flip them), and a
+//   free-running greedy generation must match the CPU's up to its first near-tie.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "core/check.h"
+#include "cpu/ops.h"
+#include "cuda/device.h"
+#include "cuda/ops.h"
+#include "cuda/runner.h"
+#include "formats/bf16.h"
+#include "model/model.h"
+
+namespace fs = std::filesystem;
+
+namespace dsv4 {
+namespace {
+
+#define DSV4_REQUIRE_CUDA() \
+  if (!cuda_available()) GTEST_SKIP() << "no CUDA driver or device"
+
+// ---------------------------------------------------------------------------------------------------------
+// Device helpers
+
+template <typename T>
+DeviceBuffer to_device(const std::vector<T>& v) {
+  DeviceBuffer b(std::max<size_t>(v.size(), 1) * sizeof(T));
+  b.upload(v.data(), v.size() * sizeof(T));
+  return b;
+}
+
+template <typename T>
+std::vector<T> to_host(const DeviceBuffer& b, size_t n) {
+  std::vector<T> v(n);
+  b.download(v.data(), n * sizeof(T));
+  return v;
+}
+
+DeviceBuffer nan_buffer(size_t floats) {
+  DeviceBuffer b(floats * sizeof(float));
+  b.fill_bytes(0xff);  // NaN in every float: an element the kernel does not write fails the comparison
+  return b;
+}
+
+std::vector<float> random_vector(size_t n, std::mt19937& rng, float lo = -1.0f, float hi = 1.0f) {
+  std::uniform_real_distribution<float> u(lo, hi);
+  std::vector<float> v(n);
+  for (float& x : v) x = u(rng);
+  return v;
+}
+
+// Elements whose |got - want| exceeds rel·max(1, |want|); NaN counts.
+int count_mismatches(const std::vector<float>& got, const std::vector<float>& want, double rel) {
+  int bad = 0;
+  for (size_t i = 0; i < want.size(); ++i) {
+    const double d = std::fabs(double(got[i]) - want[i]);
+    if (!(d <= rel * std::max(1.0, std::fabs(double(want[i]))))) ++bad;
+  }
+  return bad;
+}
+
+void sync() { ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess); }
+
+// ---------------------------------------------------------------------------------------------------------
+// row_op against cpu::rms_norm / rope_interleaved / round_kv / round_indexer
+
+struct RowCase {
+  int tokens, heads, dim, rope_dim;
+  bool norm, weight;
+  gpu::RowRound round;
+};
+
+void check_row_op(const RowCase& rc, uint32_t seed) {
+  std::mt19937 rng(seed);
+  const int rows = rc.tokens * rc.heads;
+  const int64_t pos0 = 1000 + seed, pos_step = 3;
+  RopeConfig rope;
+  rope.theta = 160000;
+  rope.yarn = true;
+  rope.factor = 16;
+  rope.original_max_position = 4096;
+  const std::vector<float> inv_freq = rc.rope_dim ? rope_inv_freq(rope, rc.rope_dim) : std::vector<float>{0.0f};
+  // Rows padded to a stride larger than dim, to exercise the strided addressing.
+  const int stride = rc.dim + 5;
+  std::vector<float> x = random_vector(size_t(rows) * stride, rng, -3.0f, 3.0f);
+  const std::vector<float> weight = random_vector(rc.dim, rng, 0.5f, 1.5f);
+
+  std::vector<float> want(size_t(rows) * rc.dim);
+  for (int r = 0; r < rows; ++r) {
+    float* y = &want[size_t(r) * rc.dim];
+    std::copy_n(&x[size_t(r) * stride], rc.dim, y);
+    if (rc.norm) cpu::rms_norm(y, rc.weight ? weight.data() : nullptr, y, 1, rc.dim, 1e-6f);
+    if (rc.rope_dim)
+      cpu::rope_interleaved(y + rc.dim - rc.rope_dim, rc.rope_dim, inv_freq.data(), pos0 + (r / rc.heads) * pos_step,
+                            false);
+    switch (rc.round) {
+      case gpu::RowRound::None: break;
+      case gpu::RowRound::Bf16: cpu::round_kv(y, rc.dim, rc.rope_dim, cpu::KvStorage::BF16); break;
+      case gpu::RowRound::KvFp8: cpu::round_kv(y, rc.dim, rc.rope_dim, cpu::KvStorage::FP8); break;
+      case gpu::RowRound::IndexerFp4: cpu::round_indexer(y, rc.dim, cpu::IndexerStorage::FP4); break;
+    }
+  }
+
+  DeviceBuffer dx = to_device(x), dw = to_device(weight), df = to_device(inv_freq);
+  DeviceBuffer dy = nan_buffer(size_t(rows) * rc.dim);
+  DeviceBuffer dyb(size_t(rows) * rc.dim * sizeof(uint16_t));
+  dyb.fill_bytes(0xff);
+  gpu::RowOpParams p;
+  p.x = dx.as<float>();
+  p.x_token_stride = int64_t(rc.heads) * stride;
+  p.x_head_stride = stride;
+  p.y = dy.as<float>();
+  p.y_token_stride = int64_t(rc.heads) * rc.dim;
+  p.y_head_stride = rc.dim;
+  p.y_bf16 = dyb.as<uint16_t>();
+  p.tokens = rc.tokens;
+  p.heads = rc.heads;
+  p.dim = rc.dim;
+  p.norm = rc.norm;
+  p.weight = rc.weight ? dw.as<float>() : nullptr;
+  p.rope_dim = rc.rope_dim;
+  p.inv_freq = df.as<float>();
+  p.pos0 = pos0;
+  p.pos_step = int(pos_step);
+  p.round = rc.round;
+  gpu::row_op(p, nullptr);
+  sync();
+  const std::vector<float> got = to_host<float>(dy, want.size());
+  const std::vector<uint16_t> got_bf16 = to_host<uint16_t>(dyb, want.size());
+  // The kernel repeats the reference's fp32 operations (fp64 sums, no FMA contraction), so results are equal up
+  // to last-bit differences of cos/sin; a last-bit difference can move a value across an FP8/FP4 rounding
+  // boundary, so a few elements (<= 0.5%) may differ by one quantum.
+  const int bad = count_mismatches(got, want, 1e-5);
+  EXPECT_LE(bad, int(want.size()) / 200) << bad << " of " << want.size() << " elements differ";
+  double worst = 0;
+  for (size_t i = 0; i < want.size(); ++i) worst = std::max(worst, std::fabs(double(got[i]) - want[i]));
+  int bad_bf16 = 0;
+  for (size_t i = 0; i < want.size(); ++i) bad_bf16 += got_bf16[i] != f32_to_bf16(got[i]);
+  EXPECT_EQ(bad_bf16, 0);
+  std::printf("[row_op] tokens=%d heads=%d dim=%d rope=%d norm=%d round=%d: %d/%zu differ, max|diff| %.3g\n",
+              rc.tokens, rc.heads, rc.dim, rc.rope_dim, int(rc.norm), int(rc.round), bad, want.size(), worst);
+}
+
+TEST(CudaOps, RmsNormOddSizes) {
+  DSV4_REQUIRE_CUDA();
+  check_row_op({7, 1, 200, 0, true, true, gpu::RowRound::None}, 1);
+  check_row_op({3, 5, 37, 0, true, false, gpu::RowRound::None}, 2);
+  check_row_op({2, 1, 4096, 0, true, true, gpu::RowRound::None}, 3);
+}
+
+TEST(CudaOps, RopeInterleaved) {
+  DSV4_REQUIRE_CUDA();
+  check_row_op({5, 3, 128, 64, false, false, gpu::RowRound::None}, 4);
+  check_row_op({4, 2, 96, 30, true, false, gpu::RowRound::None}, 5);
+}
+
+TEST(CudaOps, RoundKvFp8AndBf16) {
+  DSV4_REQUIRE_CUDA();
+  check_row_op({9, 1, 512, 64, true, true, gpu::RowRound::KvFp8}, 6);
+  check_row_op({3, 1, 128, 64, true, true, gpu::RowRound::KvFp8}, 7);
+  check_row_op({3, 1, 130, 64, true, true, gpu::RowRound::Bf16}, 8);
+}
+
+TEST(CudaOps, HadamardRoundIndexerFp4) {
+  DSV4_REQUIRE_CUDA();
+  check_row_op({5, 3, 128, 64, false, false, gpu::RowRound::IndexerFp4}, 9);
+  check_row_op({2, 4, 64, 0, true, true, gpu::RowRound::IndexerFp4}, 10);
+}
+
+// indexer_topk against the reference scores and cpu::top_k_indices, with duplicated keys forcing exact ties.
+TEST(CudaOps, IndexerTopKWithTies) {
+  DSV4_REQUIRE_CUDA();
+  std::mt19937 rng(11);
+  const int n = 5, heads = 3, dim = 64, ratio = 4, topk = 7, max_entries = 64;
+  const int64_t pos0 = 150;  // visible entries 37 .. 38
+  std::vector<float> q = random_vector(size_t(n) * heads * dim, rng);
+  std::vector<float> w = random_vector(size_t(n) * heads, rng, 0.1f, 1.0f);
+  std::vector<float> keys = random_vector(size_t(max_entries) * dim, rng);
+  for (int s : {3, 9, 20, 31}) std::copy_n(&keys[size_t(s - 2) * dim], dim, &keys[size_t(s) * dim]);  // ties
+  for (int i = 0; i < dim; ++i) keys[size_t(5) * dim + i] *= 4.0f;  // a large score, tied with entry 12
+  std::copy_n(&keys[size_t(5) * dim], dim, &keys[size_t(12) * dim]);
+  const float w_scale = 0.125f;
+  DeviceBuffer dq = to_device(q), dw = to_device(w), dk = to_device(keys);
+  DeviceBuffer scores = nan_buffer(size_t(n) * max_entries);
+  DeviceBuffer selected(size_t(n) * topk * sizeof(int32_t));
+  selected.fill_bytes(0xff);
+  gpu::IndexerTopkParams p;
+  p.q = dq.as<float>();
+  p.q_token_stride = heads * dim;
+  p.w = dw.as<float>();
+  p.w_scale = w_scale;
+  p.keys = dk.as<float>();
+  p.scores = scores.as<float>();
+  p.selected = selected.as<int32_t>();
+  p.n = n;
+  p.heads = heads;
+  p.dim = dim;
+  p.ratio = ratio;
+  p.topk = topk;
+  p.max_entries = max_entries;
+  p.pos0 = pos0;
+  gpu::indexer_topk(p, nullptr);
+  sync();
+  const std::vector<float> got_scores = to_host<float>(scores, size_t(n) * max_entries);
+  const std::vector<int32_t> got = to_host<int32_t>(selected, size_t(n) * topk);
+  for (int t = 0; t < n; ++t) {
+    const int visible = int((pos0 + t + 1) / ratio);
+    std::vector<float> ref(visible);
+    for (int s = 0; s < visible; ++s) {
+      double acc = 0;
+      for (int h = 0; h < heads; ++h) {
+        double dot = 0;
+        for (int i = 0; i < dim; ++i) dot += double(q[(size_t(t) * heads + h) * dim + i]) * keys[size_t(s) * dim + i];
+        acc += double(w[t * heads + h]) * w_scale * std::max(dot, 0.0);
+      }
+      ref[s] = float(acc);
+      EXPECT_NEAR(got_scores[size_t(t) * max_entries + s], ref[s], 1e-5 * std::max(1.0f, std::fabs(ref[s])));
+    }
+    // Rank by the GPU's own scores (ties are bit-exact there) with the reference rule.
+    const std::vector<float> gpu_row(got_scores.begin() + size_t(t) * max_entries,
+                                     got_scores.begin() + size_t(t) * max_entries + visible);
+    const std::vector<int> want = cpu::top_k_indices(gpu_row, topk);
+    for (int i = 0; i < topk; ++i) EXPECT_EQ(got[size_t(t) * topk + i], want[i]) << "token " << t << " rank " << i;
+    EXPECT_EQ(cpu::top_k_indices(ref, topk), want) << "GPU scores rank differently from the reference";
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// Whole model: CUDA runner vs CPU runner
+
+nlohmann::json tiny_config(const std::string& name) {
+  using nlohmann::json;
+  const std::string SWA = "sliding_attention", CSA = "compressed_sparse_attention",
+                    HCA = "heavily_compressed_attention";
+  auto rope = [](int original) {
+    return json{{"main", {{"rope_type", "default"}, {"rope_theta", 10000.0}, {"partial_rotary_factor", 0.5}}},
+                {"compress",
+                 {{"rope_type", "yarn"}, {"rope_theta", 160000.0}, {"factor", 16.0}, {"beta_fast", 32.0},
+                  {"beta_slow", 1.0}, {"original_max_position_embeddings", original}, {"attention_factor", 1.0},
+                  {"partial_rotary_factor", 0.5}}}};
+  };
+  json j = {{"num_key_value_heads", 1}, {"head_dim", 128}, {"partial_rotary_factor", 0.5}, {"index_head_dim", 128},
+            {"n_shared_experts", 1}, {"hc_mult", 4}, {"hc_sinkhorn_iters", 20}, {"hc_eps", 1e-6},
+            {"rms_norm_eps", 1e-6}, {"scoring_func", "sqrtsoftplus"}, {"norm_topk_prob", true},
+            {"bos_token_id", 0}, {"eos_token_id", 1}, {"vocab_size", 256}, {"index_n_heads", 4},
+            {"swiglu_limit", 2.0}};
+  if (name == "tiny-flash") {
+    j.update({{"hidden_size", 64}, {"num_hidden_layers", 6}, {"num_attention_heads", 4}, {"q_lora_rank", 32},
+              {"o_groups", 2}, {"o_lora_rank", 32}, {"sliding_window", 128},
+              {"layer_types", {SWA, SWA, CSA, HCA, CSA, HCA}}, {"compress_rates", {{CSA, 4}, {HCA, 128}}},
+              {"index_topk", 8}, {"n_routed_experts", 8}, {"num_experts_per_tok", 2}, {"moe_intermediate_size", 32},
+              {"mlp_layer_types", {"hash_moe", "hash_moe", "hash_moe", "moe", "moe", "moe"}},
+              {"routed_scaling_factor", 1.5}, {"rope_parameters", rope(4096)}, {"max_position_embeddings", 65536}});
+  } else {
+    j.update({{"hidden_size", 96}, {"num_hidden_layers", 4}, {"num_attention_heads", 6}, {"q_lora_rank", 48},
+              {"o_groups", 3}, {"o_lora_rank", 32}, {"sliding_window", 16},
+              {"layer_types", {HCA, HCA, CSA, HCA}}, {"compress_rates", {{CSA, 4}, {HCA, 16}}}, {"index_topk", 4},
+              {"n_routed_experts", 16}, {"num_experts_per_tok", 4}, {"moe_intermediate_size", 24},
+              {"mlp_layer_types", {"hash_moe", "hash_moe", "moe", "moe"}}, {"routed_scaling_factor", 2.5},
+              {"rope_parameters", rope(64)}, {"max_position_embeddings", 1024}});
+  }
+  return j;
+}
+
+// Random weights of the right shapes; linears scaled by 1/sqrt(fan_in) so activations stay O(1).
+ModelWeights random_weights(const ModelConfig& c, uint32_t seed) {
+  std::mt19937 rng(seed);
+  auto matrix = [&](int rows, int cols, float scale) {
+    Matrix m{rows, cols, random_vector(size_t(rows) * cols, rng, -scale, scale)};
+    return m;
+  };
+  auto linear = [&](int rows, int cols) { return matrix(rows, cols, std::sqrt(3.0f / cols)); };
+  auto norm = [&](int n) { return random_vector(n, rng, 0.8f, 1.2f); };
+  const int D = c.hidden_size, hc = c.hc_mult, n_mix = (2 + hc) * hc, hd = c.head_dim;
+  auto hc_weights = [&](int rows, int n_scale) {
+    return HyperConnWeights{matrix(rows, hc * D, 0.5f * std::sqrt(3.0f / (hc * D))), random_vector(rows, rng, -0.5f, 0.5f),
+                            random_vector(n_scale, rng, 0.5f, 1.5f)};
+  };
+  auto compressor = [&](int ratio, bool overlap, int dim) {
+    const int width = (overlap ? 2 : 1) * dim;
+    return CompressorWeights{ratio, overlap, dim, linear(width, D), linear(width, D), matrix(ratio, width, 0.5f),
+                             norm(dim)};
+  };
+  auto expert = [&](int inter) { return ExpertWeights{linear(inter, D), linear(inter, D), linear(D, inter)}; };
+  ModelWeights w;
+  w.embed = matrix(c.vocab_size, D, 1.0f);
+  w.head = linear(c.vocab_size, D);
+  w.norm = norm(D);
+  w.hc_head = hc_weights(hc, 1);
+  for (int l = 0; l < c.n_layers; ++l) {
+    LayerWeights L;
+    L.attn_norm = norm(D);
+    L.ffn_norm = norm(D);
+    L.hc_attn = hc_weights(n_mix, 3);
+    L.hc_ffn = hc_weights(n_mix, 3);
+    AttentionWeights& A = L.attn;
+    A.wq_a = linear(c.q_lora_rank, D);
+    A.q_norm = norm(c.q_lora_rank);
+    A.wq_b = linear(c.n_heads * hd, c.q_lora_rank);
+    A.wkv = linear(hd, D);
+    A.kv_norm = norm(hd);
+    A.wo_a = linear(c.o_groups * c.o_lora_rank, c.n_heads * hd / c.o_groups);
+    A.wo_b = linear(D, c.o_groups * c.o_lora_rank);
+    A.sink = random_vector(c.n_heads, rng, -1.0f, 1.0f);
+    if (c.has_compressor(l)) A.compressor = compressor(c.compress_ratio[l], c.is_csa(l), hd);
+    if (c.is_csa(l))
+      A.indexer = IndexerWeights{linear(c.index_n_heads * c.index_head_dim, c.q_lora_rank),
+                                 linear(c.index_n_heads, D), compressor(c.compress_ratio[l], true, c.index_head_dim)};
+    MoEWeights& M = L.ffn;
+    M.gate = linear(c.n_routed_experts, D);
+    if (c.hash_routed[l]) {
+      std::vector<int32_t> experts(c.n_routed_experts);
+      for (int v = 0; v < c.vocab_size; ++v) {
+        std::iota(experts.begin(), experts.end(), 0);
+        std::shuffle(experts.begin(), experts.end(), rng);
+        M.tid2eid.insert(M.tid2eid.end(), experts.begin(), experts.begin() + c.n_experts_per_tok);
+      }
+    } else {
+      M.gate_bias = random_vector(c.n_routed_experts, rng, -0.1f, 0.1f);
+    }
+    for (int e = 0; e < c.n_routed_experts; ++e) M.experts.push_back(expert(c.moe_inter));
+    if (c.n_shared_experts > 0) M.shared = expert(c.moe_inter * c.n_shared_experts);
+    w.layers.push_back(std::move(L));
+  }
+  return w;
+}
+
+Model tiny_model(const std::string& name, Numerics numerics, std::string* source) {
+  const fs::path dir = name == "models/tiny" ? fs::path(DSV4_TEST_DATA) / ".." / ".." / "models" / "tiny"
+                                             : fs::path(DSV4_TEST_DATA) / "golden" / name;
+  if (fs::exists(dir / "config.json")) {
+    *source = "golden checkpoint " + dir.string();
+    return Model::load(dir.string(), numerics);
+  }
+  *source = "random weights (no golden checkpoint yet)";
+  const ModelConfig config = ModelConfig::from_json(tiny_config(name));
+  return Model(config, random_weights(config, 1234), numerics);
+}
+
+struct Diff {
+  double max_abs = 0, max_ref = 0;
+  void add(const std::vector<float>& got, const std::vector<float>& want) {
+    EXPECT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < std::min(got.size(), want.size()); ++i) {
+      const double d = std::fabs(double(got[i]) - want[i]);
+      max_abs = std::isnan(d) ? INFINITY : std::max(max_abs, d);
+      max_ref = std::max(max_ref, std::fabs(double(want[i])));
+    }
+  }
+};
+
+int argmax(const float* v, int n) { return int(std::max_element(v, v + n) - v); }
+double top2_margin(const float* v, int n) {
+  std::vector<float> s(v, v + n);
+  std::partial_sort(s.begin(), s.begin() + 2, s.end(), std::greater<float>());
+  return double(s[0]) - s[1];
+}
+
+void check_model(const std::string& name, Numerics numerics, int prompt_len, int decode_steps, double rel_tol) {
+  std::string source;
+  const Model model = tiny_model(name, numerics, &source);
+  const ModelConfig& c = model.config();
+  const int V = c.vocab_size, max_context = prompt_len + decode_steps + 8;
+  std::unique_ptr<SequenceRunner> cpu = make_cpu_runner(model, max_context);
+  std::unique_ptr<SequenceRunner> gpu = make_cuda_runner(model, max_context);
+  EXPECT_EQ(gpu->state_bytes(), cpu->state_bytes());
+  std::mt19937 rng(99);
+  std::uniform_int_distribution<int32_t> token(2, V - 1);
+  std::vector<int32_t> prompt(prompt_len);
+  for (int32_t& t : prompt) t = token(rng);
+
+  // Prefill: every row (the GPU splits the prompt into 64-token chunks).
+  Diff prefill, decode;
+  const std::vector<float> cpu_rows = cpu->forward(prompt, false);
+  const std::vector<float> gpu_rows = gpu->forward(prompt, false);
+  prefill.add(gpu_rows, cpu_rows);
+
+  // Teacher-forced decode with the CPU's greedy tokens.
+  int32_t next = argmax(&cpu_rows[size_t(prompt_len - 1) * V], V);
+  int agree = 0, checked = 0;
+  std::vector<int32_t> cpu_greedy;
+  double decode_seconds = 0;
+  int64_t launches = 0;
+  for (int step = 0; step < decode_steps; ++step) {
+    cpu_greedy.push_back(next);
+    const int32_t id[1] = {next};
+    const std::vector<float> want = cpu->forward(id, true);
+    const auto t0 = std::chrono::steady_clock::now();
+    const std::vector<float> got = gpu->forward(id, true);
+    decode_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    launches = cuda_runner_stats(*gpu).launches_last_forward;
+    Diff step_diff;
+    step_diff.add(got, want);
+    decode.add(got, want);
+    if (top2_margin(want.data(), V) > 2 * step_diff.max_abs) {
+      ++checked;
+      agree += argmax(got.data(), V) == argmax(want.data(), V);
+    }
+    next = argmax(want.data(), V);
+  }
+  EXPECT_EQ(agree, checked) << "greedy tokens differ on steps whose CPU margin exceeds 2x max|diff|";
+
+  // Free-running greedy on the GPU from the same prompt, compared up to the CPU's first near-tie (margin < 0.1).
+  gpu->reset();
+  std::vector<float> rows = gpu->forward(prompt, true);
+  std::vector<int32_t> gpu_greedy;
+  for (int step = 0; step < decode_steps; ++step) {
+    gpu_greedy.push_back(argmax(rows.data(), V));
+    const int32_t id[1] = {gpu_greedy.back()};
+    rows = gpu->forward(id, true);
+  }
+  cpu->reset();
+  rows = cpu->forward(prompt, true);
+  int compared = 0, same = 0;
+  for (int step = 0; step < decode_steps; ++step) {
+    if (top2_margin(rows.data(), V) < 0.1) break;
+    ++compared;
+    same += gpu_greedy[step] == cpu_greedy[step];
+    if (gpu_greedy[step] != cpu_greedy[step]) break;
+    const int32_t id[1] = {cpu_greedy[step]};
+    rows = cpu->forward(id, true);
+  }
+  if (numerics.kv == cpu::KvStorage::F32 && numerics.indexer == cpu::IndexerStorage::F32) {
+    EXPECT_EQ(same, compared) << "free-running greedy diverged before any near-tie";
+  }
+
+  const CudaRunnerStats st = cuda_runner_stats(*gpu);
+  std::printf("[cuda-model] %s (%s) kv=%d indexer=%d prompt=%d decode=%d\n"
+              "[cuda-model]   prefill max|diff| %.3g (max|logit| %.3g, rel %.3g); decode max|diff| %.3g (rel %.3g); "
+              "tol rel %.0e\n"
+              "[cuda-model]   greedy: %d/%d margin-checked steps agree; free-running %d/%d before a near-tie\n"
+              "[cuda-model]   decode %.1f tok/s (%.3f ms/token incl. logits copy), %lld launches/token; weights %.2f "
+              "MiB, workspaces %.2f MiB, state %.2f MiB\n",
+              name.c_str(), source.c_str(), int(numerics.kv), int(numerics.indexer), prompt_len, decode_steps,
+              prefill.max_abs, prefill.max_ref, prefill.max_abs / prefill.max_ref, decode.max_abs,
+              decode.max_abs / decode.max_ref, rel_tol, agree, checked, same, compared,
+              decode_steps / decode_seconds, 1e3 * decode_seconds / decode_steps, (long long)launches,
+              st.weight_bytes / 1048576.0, st.workspace_bytes / 1048576.0, gpu->state_bytes() / 1048576.0);
+  EXPECT_LE(prefill.max_abs, rel_tol * prefill.max_ref);
+  EXPECT_LE(decode.max_abs, rel_tol * decode.max_ref);
+}
+
+const Numerics kF32{cpu::KvStorage::F32, cpu::IndexerStorage::F32};
+const Numerics kDefault{};  // FP8 KV, FP4 indexer
+
+TEST(CudaModel, TinyFlashF32) {
+  DSV4_REQUIRE_CUDA();
+  check_model("tiny-flash", kF32, 150, 40, 3e-2);
+}
+TEST(CudaModel, TinyFlashFp8Fp4) {
+  DSV4_REQUIRE_CUDA();
+  check_model("tiny-flash", kDefault, 150, 40, 1e-1);
+}
+TEST(CudaModel, TinyProF32) {
+  DSV4_REQUIRE_CUDA();
+  check_model("tiny-pro", kF32, 70, 40, 3e-2);
+}
+TEST(CudaModel, TinyProFp8Fp4) {
+  DSV4_REQUIRE_CUDA();
+  check_model("tiny-pro", kDefault, 70, 40, 1e-1);
+}
+
+// The checkpoint shipped in models/tiny (tiny-flash shape), loaded through the normal safetensors path.
+TEST(CudaModel, ModelsTinyCheckpoint) {
+  DSV4_REQUIRE_CUDA();
+  if (!fs::exists(fs::path(DSV4_TEST_DATA) / ".." / ".." / "models" / "tiny" / "config.json"))
+    GTEST_SKIP() << "models/tiny is not in this checkout";
+  check_model("models/tiny", kF32, 100, 30, 3e-2);
+  check_model("models/tiny", kDefault, 100, 30, 1e-1);
+}
+
+// Runs anywhere: without a device the runner must refuse with dsv4::Error, not crash.
+TEST(CudaModel, NoDeviceIsAnError) {
+  if (cuda_available()) GTEST_SKIP() << "a CUDA device is present";
+  const ModelConfig config = ModelConfig::from_json(tiny_config("tiny-pro"));
+  const Model model(config, random_weights(config, 1), kF32);
+  EXPECT_THROW(make_cuda_runner(model, 16), Error);
+}
+
+}  // namespace
+}  // namespace dsv4
