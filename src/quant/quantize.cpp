@@ -24,9 +24,14 @@ namespace dsv4 {
 namespace fs = std::filesystem;
 using json = nlohmann::ordered_json;
 
+namespace {
+// max(m, |v|) without libm's fmaxf call; NaN never wins (as with fmax).
+inline float max_abs(float m, float v) { return std::fabs(v) > m ? std::fabs(v) : m; }
+}  // namespace
+
 float abs_max(std::span<const float> w) {
   float m = 0.0f;
-  for (float v : w) m = std::fmax(m, std::fabs(v));
+  for (float v : w) m = max_abs(m, v);
   return m;
 }
 
@@ -45,7 +50,7 @@ Nvfp4Matrix quantize_nvfp4(std::span<const float> w, int64_t rows, int64_t cols,
     for (int64_t g = 0; g < groups; ++g) {
       const float* x = w.data() + r * cols + g * kNvfp4GroupSize;
       float block_amax = 0.0f;
-      for (int k = 0; k < kNvfp4GroupSize; ++k) block_amax = std::fmax(block_amax, std::fabs(x[k]));
+      for (int k = 0; k < kNvfp4GroupSize; ++k) block_amax = max_abs(block_amax, x[k]);
       const uint8_t sc = nvfp4_block_scale_code(block_amax, q.global_scale);
       q.scale[size_t(r * groups + g)] = sc;
       const float s = e4m3_to_f32(sc);
@@ -71,7 +76,7 @@ Fp8BlockMatrix quantize_fp8_block(std::span<const float> w, int64_t rows, int64_
       const int64_t c0 = tc * kFp8BlockSize, c1 = std::min(cols, c0 + kFp8BlockSize);
       float amax = 0.0f;
       for (int64_t r = r0; r < r1; ++r)
-        for (int64_t c = c0; c < c1; ++c) amax = std::fmax(amax, std::fabs(w[size_t(r * cols + c)]));
+        for (int64_t c = c0; c < c1; ++c) amax = max_abs(amax, w[size_t(r * cols + c)]);
       const uint8_t e = e8m0_scale_for(amax, kE4M3Max);
       q.scale[size_t(tr * bi + tc)] = e;
       const float s = e8m0_to_f32(e);
@@ -95,7 +100,7 @@ Mxfp4Matrix quantize_mxfp4(std::span<const float> w, int64_t rows, int64_t cols)
     for (int64_t g = 0; g < groups; ++g) {
       const int64_t c0 = g * kMxfp4GroupSize, c1 = std::min(cols, c0 + kMxfp4GroupSize);
       float amax = 0.0f;
-      for (int64_t c = c0; c < c1; ++c) amax = std::fmax(amax, std::fabs(x[c]));
+      for (int64_t c = c0; c < c1; ++c) amax = max_abs(amax, x[c]);
       const uint8_t e = e8m0_scale_for(amax, kE2M1Max);
       q.scale[size_t(r * groups + g)] = e;
       const float s = e8m0_to_f32(e);
