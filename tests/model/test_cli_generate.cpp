@@ -1,0 +1,86 @@
+// SPDX-License-Identifier: MIT
+// `dsv4 generate` end to end through the real binary on the embedded tiny model: JSON output, --logits-out
+// layout (row i = logits after token i, equal to the library's), and clear non-zero exits on bad input.
+#include <gtest/gtest.h>
+
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+
+#include "io/npy.h"
+#include "model/session.h"
+
+namespace fs = std::filesystem;
+using namespace dsv4;
+
+namespace {
+
+struct RunResult {
+  int exit_code;
+  std::string out;
+};
+
+RunResult run(const std::string& args) {
+  const std::string cmd = std::string(DSV4_BINARY) + " " + args + " 2>&1";
+  FILE* pipe = popen(cmd.c_str(), "r");
+  std::string out;
+  std::array<char, 4096> buf;
+  while (size_t n = fread(buf.data(), 1, buf.size(), pipe)) out.append(buf.data(), n);
+  const int status = pclose(pipe);
+  return {WEXITSTATUS(status), out};
+}
+
+const std::string kTiny = std::string(DSV4_SOURCE_DIR) + "/models/tiny";
+
+}  // namespace
+
+TEST(CliGenerate, JsonAndLogitsOutMatchTheLibrary) {
+  const fs::path npy = fs::temp_directory_path() / "dsv4_cli_logits.npy";
+  const RunResult r = run("generate --model " + kTiny + " --prompt-ids 5,17,99,42 --max-new-tokens 6 --ignore-eos "
+                          "--json --logits-out " + npy.string());
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  const auto j = nlohmann::json::parse(r.out.substr(r.out.find('{')));
+  EXPECT_EQ(j["prompt_ids"].get<std::vector<int>>(), (std::vector<int>{5, 17, 99, 42}));
+  const auto output = j["output_ids"].get<std::vector<int32_t>>();
+  ASSERT_EQ(output.size(), 6u);
+
+  const Model model = Model::load(kTiny);
+  const auto runner = make_cpu_runner(model, 64);
+  Session session(*runner);
+  GenerateOptions options;
+  options.max_new_tokens = 6;
+  options.stop_at_eos = false;
+  options.keep_logits = true;
+  const GenerateResult ref = session.generate(std::vector<int32_t>{5, 17, 99, 42}, options);
+  EXPECT_EQ(output, ref.output_ids);
+  const NpyArray logits = read_npy(npy.string());
+  ASSERT_EQ(logits.shape, (std::vector<int64_t>{4 + 6 - 1, model.config().vocab_size}));
+  for (size_t i = 0; i < ref.logits.size(); ++i) ASSERT_EQ(float(logits.values[i]), ref.logits[i]) << i;
+  fs::remove(npy);
+}
+
+TEST(CliGenerate, TextPromptStreamsText) {
+  const RunResult r = run("generate --model " + kTiny + " --prompt \"Hello world\" --max-new-tokens 4 --json");
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  EXPECT_NE(r.out.find("\"text\""), std::string::npos) << r.out;
+}
+
+TEST(CliGenerate, BadInputGivesClearErrorAndNonZeroExit) {
+  struct Case {
+    std::string args, message;
+  };
+  const std::vector<Case> cases = {
+      {"generate --model /nonexistent --prompt-ids 1", "/nonexistent/config.json"},
+      {"generate --model " + kTiny + " --prompt-ids 1,x", "not an integer token id"},
+      {"generate --model " + kTiny + " --prompt-ids 1,99999", "outside the vocabulary"},
+      {"generate --model " + kTiny + " --prompt-ids 1,2,3,4,5 --max-context 3", "longer than the context"},
+      {"generate --model " + kTiny + " --prompt-ids 1 --kv-dtype fp16", "kv-dtype"},
+      {"generate --model " + kTiny, "--prompt-ids or --prompt"},
+  };
+  for (const Case& c : cases) {
+    const RunResult r = run(c.args);
+    EXPECT_NE(r.exit_code, 0) << c.args;
+    EXPECT_NE(r.out.find(c.message), std::string::npos) << c.args << "\n" << r.out;
+  }
+}
