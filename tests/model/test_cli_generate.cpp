@@ -6,6 +6,7 @@
 #include <array>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "io/npy.h"
@@ -83,4 +84,19 @@ TEST(CliGenerate, BadInputGivesClearErrorAndNonZeroExit) {
     EXPECT_NE(r.exit_code, 0) << c.args;
     EXPECT_NE(r.out.find(c.message), std::string::npos) << c.args << "\n" << r.out;
   }
+}
+
+TEST(CliGenerate, ConfigThatDoesNotMatchTheWeightsNamesTheTensor) {
+  const fs::path dir = fs::temp_directory_path() / "dsv4_mismatch_model";
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  fs::create_symlink(fs::path(kTiny) / "model.safetensors", dir / "model.safetensors");
+  auto config = nlohmann::json::parse(std::ifstream(fs::path(kTiny) / "config.json"));
+  config["q_lora_rank"] = 48;
+  std::ofstream(dir / "config.json") << config.dump();
+  const RunResult r = run("generate --model " + dir.string() + " --prompt-ids 1,2");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.out.find("wq_a.weight"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("expected shape [48, 64]"), std::string::npos) << r.out;
+  fs::remove_all(dir);
 }
