@@ -275,7 +275,9 @@ QuantizeReport quantize_checkpoint(const QuantizeOptions& o) {
                             : fmt::format("model-{:05d}-of-{:05d}.safetensors", shard_no, by_file.size());
     const ShardReader reader(file);
     std::vector<OwnedTensor> out;
+    uint64_t pending = 0;  // bytes of `out`, for the progress report
     for (const std::string& name : names) {
+      const size_t out_before = out.size();
       const Planned p = reader.rebind(plan.at(name));
       const TensorView& t = *p.tensor;
       switch (p.action) {
@@ -312,8 +314,9 @@ QuantizeReport quantize_checkpoint(const QuantizeOptions& o) {
         case Action::Drop: break;
       }
       report.bytes_in += t.nbytes;
+      for (size_t k = out_before; k < out.size(); ++k) pending += out[k].data().size();
       ++done;
-      if (o.progress) o.progress(done, total, report.bytes_out);
+      if (o.progress) o.progress(done, total, report.bytes_out + pending);
     }
     std::vector<TensorToWrite> views;
     for (const OwnedTensor& t : out) {
