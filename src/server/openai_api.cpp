@@ -288,6 +288,9 @@ ApiRequest parse_request(Endpoint endpoint, const Json& body, const ApiContext& 
   std::string max_key = "max_tokens";
   if (chat && f.get("max_completion_tokens")) max_key = "max_completion_tokens";
   const int64_t asked = f.integer(max_key, 1, 1e15, -1);
+  if (asked > context.max_context)
+    throw bad(max_key, fmt::format("'{}' is too large: {}. This model supports at most {} tokens of context", max_key,
+                                   asked, context.max_context));
   if (prompt_tokens >= context.max_context || (asked > 0 && prompt_tokens + asked > context.max_context))
     throw ApiError(400,
                    fmt::format("This model's maximum context length is {} tokens. However, you requested {} tokens "

@@ -121,7 +121,8 @@ TEST(OpenAiApi, BadRequestsNameTheField) {
   expect_refused(kChat, chat({{"max_tokens", -5}}), 400, "max_tokens");
   expect_refused(kChat, chat({{"max_tokens", 2.5}}), 400, "max_tokens");
   expect_refused(kChat, chat({{"max_tokens", 1e300}}), 400, "max_tokens");
-  expect_refused(kChat, chat({{"max_tokens", 100000}}), 400, "messages", "context_length_exceeded");
+  expect_refused(kChat, chat({{"max_tokens", 100000}}), 400, "max_tokens");
+  expect_refused(kChat, chat({{"max_tokens", 60}}), 400, "messages", "context_length_exceeded");  // 6 + 60 > 64
   expect_refused(kChat, chat({{"n", 2}}), 400, "n");
   expect_refused(kChat, chat({{"stop", 5}}), 400, "stop");
   expect_refused(kChat, chat({{"stop", Json::array({"a", "b", "c", "d", "e"})}}), 400, "stop");
