@@ -3,10 +3,14 @@
 // Each stage is applied to every piece the previous stage produced (it is NOT one big alternation),
 // and "Isolated" keeps both the matches and the gaps between them as pieces.
 //
-// Regexes run on PCRE2 (UTF + UCP + JIT). HF runs them on Oniguruma, whose `\s` is the Unicode
-// White_Space property; PCRE2's `\s` also matches U+180E, so patterns are rewritten to use the
-// explicit class [\t-\r\x{85}\p{Z}] (measured: 0 differences on the fuzz corpus, see
-// shared/research/ecosystem.md §1b).
+// Regexes run on PCRE2 (UTF + UCP + JIT); HF runs them on Oniguruma. Two differences are rewritten
+// away (rewrite_regex_for_pcre2), both measured over every code point against HF's binding:
+//  * Oniguruma's `\s` is Unicode White_Space; PCRE2's also matches U+180E, so `\s` becomes the
+//    explicit class [\t-\r\x{85}\p{Z}] (shared/research/ecosystem.md §1b);
+//  * Oniguruma knows Unicode 16.0, Debian's PCRE2 10.42 only 14.0, so \p{L} \p{M} \p{N} \p{P} \p{S}
+//    get the newer characters added (unicode_additions.h).
+// DeepSeek's word regex (the third Split) also has an exact ASCII-only evaluator that answers most
+// positions without calling PCRE2; it defers to PCRE2 whenever a non-ASCII character matters.
 #pragma once
 #include <nlohmann/json_fwd.hpp>
 
