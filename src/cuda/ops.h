@@ -26,6 +26,10 @@ enum class RowRound {
 //          position · inv_freq[i] (inv_freq: device [rope_dim/2]); `inverse` rotates backwards. rope_dim 0 = none.
 //   y_bf16: optional contiguous [tokens · heads, dim] bf16 copy of y.
 // dim <= 4096; KvFp8 needs (dim - rope_dim) % 64 == 0, IndexerFp4 a power-of-two dim >= 32.
+// Graph-replayable decode: pos_device (when set) replaces pos0 with a position read on the device, and
+// emit_ratio = r > 0 (one row, tokens = heads = 1) finishes a compressor entry only on the steps that complete
+// one: when (pos + 1) % r == 0 the row is entry b = pos / r (x and y advanced by b row strides, RoPE at b·r),
+// otherwise the launch does nothing.
 struct RowOpParams {
   const float* x = nullptr;
   int64_t x_token_stride = 0, x_head_stride = 0;
@@ -42,6 +46,8 @@ struct RowOpParams {
   int pos_step = 1;
   bool inverse = false;
   RowRound round = RowRound::None;
+  const int64_t* pos_device = nullptr;
+  int emit_ratio = 0;
 };
 void row_op(const RowOpParams& p, cudaStream_t stream);
 
@@ -105,6 +111,7 @@ struct CompressorParams {
   int ratio = 0, dim = 0, n = 0;
   bool overlap = false;
   int64_t pos0 = 0;
+  const int64_t* pos_device = nullptr;  // when set, pos0 is read here (graph replay)
 };
 void compressor_advance(const CompressorParams& p, cudaStream_t stream);
 
@@ -122,6 +129,7 @@ struct IndexerTopkParams {
   int32_t* selected = nullptr;  // [n, topk]
   int n = 0, heads = 0, dim = 0, ratio = 0, topk = 0, max_entries = 0;
   int64_t pos0 = 0;
+  const int64_t* pos_device = nullptr;  // when set, pos0 is read here (graph replay)
 };
 void indexer_topk(const IndexerTopkParams& p, cudaStream_t stream);
 
@@ -149,12 +157,14 @@ struct AttentionParams {
   int64_t pos0 = 0;
   float scale = 1.0f;
   uint16_t* out = nullptr;
+  const int64_t* pos_device = nullptr;  // when set, pos0 is read here (graph replay)
 };
 void attention(const AttentionParams& p, cudaStream_t stream);
 
-// 3.4 window ring: window[(pos0 + t) % slots] = kv_chunk[t] for the last min(n, slots) rows of the chunk.
-void window_store(const float* kv_chunk, int n, int dim, int64_t pos0, float* window, int slots,
-                  cudaStream_t stream);
+// 3.4 window ring: window[(pos0 + t) % slots] = kv_chunk[t] for the last min(n, slots) rows of the chunk
+// (pos0 read from pos_device when that is set).
+void window_store(const float* kv_chunk, int n, int dim, int64_t pos0, const int64_t* pos_device, float* window,
+                  int slots, cudaStream_t stream);
 
 // [groups, n, width] -> [n, groups, width] (bf16), the grouped projection's outputs back to token-major.
 void ungroup_bf16(const uint16_t* in, int groups, int n, int width, uint16_t* out, cudaStream_t stream);

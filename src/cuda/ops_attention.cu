@@ -25,8 +25,9 @@ __global__ void compressor_kernel(CompressorParams p) {
   if (j >= p.dim) return;
   const int r = p.ratio, d = p.dim, width = p.overlap ? 2 * d : d, n_rows = p.overlap ? 2 * r : r;
   const int n_cols = p.overlap ? 2 : 1;
+  const int64_t pos0 = p.pos_device ? *p.pos_device : p.pos0;
   for (int t = 0; t < p.n; ++t) {
-    const int64_t pos = p.pos0 + t;
+    const int64_t pos = pos0 + t;
     const int i = int(pos % r), row = p.overlap ? r + i : i;
     for (int c = 0; c < n_cols; ++c) {
       const int col = j + c * d;
@@ -63,7 +64,7 @@ __global__ void compressor_kernel(CompressorParams p) {
 __global__ void indexer_topk_kernel(IndexerTopkParams p) {
   extern __shared__ float q[];  // [heads, dim]
   const int t = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
-  const int64_t pos = p.pos0 + t;
+  const int64_t pos = (p.pos_device ? *p.pos_device : p.pos0) + t;
   const int n_visible = int((pos + 1) / p.ratio);
   const float* qt = p.q + t * p.q_token_stride;
   for (int i = threadIdx.x; i < p.heads * p.dim; i += blockDim.x) q[i] = qt[i];
@@ -100,7 +101,7 @@ __global__ void attention_kernel(AttentionParams p) {
   __shared__ float o[kMaxHeadDim];
   const int h = blockIdx.x, t = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int dim = p.dim, per_lane = dim / 32;
-  const int64_t pos = p.pos0 + t;
+  const int64_t pos0 = p.pos_device ? *p.pos_device : p.pos0, pos = pos0 + t;
   const float* qv = p.q + t * p.q_token_stride + int64_t(h) * dim;
   float qr[kMaxPerLane], acc[kMaxPerLane];  // fully unrolled with guards, so they stay in registers
 #pragma unroll
@@ -117,7 +118,7 @@ __global__ void attention_kernel(AttentionParams p) {
     const float* key;
     if (j < n_window) {
       const int64_t s = first + j;
-      key = s >= p.pos0 ? p.kv_chunk + (s - p.pos0) * dim : p.window_ring + (s % p.window_slots) * dim;
+      key = s >= pos0 ? p.kv_chunk + (s - pos0) * dim : p.window_ring + (s % p.window_slots) * dim;
     } else {
       const int c = j - n_window;
       key = p.compressed + int64_t(p.selected ? p.selected[t * p.topk + c] : c) * dim;

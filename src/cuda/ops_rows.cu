@@ -35,7 +35,13 @@ __device__ void rope_pairs(float* v, int rope_dim, const float* inv_freq, int64_
 __global__ void row_op_kernel(RowOpParams p) {
   extern __shared__ float row[];
   const int r = blockIdx.x, t = r / p.heads, h = r % p.heads;
-  const float* x = p.x + t * p.x_token_stride + h * p.x_head_stride;
+  int64_t pos0 = p.pos_device ? *p.pos_device : p.pos0, entry = 0;
+  if (p.emit_ratio > 0) {  // decode step of a captured graph: finish entry pos / r only if this step completes it
+    if ((pos0 + 1) % p.emit_ratio != 0) return;
+    entry = pos0 / p.emit_ratio;
+    pos0 = entry * p.emit_ratio;
+  }
+  const float* x = p.x + (t + entry) * p.x_token_stride + h * p.x_head_stride;
   for (int i = threadIdx.x; i < p.dim; i += blockDim.x) row[i] = x[i];
   __syncthreads();
   if (p.norm) {
@@ -48,7 +54,7 @@ __global__ void row_op_kernel(RowOpParams p) {
     __syncthreads();
   }
   if (p.rope_dim > 0) {
-    rope_pairs(row + p.dim - p.rope_dim, p.rope_dim, p.inv_freq, p.pos0 + int64_t(t) * p.pos_step, p.inverse);
+    rope_pairs(row + p.dim - p.rope_dim, p.rope_dim, p.inv_freq, pos0 + int64_t(t) * p.pos_step, p.inverse);
     __syncthreads();
   }
   switch (p.round) {
@@ -81,7 +87,7 @@ __global__ void row_op_kernel(RowOpParams p) {
     }
   }
   __syncthreads();
-  float* y = p.y ? p.y + t * p.y_token_stride + h * p.y_head_stride : nullptr;
+  float* y = p.y ? p.y + (t + entry) * p.y_token_stride + h * p.y_head_stride : nullptr;
   uint16_t* yb = p.y_bf16 ? p.y_bf16 + int64_t(r) * p.dim : nullptr;
   for (int i = threadIdx.x; i < p.dim; i += blockDim.x) {
     if (y) y[i] = row[i];
@@ -209,7 +215,9 @@ __global__ void hc_head_kernel(const float* streams, const float* mix, const flo
   for (int d = threadIdx.x; d < D; d += blockDim.x) y_bf16[int64_t(t) * D + d] = f32_to_bf16(y[d]);
 }
 
-__global__ void window_store_kernel(const float* kv, int n, int dim, int64_t pos0, float* window, int slots) {
+__global__ void window_store_kernel(const float* kv, int n, int dim, int64_t pos0, const int64_t* pos_device,
+                                    float* window, int slots) {
+  if (pos_device) pos0 = *pos_device;
   const int first = n > slots ? n - slots : 0;
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= int64_t(n - first) * dim) return;
@@ -235,6 +243,7 @@ void row_op(const RowOpParams& p, cudaStream_t stream) {
   const int rows = p.tokens * p.heads;
   if (rows == 0) return;
   OPS_CHECK(p.dim > 0 && p.dim <= 4096, "row_op: dim %d outside (0, 4096]", p.dim);
+  OPS_CHECK(p.emit_ratio == 0 || rows == 1, "row_op: emit_ratio needs one row, got %d", rows);
   OPS_CHECK(p.round != RowRound::KvFp8 || (p.dim - p.rope_dim) % 64 == 0,
              "row_op: FP8 KV rounding needs (dim - rope_dim) = %d to be a multiple of 64", p.dim - p.rope_dim);
   OPS_CHECK(p.round != RowRound::IndexerFp4 || (p.dim >= 32 && (p.dim & (p.dim - 1)) == 0),
@@ -278,11 +287,11 @@ void hc_head_norm(const float* streams, const float* mix, const float* base, con
   DSV4_CUDA_LAUNCHED();
 }
 
-void window_store(const float* kv_chunk, int n, int dim, int64_t pos0, float* window, int slots,
-                  cudaStream_t stream) {
+void window_store(const float* kv_chunk, int n, int dim, int64_t pos0, const int64_t* pos_device, float* window,
+                  int slots, cudaStream_t stream) {
   const int rows = n < slots ? n : slots;
-  window_store_kernel<<<blocks_for(int64_t(rows) * dim, 256), 256, 0, stream>>>(kv_chunk, n, dim, pos0, window,
-                                                                                 slots);
+  window_store_kernel<<<blocks_for(int64_t(rows) * dim, 256), 256, 0, stream>>>(kv_chunk, n, dim, pos0, pos_device,
+                                                                                 window, slots);
   DSV4_CUDA_LAUNCHED();
 }
 

@@ -12,7 +12,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <limits>
 #include <optional>
 #include <vector>
@@ -104,7 +106,7 @@ size_t bytes_of(const DeviceBuffer& b) { return b.data() ? b.size() : 0; }
 
 class CudaRunner final : public SequenceRunner {
  public:
-  CudaRunner(const Model& model, int max_context);
+  CudaRunner(const Model& model, int max_context, CudaRunnerOptions options);
   ~CudaRunner() override;
 
   const ModelConfig& config() const override { return c_; }
@@ -118,7 +120,10 @@ class CudaRunner final : public SequenceRunner {
  private:
   enum class Rows { None, Last, All };  // logits rows a chunk returns
   void run_chunk(std::span<const int32_t> tokens, int64_t pos0, Rows rows, std::vector<float>& logits);
-  void attention_block(int l, int n, int64_t pos0);
+  // Everything from the token upload to the logits download, asynchronously. pos_device != nullptr: positions
+  // are read from device memory and entry finishing is decided on the device (graph capture of decode steps).
+  void enqueue_chunk(int n, int64_t pos0, const int64_t* pos_device, Rows rows);
+  void attention_block(int l, int n, int64_t pos0, const int64_t* pos_device);
   void ffn_block(int l, int n);
   void row_op(const RowOpParams& p) {
     gpu::row_op(p, stream_);
@@ -152,6 +157,9 @@ class CudaRunner final : public SequenceRunner {
   CudaRunnerStats stats_;
   int64_t launches_ = 0;
   cudaStream_t stream_ = nullptr;
+  CudaRunnerOptions options_;
+  cudaGraph_t decode_graph_ = nullptr;
+  cudaGraphExec_t decode_exec_ = nullptr;
 
   // weights
   DeviceBuffer embed_, head_, final_norm_, inv_freq_main_, inv_freq_compress_;
@@ -164,11 +172,13 @@ class CudaRunner final : public SequenceRunner {
       expert_weights_, h_, h_shared_, ffn_out_, shared_out_, head_in_, logits_;
   int max_entries_ = 1;  // largest compressed-entry count of any layer (scores scratch row length)
   int32_t* host_tokens_ = nullptr;  // pinned
+  int64_t* host_pos_ = nullptr;     // pinned, the decode graph's position
+  DeviceBuffer pos_;                // int64 position read by the decode graph's kernels
   float* host_logits_ = nullptr;    // pinned [kCudaMaxChunk, vocab]
 };
 
-CudaRunner::CudaRunner(const Model& model, int max_context)
-    : model_(model), c_(model.config()), numerics_(model.numerics()), max_context_(max_context) {
+CudaRunner::CudaRunner(const Model& model, int max_context, CudaRunnerOptions options)
+    : model_(model), c_(model.config()), numerics_(model.numerics()), max_context_(max_context), options_(options) {
   DSV4_CHECK(cuda_available(), "--device cuda: no usable CUDA device or driver");
   DSV4_CHECK(max_context > 0, "--max-context must be positive, got {}", max_context);
   const ModelConfig& c = c_;
@@ -180,7 +190,9 @@ CudaRunner::CudaRunner(const Model& model, int max_context)
   DSV4_CHECK(c.o_groups > 0 && H % c.o_groups == 0, "cuda runner: {} heads do not split into o_groups = {}", H,
              c.o_groups);
   DSV4_CHECK(c.moe_inter % 8 == 0, "cuda runner: moe_intermediate_size {} must be a multiple of 8", c.moe_inter);
-  DSV4_CUDA_CHECK(cudaStreamCreate(&stream_));  // blocking stream: ordered after the synchronous uploads
+  // Non-blocking (graph capture must not meet the legacy stream); the constructor ends with a device sync, so
+  // the uploads and memsets on the legacy stream are complete before the first launch.
+  DSV4_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
 
   window_slots_ = std::min(c.window, max_context);
   embed_ = upload_bf16({&W.embed});
@@ -322,7 +334,9 @@ CudaRunner::CudaRunner(const Model& model, int max_context)
                                 &z_grouped_, &z_, &attn_out_, &router_logits_, &expert_ids_, &expert_weights_, &h_,
                                 &h_shared_, &ffn_out_, &shared_out_, &head_in_, &logits_})
     stats_.workspace_bytes += b->size();
+  pos_ = zeros(sizeof(int64_t));
   DSV4_CUDA_CHECK(cudaMallocHost(&host_tokens_, C * sizeof(int32_t)));
+  DSV4_CUDA_CHECK(cudaMallocHost(&host_pos_, sizeof(int64_t)));
   DSV4_CUDA_CHECK(cudaMallocHost(&host_logits_, C * c.vocab_size * f));
   reset();
   DSV4_CUDA_CHECK(cudaDeviceSynchronize());
@@ -330,7 +344,10 @@ CudaRunner::CudaRunner(const Model& model, int max_context)
 
 CudaRunner::~CudaRunner() {
   if (stream_) cudaStreamSynchronize(stream_);
+  if (decode_exec_) cudaGraphExecDestroy(decode_exec_);
+  if (decode_graph_) cudaGraphDestroy(decode_graph_);
   if (host_tokens_) cudaFreeHost(host_tokens_);
+  if (host_pos_) cudaFreeHost(host_pos_);
   if (host_logits_) cudaFreeHost(host_logits_);
   if (stream_) cudaStreamDestroy(stream_);
 }
@@ -355,6 +372,7 @@ std::vector<float> CudaRunner::forward(std::span<const int32_t> tokens, bool las
   for (int32_t id : tokens)
     DSV4_CHECK(id >= 0 && id < c_.vocab_size, "token id {} is outside the vocabulary [0, {})", id, c_.vocab_size);
   launches_ = 0;
+  stats_.last_forward_replayed_graph = false;
   std::vector<float> logits;
   for (int at = 0; at < n; at += kCudaMaxChunk) {
     const int len = std::min(kCudaMaxChunk, n - at);
@@ -367,14 +385,48 @@ std::vector<float> CudaRunner::forward(std::span<const int32_t> tokens, bool las
 }
 
 void CudaRunner::run_chunk(std::span<const int32_t> tokens, int64_t pos0, Rows wanted, std::vector<float>& logits) {
-  const ModelConfig& c = c_;
-  const int n = int(tokens.size()), D = c.hidden_size, hc = c.hc_mult, V = c.vocab_size;
+  const int n = int(tokens.size());
   std::memcpy(host_tokens_, tokens.data(), n * sizeof(int32_t));
+  *host_pos_ = pos0;
+  if (options_.graph_decode && n == 1 && wanted == Rows::Last) {
+    if (!decode_exec_) {  // capture once; every later decode step replays it with the new token and position
+      const int64_t before = launches_;
+      DSV4_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
+      try {
+        enqueue_chunk(1, pos0, pos_.as<int64_t>(), Rows::Last);
+      } catch (...) {
+        cudaGraph_t broken = nullptr;
+        cudaStreamEndCapture(stream_, &broken);
+        if (broken) cudaGraphDestroy(broken);
+        throw;
+      }
+      DSV4_CUDA_CHECK(cudaStreamEndCapture(stream_, &decode_graph_));
+      DSV4_CUDA_CHECK(cudaGraphInstantiate(&decode_exec_, decode_graph_, 0));
+      stats_.graph_kernels = launches_ - before;
+      launches_ = before;
+    }
+    DSV4_CUDA_CHECK(cudaGraphLaunch(decode_exec_, stream_));
+    ++launches_;
+    stats_.last_forward_replayed_graph = true;
+  } else {
+    enqueue_chunk(n, pos0, nullptr, wanted);
+  }
+  if (wanted == Rows::None) return;
+  DSV4_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  const size_t count = size_t(wanted == Rows::Last ? 1 : n) * c_.vocab_size;
+  logits.insert(logits.end(), host_logits_, host_logits_ + count);
+}
+
+void CudaRunner::enqueue_chunk(int n, int64_t pos0, const int64_t* pos_device, Rows wanted) {
+  const ModelConfig& c = c_;
+  const int D = c.hidden_size, hc = c.hc_mult, V = c.vocab_size;
   DSV4_CUDA_CHECK(cudaMemcpyAsync(tokens_.data(), host_tokens_, n * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+  if (pos_device)
+    DSV4_CUDA_CHECK(cudaMemcpyAsync(pos_.data(), host_pos_, sizeof(int64_t), cudaMemcpyHostToDevice, stream_));
   gpu::embed_tokens(embed_.as<uint16_t>(), tokens_.as<int32_t>(), n, D, hc, streams_.as<float>(), stream_);
   ++launches_;
   for (int l = 0; l < c.n_layers; ++l) {
-    attention_block(l, n, pos0);
+    attention_block(l, n, pos0, pos_device);
     ffn_block(l, n);
   }
   if (wanted == Rows::None) return;
@@ -386,13 +438,11 @@ void CudaRunner::run_chunk(std::span<const int32_t> tokens, int64_t pos0, Rows w
                     final_norm_.as<float>(), rows, hc, D, c.hc_eps, c.rms_norm_eps, head_in_.as<uint16_t>(), stream_);
   ++launches_;
   linear(head_in_.data(), head_.data(), logits_.data(), rows, V, D, GemvOut::F32);
-  const size_t count = size_t(rows) * V;
-  DSV4_CUDA_CHECK(cudaMemcpyAsync(host_logits_, logits_.data(), count * sizeof(float), cudaMemcpyDeviceToHost, stream_));
-  DSV4_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  logits.insert(logits.end(), host_logits_, host_logits_ + count);
+  DSV4_CUDA_CHECK(cudaMemcpyAsync(host_logits_, logits_.data(), size_t(rows) * V * sizeof(float),
+                                  cudaMemcpyDeviceToHost, stream_));
 }
 
-void CudaRunner::attention_block(int l, int n, int64_t pos0) {
+void CudaRunner::attention_block(int l, int n, int64_t pos0, const int64_t* pos_device) {
   const ModelConfig& c = c_;
   LayerDevice& d = layers_[l];
   const int D = c.hidden_size, H = c.n_heads, hd = c.head_dim, rd = c.rope_dim, hc = c.hc_mult;
@@ -434,6 +484,7 @@ void CudaRunner::attention_block(int l, int n, int64_t pos0) {
   q.rope_dim = rd;
   q.inv_freq = d.inv_freq;
   q.pos0 = pos0;
+  q.pos_device = pos_device;
   row_op(q);
 
   const RowRound kv_round = numerics_.kv == cpu::KvStorage::FP8    ? RowRound::KvFp8
@@ -456,17 +507,20 @@ void CudaRunner::attention_block(int l, int n, int64_t pos0) {
   kv.inv_freq = d.inv_freq;
   kv.pos0 = pos0;
   kv.round = kv_round;
+  kv.pos_device = pos_device;
   row_op(kv);
 
   // 3.5 compressors; the entries completed in this chunk (blocks pos0/r .. (pos0+n)/r - 1) are finished after.
   auto advance = [&](CompressorDevice& cd, int off_kv, int off_gate, float* entries, RowRound round) {
     gpu::compressor_advance({y_x + off_kv, y_x + off_gate, d.n_x, cd.ape.as<float>(), cd.state_kv.as<float>(),
-                             cd.state_score.as<float>(), entries, cd.ratio, cd.dim, n, cd.overlap, pos0},
+                             cd.state_score.as<float>(), entries, cd.ratio, cd.dim, n, cd.overlap, pos0, pos_device},
                             stream_);
     ++launches_;
-    const int64_t b_first = pos0 / r, b_end = (pos0 + n) / r;
+    const int64_t b_first = pos_device ? 0 : pos0 / r, b_end = pos_device ? 1 : (pos0 + n) / r;
     if (b_end == b_first) return;
     RowOpParams fin;
+    fin.emit_ratio = pos_device ? r : 0;  // graph: the kernel decides whether this step completes an entry
+    fin.pos_device = pos_device;
     fin.x = fin.y = entries + b_first * cd.dim;
     fin.x_token_stride = fin.y_token_stride = cd.dim;
     fin.tokens = int(b_end - b_first);
@@ -498,6 +552,7 @@ void CudaRunner::attention_block(int l, int n, int64_t pos0) {
     qi.inv_freq = d.inv_freq;
     qi.pos0 = pos0;
     qi.round = index_round;
+    qi.pos_device = pos_device;
     row_op(qi);
     linear_f32(normed_.as<float>(), d.index_wproj, index_w_.as<float>(), n, nh, D);
     gpu::IndexerTopkParams ip;
@@ -515,6 +570,7 @@ void CudaRunner::attention_block(int l, int n, int64_t pos0) {
     ip.topk = c.index_topk;
     ip.max_entries = max_entries_;
     ip.pos0 = pos0;
+    ip.pos_device = pos_device;
     gpu::indexer_topk(ip, stream_);
     ++launches_;
   }
@@ -541,9 +597,10 @@ void CudaRunner::attention_block(int l, int n, int64_t pos0) {
   ap.pos0 = pos0;
   ap.scale = 1.0f / std::sqrt(float(hd));
   ap.out = o_grouped_.as<uint16_t>();
+  ap.pos_device = pos_device;
   gpu::attention(ap, stream_);
   ++launches_;
-  gpu::window_store(kv_chunk_.as<float>(), n, hd, pos0, d.window.as<float>(), window_slots_, stream_);
+  gpu::window_store(kv_chunk_.as<float>(), n, hd, pos0, pos_device, d.window.as<float>(), window_slots_, stream_);
   ++launches_;
 
   // 3.9 grouped low-rank output projection: group g's heads through wo_a rows g·o_lora.., then wo_b.
@@ -633,8 +690,9 @@ void CudaRunner::ffn_block(int l, int n) {
 
 }  // namespace
 
-std::unique_ptr<SequenceRunner> make_cuda_runner(const Model& model, int max_context) {
-  return std::make_unique<CudaRunner>(model, max_context);
+std::unique_ptr<SequenceRunner> make_cuda_runner(const Model& model, int max_context, CudaRunnerOptions options) {
+  if (const char* env = std::getenv("DSV4_CUDA_GRAPH"); env && std::string(env) == "0") options.graph_decode = false;
+  return std::make_unique<CudaRunner>(model, max_context, options);
 }
 
 CudaRunnerStats cuda_runner_stats(const SequenceRunner& runner) {

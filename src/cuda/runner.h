@@ -17,11 +17,20 @@ namespace dsv4 {
 
 constexpr int kCudaMaxChunk = 64;
 
+struct CudaRunnerOptions {
+  // Capture the 1-token decode step (token and position uploads, every kernel, the logits copy) once as a CUDA
+  // graph and replay it; positions reach the kernels through device memory. DSV4_CUDA_GRAPH=0 in the
+  // environment turns it off (A/B timing).
+  bool graph_decode = true;
+};
+
 // Throws dsv4::Error when no CUDA device is usable or the model has a shape the kernels do not support.
-std::unique_ptr<SequenceRunner> make_cuda_runner(const Model& model, int max_context);
+std::unique_ptr<SequenceRunner> make_cuda_runner(const Model& model, int max_context, CudaRunnerOptions options = {});
 
 struct CudaRunnerStats {
-  int64_t launches_last_forward = 0;  // kernels enqueued by the last forward() call
+  int64_t launches_last_forward = 0;  // kernels (or graph replays) enqueued by the last forward() call
+  int64_t graph_kernels = 0;          // kernel nodes in the captured decode graph (0 until captured)
+  bool last_forward_replayed_graph = false;
   size_t weight_bytes = 0, workspace_bytes = 0;
 };
 // Stats of a runner made by make_cuda_runner (throws for other runners).

@@ -16,6 +16,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <nlohmann/json.hpp>
@@ -382,7 +383,8 @@ void check_model(const std::string& name, Numerics numerics, int prompt_len, int
   const ModelConfig& c = model.config();
   const int V = c.vocab_size, max_context = prompt_len + decode_steps + 8;
   std::unique_ptr<SequenceRunner> cpu = make_cpu_runner(model, max_context);
-  std::unique_ptr<SequenceRunner> gpu = make_cuda_runner(model, max_context);
+  std::unique_ptr<SequenceRunner> gpu = make_cuda_runner(model, max_context);  // decode replays a CUDA graph
+  std::unique_ptr<SequenceRunner> plain = make_cuda_runner(model, max_context, {.graph_decode = false});
   EXPECT_EQ(gpu->state_bytes(), cpu->state_bytes());
   std::mt19937 rng(99);
   std::uniform_int_distribution<int32_t> token(2, V - 1);
@@ -394,13 +396,14 @@ void check_model(const std::string& name, Numerics numerics, int prompt_len, int
   const std::vector<float> cpu_rows = cpu->forward(prompt, false);
   const std::vector<float> gpu_rows = gpu->forward(prompt, false);
   prefill.add(gpu_rows, cpu_rows);
+  plain->forward(prompt, true);
 
   // Teacher-forced decode with the CPU's greedy tokens.
   int32_t next = argmax(&cpu_rows[size_t(prompt_len - 1) * V], V);
   int agree = 0, checked = 0;
   std::vector<int32_t> cpu_greedy;
-  double decode_seconds = 0;
-  int64_t launches = 0;
+  double decode_seconds = 0, plain_seconds = 0, graph_vs_plain = 0;
+  int64_t launches = 0, plain_launches = 0;
   for (int step = 0; step < decode_steps; ++step) {
     cpu_greedy.push_back(next);
     const int32_t id[1] = {next};
@@ -409,6 +412,12 @@ void check_model(const std::string& name, Numerics numerics, int prompt_len, int
     const std::vector<float> got = gpu->forward(id, true);
     decode_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     launches = cuda_runner_stats(*gpu).launches_last_forward;
+    const auto t1 = std::chrono::steady_clock::now();
+    const std::vector<float> got_plain = plain->forward(id, true);
+    plain_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
+    plain_launches = cuda_runner_stats(*plain).launches_last_forward;
+    for (size_t i = 0; i < got.size(); ++i)
+      graph_vs_plain = std::max(graph_vs_plain, double(std::fabs(got[i] - got_plain[i])));
     Diff step_diff;
     step_diff.add(got, want);
     decode.add(got, want);
@@ -419,6 +428,11 @@ void check_model(const std::string& name, Numerics numerics, int prompt_len, int
     next = argmax(want.data(), V);
   }
   EXPECT_EQ(agree, checked) << "greedy tokens differ on steps whose CPU margin exceeds 2x max|diff|";
+  // Same kernels on the same data: the graph replay must reproduce the directly launched decode.
+  EXPECT_LE(graph_vs_plain, 1e-5 * decode.max_ref) << "graph replay differs from direct launches";
+  if (std::getenv("DSV4_CUDA_GRAPH") == nullptr) {
+    EXPECT_TRUE(cuda_runner_stats(*gpu).last_forward_replayed_graph);
+  }
 
   // Free-running greedy on the GPU from the same prompt, compared up to the CPU's first near-tie (margin < 0.1).
   gpu->reset();
@@ -449,12 +463,14 @@ void check_model(const std::string& name, Numerics numerics, int prompt_len, int
               "[cuda-model]   prefill max|diff| %.3g (max|logit| %.3g, rel %.3g); decode max|diff| %.3g (rel %.3g); "
               "tol rel %.0e\n"
               "[cuda-model]   greedy: %d/%d margin-checked steps agree; free-running %d/%d before a near-tie\n"
-              "[cuda-model]   decode %.1f tok/s (%.3f ms/token incl. logits copy), %lld launches/token; weights %.2f "
-              "MiB, workspaces %.2f MiB, state %.2f MiB\n",
+              "[cuda-model]   decode graph %.1f tok/s (%.3f ms/token incl. logits copy, %lld launch = %lld kernels), "
+              "direct %.1f tok/s (%lld launches/token), graph vs direct max|diff| %.3g\n"
+              "[cuda-model]   weights %.2f MiB, workspaces %.2f MiB, state %.2f MiB\n",
               name.c_str(), source.c_str(), int(numerics.kv), int(numerics.indexer), prompt_len, decode_steps,
               prefill.max_abs, prefill.max_ref, prefill.max_abs / prefill.max_ref, decode.max_abs,
               decode.max_abs / decode.max_ref, rel_tol, agree, checked, same, compared,
               decode_steps / decode_seconds, 1e3 * decode_seconds / decode_steps, (long long)launches,
+              (long long)st.graph_kernels, decode_steps / plain_seconds, (long long)plain_launches, graph_vs_plain,
               st.weight_bytes / 1048576.0, st.workspace_bytes / 1048576.0, gpu->state_bytes() / 1048576.0);
   EXPECT_LE(prefill.max_abs, rel_tol * prefill.max_ref);
   EXPECT_LE(decode.max_abs, rel_tol * decode.max_ref);
