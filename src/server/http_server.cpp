@@ -4,6 +4,7 @@
 #include <httplib.h>
 #include <spdlog/spdlog.h>
 
+#include <set>
 #include <thread>
 
 #include "core/check.h"
@@ -158,7 +159,12 @@ void HttpServer::add_routes() {
     send_error(res, ApiError(500, "internal error: " + what, {}, "server_error"));
   });
   http.set_logger([this](const httplib::Request& req, const httplib::Response& res) {
-    metrics_.http_response(req.path, res.status);
+    // Paths come from clients: label only the known ones, so that random URLs cannot grow the metrics.
+    static const std::set<std::string> routes = {"/health", "/metrics", "/v1/models", "/v1/completions",
+                                                 "/v1/chat/completions"};
+    const bool known = routes.count(req.path) || req.path.starts_with("/v1/models/");
+    metrics_.http_response(known ? (req.path.starts_with("/v1/models/") ? "/v1/models/{id}" : req.path) : "other",
+                           res.status);
     spdlog::debug("{} {} -> {}", req.method, req.path, res.status);
   });
 }
