@@ -24,6 +24,7 @@ namespace {
 struct GoldenRun {
   std::string model, name, source, kv_dtype, indexer_dtype, logits_file;
   std::vector<int32_t> prompt, output;
+  double reference_noise = 0;  // max |logit| change of the reference itself between fp32 and fp64 evaluation
 };
 
 std::vector<GoldenRun> golden_runs(const std::string& model) {
@@ -41,14 +42,19 @@ std::vector<GoldenRun> golden_runs(const std::string& model) {
     r.logits_file = (dir / j.at("logits").get<std::string>()).string();
     r.prompt = j.at("prompt_ids").get<std::vector<int32_t>>();
     r.output = j.at("output_ids").get<std::vector<int32_t>>();
+    r.reference_noise = j.value("fp32_vs_fp64_max_abs_diff", 0.0);
     runs.push_back(r);
   }
   return runs;
 }
 
-// Tolerances on max |logit diff|: fp32 engine vs fp32 transformers differ by summation order only; with the
-// simulated FP8/FP4 rounding on, an fp32-level difference can flip a rounding step (see reference/README.md).
-double tolerance(const GoldenRun& r) { return r.source == "transformers" ? 1e-3 : 2e-2; }
+// Tolerances on max |logit diff|: fp32 engine vs fp32 transformers differ by summation order only (1e-3). With the
+// simulated FP8/FP4 rounding on, a value within fp32 noise of a rounding midpoint can round either way; the
+// reference measured how far that moves its own logits (fp32 vs fp64 evaluation), and the engine may differ by
+// that much (x1.5), never less strictly than 2e-3.
+double tolerance(const GoldenRun& r) {
+  return r.source == "transformers" ? 1e-3 : std::max(2e-3, 1.5 * r.reference_noise);
+}
 
 double max_abs_diff(const float* a, const double* b, size_t n) {
   double worst = 0;
