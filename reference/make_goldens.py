@@ -14,6 +14,7 @@ Per model:
   4. source "dsv4_ref": greedy decode with the engine's default numerics (kv fp8, indexer fp4) in float32;
      the same sequence re-run in float64 gives the fp32-rounding tolerance scale.
 """
+import collections
 import json
 import math
 import os
@@ -29,6 +30,20 @@ import dsv4_ref  # noqa: E402
 from tiny_configs import MODELS  # noqa: E402
 
 torch.set_num_threads(min(16, os.cpu_count() or 1))
+
+_TopK = collections.namedtuple("topk", "values indices")
+
+
+def _stable_topk(self, k, dim=-1, largest=True, sorted=True):
+    """Tensor.topk with the engine's tie rule: equal values -> lower index first (stable sort).
+    transformers' indexer calls Tensor.topk on scores that tie exactly at 0 (all heads' ReLU(q.k) = 0);
+    torch's own topk then picks tie members in a length-dependent order, which breaks prefill causality
+    and prefill/decode agreement. Patched for the whole script (the routers call torch.topk, unaffected)."""
+    idx = torch.sort(self, dim=dim, descending=largest, stable=True).indices.narrow(dim, 0, k)
+    return _TopK(self.gather(dim, idx), idx)
+
+
+torch.Tensor.topk = _stable_topk
 
 PROMPTS = {  # model -> [(prompt length, decode tokens)]
     "tiny-flash": [(n, 8) for n in (1, 3, 4, 5, 127, 128, 129, 513)],
@@ -237,7 +252,8 @@ def build(model_name, outdir, report):
             q_name = f"{name}-fp8"
             np.save(os.path.join(d, f"{q_name}.npy"), q32.numpy().astype(np.float32))
             runs.append(dict(run_entry(q_name, prompt, q_ids, q32, "dsv4_ref", "fp8", "fp4"),
-                             fp32_vs_fp64_max_abs_diff=float(dq.max())))
+                             fp32_vs_fp64_max_abs_diff=float(dq.max()),
+                             fp32_vs_fp64_row_max_abs_diff=[float(f"{v:.3g}") for v in dq.tolist()]))
         except Exception:  # keep the transformers goldens of this call even if the transcription breaks
             entry["dsv4_ref_error"] = traceback.format_exc()
         print(model_name, name, json.dumps(rep["runs"][name]), flush=True)
@@ -273,6 +289,32 @@ def write_hfnames(hf, runs, outdir, report):
     report["tiny-flash-hfnames"] = {"files": sorted(os.listdir(d)), "same_weights_as_tiny-flash": same}
 
 
+def write_quantizers(outdir):
+    """Unit goldens for the rounding simulations (float32 in, float32 out), tests/data/golden/quantizers/."""
+    d = os.path.join(outdir, "quantizers")
+    os.makedirs(d, exist_ok=True)
+    g = torch.Generator().manual_seed(99)
+    mag = torch.exp(torch.randn(64, 1, generator=g) * 4)  # per-row magnitudes over ~14 binades
+    mag[:4] = torch.tensor([[1e-7], [3e-6], [2e-5], [1e-4]])  # amax below the 1e-4 floor, subnormal e4m3 codes
+    x = (torch.randn(64, 448, generator=g) * mag).float()
+    files = {"fp8sim64_in": x, "fp8sim64_out": dsv4_ref.fp8sim(x)}
+    y = (torch.randn(64, 128, generator=g) * mag).float()
+    files.update(fp4sim32_in=y, fp4sim32_out=dsv4_ref.fp4sim(y))
+    h = torch.randn(16, 128, generator=g).float()
+    files.update(hadamard128_in=h, hadamard128_out=dsv4_ref.hadamard(h),
+                 hadamard_fp4sim_out=dsv4_ref.fp4sim(dsv4_ref.hadamard(h)))
+    b = (torch.randn(4096, generator=g) * torch.exp(torch.randn(4096, generator=g) * 4)).float()
+    files.update(bf16_in=b, bf16_out=dsv4_ref.round_bf16(b))
+    for k, v in files.items():
+        np.save(os.path.join(d, f"{k}.npy"), v.numpy().astype(np.float32))
+    with open(os.path.join(d, "README.md"), "w") as f:
+        f.write("Rounding-simulation goldens from reference/dsv4_ref.py (float32): fp8sim64 = FP8sim_64 per row "
+                "(7 blocks of 64), fp4sim32 = FP4sim_32 (4 blocks of 32), hadamard128 = x times the orthonormal "
+                "Sylvester Hadamard matrix (butterflies then * 128^-0.5), hadamard_fp4sim = FP4sim_32(hadamard128), "
+                "bf16 = round-to-nearest-even to bfloat16. fp8/fp4/bf16 outputs are exact (compare bit for bit); "
+                "hadamard to ~1e-6 relative (summation order).\n")
+
+
 def main():
     outdir = sys.argv[1]
     os.makedirs(outdir, exist_ok=True)
@@ -285,6 +327,8 @@ def main():
         report["dsv4_ref_selftest"] = "ok"
     except Exception:
         report["dsv4_ref_selftest"] = traceback.format_exc()
+    report["transformers_indexer_topk"] = "Tensor.topk patched to a stable sort (ties -> lower index)"
+    write_quantizers(outdir)
     hf_flash, flash_runs = build("tiny-flash", outdir, report)
     build("tiny-pro", outdir, report)
     try:
