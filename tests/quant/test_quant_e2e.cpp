@@ -35,12 +35,9 @@ const fs::path& work_dir() {
   return dir;
 }
 
-// The fp32 source: the committed golden tiny model when present, else the seeded generator's.
+// The fp32 source: the seeded generator's tiny model (the committed transformers logits are for exactly it).
 const std::string& source_dir() {
   static const std::string dir = [] {
-    const fs::path golden = fs::path(DSV4_TEST_DATA) / "golden" / "tiny-flash";
-    if (fs::exists(golden / "config.json") && std::getenv("DSV4_QUANT_USE_GENERATED") == nullptr)
-      return golden.string();
     const fs::path d = work_dir() / "tiny-fp32";
     dsv4::testing::write_tiny_checkpoint(d.string(), 20261202);
     return d.string();
@@ -118,14 +115,15 @@ void check_variant(const Variant& v, const std::string& from) {
   const double d = max_abs_diff(a, b);
   std::printf("%s: max |logit diff| quantised vs dequantised fp32 checkpoint = %.3g\n", v.name.c_str(), d);
   EXPECT_LE(d, 1e-4);
-  const double vs_source = max_abs_diff(a, logits_of(source_dir()));
-  std::printf("%s: max |logit diff| vs the unquantised source (quantisation error, informative) = %.3g\n",
+  const double vs_source = max_abs_diff(a, logits_of(from));
+  std::printf("%s: max |logit diff| vs the input checkpoint (quantisation error, informative) = %.3g\n",
               v.name.c_str(), vs_source);
   EXPECT_TRUE(std::isfinite(vs_source));
 
   // Reference logits from transformers on the same dequantised weights, when committed for this source.
   const fs::path ref = fs::path(DSV4_TEST_DATA) / "quant" / (v.name + "-transformers.npy");
-  if (fs::exists(ref) && source_dir().find("tiny-fp32") != std::string::npos) {
+  if (from == source_dir() && (v.name == "nvfp4" || v.name == "nvfp4-all" || v.name == "deepseek")) {
+    ASSERT_TRUE(fs::exists(ref)) << ref;
     const NpyArray r = read_npy(ref.string());
     ASSERT_EQ(r.values.size(), a.size());
     double worst = 0;
@@ -141,6 +139,14 @@ void check_variant(const Variant& v, const std::string& from) {
 TEST(QuantE2E, Nvfp4ExpertsMatchDequantisedFp32) { check_variant(kNvfp4, source_dir()); }
 TEST(QuantE2E, Nvfp4AllLinearsMatchDequantisedFp32) { check_variant(kNvfp4All, source_dir()); }
 TEST(QuantE2E, DeepSeekFp8Fp4MatchDequantisedFp32) { check_variant(kDeepSeek, source_dir()); }
+
+// The golden tiny-flash checkpoint (tests/data/golden, committed by the reference work) through the same path.
+TEST(QuantE2E, GoldenTinyFlashNvfp4MatchesDequantised) {
+  const fs::path golden = fs::path(DSV4_TEST_DATA) / "golden" / "tiny-flash";
+  if (!fs::exists(golden / "config.json")) GTEST_SKIP() << "no " << golden;
+  check_variant({"golden-nvfp4", "--format nvfp4 --all-linears", WeightFormat::Nvfp4, WeightFormat::Nvfp4},
+                golden.string());
+}
 
 // Official FP8 + FP4 in, NVFP4 experts out (what NVIDIA's DeepSeek-V4 NVFP4 checkpoints are): FP8 linears copied
 // with their e8m0 scales, the config keeps quant_method fp8 and routes experts to NVFP4.
