@@ -160,6 +160,8 @@ class CudaRunner final : public SequenceRunner {
   CudaRunnerOptions options_;
   cudaGraph_t decode_graph_ = nullptr;
   cudaGraphExec_t decode_exec_ = nullptr;
+  cudaEvent_t tokens_uploaded_ = nullptr;  // host_tokens_ may be rewritten once this has completed
+  bool upload_pending_ = false;
 
   // weights
   DeviceBuffer embed_, head_, final_norm_, inv_freq_main_, inv_freq_compress_;
@@ -193,6 +195,7 @@ CudaRunner::CudaRunner(const Model& model, int max_context, CudaRunnerOptions op
   // Non-blocking (graph capture must not meet the legacy stream); the constructor ends with a device sync, so
   // the uploads and memsets on the legacy stream are complete before the first launch.
   DSV4_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  DSV4_CUDA_CHECK(cudaEventCreateWithFlags(&tokens_uploaded_, cudaEventDisableTiming));
 
   window_slots_ = std::min(c.window, max_context);
   embed_ = upload_bf16({&W.embed});
@@ -349,6 +352,7 @@ CudaRunner::~CudaRunner() {
   if (host_tokens_) cudaFreeHost(host_tokens_);
   if (host_pos_) cudaFreeHost(host_pos_);
   if (host_logits_) cudaFreeHost(host_logits_);
+  if (tokens_uploaded_) cudaEventDestroy(tokens_uploaded_);
   if (stream_) cudaStreamDestroy(stream_);
 }
 
@@ -386,6 +390,10 @@ std::vector<float> CudaRunner::forward(std::span<const int32_t> tokens, bool las
 
 void CudaRunner::run_chunk(std::span<const int32_t> tokens, int64_t pos0, Rows wanted, std::vector<float>& logits) {
   const int n = int(tokens.size());
+  if (upload_pending_) {  // a chunk without logits did not synchronise: its token upload may still be queued
+    DSV4_CUDA_CHECK(cudaEventSynchronize(tokens_uploaded_));
+    upload_pending_ = false;
+  }
   std::memcpy(host_tokens_, tokens.data(), n * sizeof(int32_t));
   *host_pos_ = pos0;
   if (options_.graph_decode && n == 1 && wanted == Rows::Last) {
@@ -411,7 +419,10 @@ void CudaRunner::run_chunk(std::span<const int32_t> tokens, int64_t pos0, Rows w
   } else {
     enqueue_chunk(n, pos0, nullptr, wanted);
   }
-  if (wanted == Rows::None) return;
+  if (wanted == Rows::None) {
+    upload_pending_ = true;
+    return;
+  }
   DSV4_CUDA_CHECK(cudaStreamSynchronize(stream_));
   const size_t count = size_t(wanted == Rows::Last ? 1 : n) * c_.vocab_size;
   logits.insert(logits.end(), host_logits_, host_logits_ + count);
@@ -423,6 +434,8 @@ void CudaRunner::enqueue_chunk(int n, int64_t pos0, const int64_t* pos_device, R
   DSV4_CUDA_CHECK(cudaMemcpyAsync(tokens_.data(), host_tokens_, n * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
   if (pos_device)
     DSV4_CUDA_CHECK(cudaMemcpyAsync(pos_.data(), host_pos_, sizeof(int64_t), cudaMemcpyHostToDevice, stream_));
+  else
+    DSV4_CUDA_CHECK(cudaEventRecord(tokens_uploaded_, stream_));
   gpu::embed_tokens(embed_.as<uint16_t>(), tokens_.as<int32_t>(), n, D, hc, streams_.as<float>(), stream_);
   ++launches_;
   for (int l = 0; l < c.n_layers; ++l) {
