@@ -5,6 +5,7 @@
 #include <pcre2.h>
 
 #include <nlohmann/json.hpp>
+#include <spdlog/spdlog.h>
 
 #include <algorithm>
 
@@ -137,6 +138,10 @@ AddedVocabulary AddedVocabulary::from_json(const nlohmann::json& added_tokens, c
       t.id = model.size();
     } else {
       t.id = max_added_id >= model.size() ? max_added_id + 1 : model.size();
+    }
+    if (j.contains("id") && j["id"].is_number_integer() && j["id"].get<int64_t>() != t.id) {
+      spdlog::warn("tokenizer.json: added token `{}` declares id {} but gets id {} (HF assigns ids in order)",
+                   t.content, j["id"].get<int64_t>(), t.id);
     }
     max_added_id = std::max(max_added_id, t.id);
     const auto index = static_cast<int32_t>(v.tokens_.size());

@@ -120,6 +120,21 @@ Fast deepseek_word_match(std::string_view s, size_t i, size_t& end) {
   return Fast::kMatch;
 }
 
+// \p{N}{1,3}, the first Split of the DeepSeek pre-tokenizer, evaluated the same way: ASCII digits
+// group in threes; a non-ASCII character (which may be a digit) goes to PCRE2.
+constexpr std::string_view kDigitsPattern = "\\p{N}{1,3}";
+
+Fast digits_match(std::string_view s, size_t i, size_t& end) {
+  auto digit = [](unsigned char c) { return c >= '0' && c <= '9'; };
+  const auto c = static_cast<unsigned char>(s[i]);
+  if (c >= 0x80) return Fast::kAskRegex;
+  if (!digit(c)) return Fast::kNoMatchHere;
+  end = i + 1;
+  while (end < s.size() && end - i < 3 && digit(static_cast<unsigned char>(s[end]))) ++end;
+  if (end - i < 3 && end < s.size() && static_cast<unsigned char>(s[end]) >= 0x80) return Fast::kAskRegex;
+  return Fast::kMatch;
+}
+
 // Per-thread PCRE2 scratch: one match data block (group 0 only is needed) and a JIT stack large
 // enough for megabyte-long pieces.
 struct MatchScratch {
@@ -215,7 +230,10 @@ std::string rewrite_regex_for_pcre2(std::string_view p) {
 class RegexSplitter {
  public:
   RegexSplitter(std::string_view hf_pattern, bool keep_matches)
-      : keep_matches_(keep_matches), deepseek_word_(hf_pattern == kDeepSeekWordPattern) {
+      : keep_matches_(keep_matches),
+        fast_path_(hf_pattern == kDeepSeekWordPattern ? deepseek_word_match
+                   : hf_pattern == kDigitsPattern     ? digits_match
+                                                      : nullptr) {
     const std::string pattern = rewrite_regex_for_pcre2(hf_pattern);
     int err = 0;
     PCRE2_SIZE err_offset = 0;
@@ -237,9 +255,9 @@ class RegexSplitter {
   void split(std::string_view piece, std::vector<std::string_view>& out) const {
     const size_t n = piece.size();
     size_t prev = 0, pos = 0;
-    while (pos < n || (pos == n && !deepseek_word_)) {
+    while (pos < n || (pos == n && !fast_path_)) {
       size_t start = pos, end = pos;
-      const Fast fast = deepseek_word_ ? deepseek_word_match(piece, pos, end) : Fast::kAskRegex;
+      const Fast fast = fast_path_ ? fast_path_(piece, pos, end) : Fast::kAskRegex;
       if (fast == Fast::kNoMatchHere) {
         ++pos;
         continue;
@@ -275,7 +293,8 @@ class RegexSplitter {
   pcre2_code* code_ = nullptr;
   bool jit_ = false;
   bool keep_matches_;
-  bool deepseek_word_;  // the pattern is kDeepSeekWordPattern: use deepseek_word_match first
+  // For the DeepSeek patterns: an exact ASCII evaluator tried before PCRE2 (nullptr otherwise).
+  Fast (*fast_path_)(std::string_view, size_t, size_t&);
 };
 
 PreTokenizer::PreTokenizer() = default;
