@@ -24,7 +24,8 @@ namespace {
 struct ServeArgs {
   std::string model_dir, host = "127.0.0.1", device = "cpu", served_model_name, kv_dtype = "fp8",
                          indexer_dtype = "fp4";
-  int port = 8000, max_batch = 8, max_context = 4096, max_queue = 64, prefill_chunk = 256, http_threads = 0;
+  int port = 8000, max_batch = 8, max_context = 4096, max_queue = 64, prefill_chunk = 256, http_threads = 0,
+      threads = 0;
   double drain_timeout = 30;
 };
 
@@ -61,7 +62,7 @@ int run_serve(const ServeArgs& a) {
                  tokenizer.vocab_size(), model.config().vocab_size);
 
   server::Metrics metrics;
-  server::SchedulerOptions scheduling{a.max_batch, a.max_queue, a.max_context, a.prefill_chunk};
+  server::SchedulerOptions scheduling{a.max_batch, a.max_queue, a.max_context, a.prefill_chunk, a.threads};
   server::RunnerFactory make_runner = [&model](int max_context) { return make_cpu_runner(model, max_context); };
   server::Scheduler scheduler(tokenizer, make_runner, scheduling, metrics);
   std::string name = a.served_model_name;
@@ -123,6 +124,8 @@ void add_serve_command(CLI::App& app, Handler& handler) {
       ->capture_default_str()->check(CLI::Range(0, 1 << 20));
   cmd->add_option("--prefill-chunk", args->prefill_chunk, "Prompt tokens one sequence consumes per step")
       ->capture_default_str()->check(CLI::Range(1, 1 << 20));
+  cmd->add_option("--threads", args->threads, "CPU threads of the engine's forward pass (0: OpenMP's default)")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
   cmd->add_option("--served-model-name", args->served_model_name,
                   "Model id in the API (default: the model directory's name)");
   cmd->add_option("--kv-dtype", args->kv_dtype, "KV cache storage: fp8 (official rounding), bf16, f32")

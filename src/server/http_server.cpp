@@ -55,6 +55,7 @@ HttpServer::HttpServer(Scheduler& scheduler, ApiContext context, Metrics& metric
   const SchedulerOptions& s = scheduler_.options();
   const int threads = options_.threads > 0 ? options_.threads : s.max_batch + s.max_queue + 16;
   http_->new_task_queue = [threads] { return new httplib::ThreadPool(size_t(threads)); };
+  http_->set_tcp_nodelay(true);  // SSE events are small writes: without this, Nagle + delayed ACK add ~40 ms
   http_->set_keep_alive_max_count(1000);
   http_->set_read_timeout(10, 0);
   http_->set_write_timeout(10, 0);

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: MIT
 #include "server/scheduler.h"
 
+#include <omp.h>
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
@@ -152,6 +153,7 @@ int Scheduler::queue_length() const {
 }
 
 void Scheduler::engine_loop() {
+  if (options_.threads > 0) omp_set_num_threads(options_.threads);  // applies to parallel regions this thread opens
   for (;;) {
     {
       std::unique_lock lock(mutex_);

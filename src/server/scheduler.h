@@ -92,6 +92,7 @@ struct SchedulerOptions {
   int max_queue = 64;       // requests waiting for a slot; beyond this submit() refuses
   int max_context = 4096;   // tokens of state per slot (prompt + completion)
   int prefill_chunk = 256;  // prompt tokens a slot consumes per step, so long prompts don't stall the batch
+  int threads = 0;          // OpenMP threads of the engine thread's forward calls; 0: the OpenMP default
 };
 
 // Makes one runner (one sequence's state) sized for max_context tokens; called max_batch times at startup.
