@@ -3,6 +3,7 @@
 // heuristic, and error reporting. The kernels are in gemv.cu.
 #include "cuda/gemv.h"
 
+#include <algorithm>
 #include <cstdint>
 
 #include "cuda/cuda_check.h"
@@ -37,13 +38,17 @@ const char* gemv_weight_name(GemvWeight w) {
 }
 
 int gemv_default_split_k(const GemvParams& p, int sm_count) {
-  // Enough blocks for two per multiprocessor first (bytes in flight), then at least one chunk per warp.
+  // Each warp should get at least two register groups of chunks (so loads overlap arithmetic), the grid at least
+  // one block per multiprocessor, and no warp should be left without a chunk.
   const int64_t tiles = (int64_t(p.n) + 15) / 16;
   const int per_chunk = p.weight == GemvWeight::BF16 ? 32 : p.weight == GemvWeight::FP8_BLOCK ? 64 : 128;
   const int n_chunks = (p.k + per_chunk - 1) / per_chunk;
-  int split = 1;
-  while (split < detail::kGemvWarps && (tiles * split + detail::kGemvWarps - 1) / detail::kGemvWarps < 2 * sm_count)
-    split *= 2;
+  const bool fp4 = p.weight == GemvWeight::MXFP4 || p.weight == GemvWeight::NVFP4;
+  const int unroll = detail::gemv_unroll(fp4, (std::max(p.m, 1) + 7) / 8);
+  auto blocks = [&](int split) { return (tiles * split + detail::kGemvWarps - 1) / detail::kGemvWarps; };
+  int split = detail::kGemvWarps;
+  while (split > 1 && n_chunks < 2 * unroll * split) split /= 2;
+  while (split < detail::kGemvWarps && blocks(split) < sm_count) split *= 2;
   while (split > 1 && n_chunks < split) split /= 2;
   return split;
 }

@@ -338,11 +338,15 @@ TEST(GemvArgs, RejectsBadShapesAndPointers) {
 
 TEST(GemvArgs, SplitHeuristic) {
   GemvParams p = fake_params(GemvWeight::FP8_BLOCK, 1, 4096, 8192);
-  EXPECT_EQ(gemv_default_split_k(p, 132), 8);  // 256 tiles: split to fill the machine
+  EXPECT_EQ(gemv_default_split_k(p, 132), 8);  // 128 chunks of 64
   p = fake_params(GemvWeight::BF16, 1, 129280, 4096);
-  EXPECT_EQ(gemv_default_split_k(p, 132), 1);  // 8080 tiles: one warp per tile
+  EXPECT_EQ(gemv_default_split_k(p, 132), 8);  // 128 chunks: 16 per warp even at split 8
   p = fake_params(GemvWeight::MXFP4, 1, 2048, 256);
   EXPECT_EQ(gemv_default_split_k(p, 132), 2);  // only 2 chunks of 128 along k
+  p = fake_params(GemvWeight::FP8_BLOCK, 1, 34000, 64);
+  EXPECT_EQ(gemv_default_split_k(p, 132), 1);  // one chunk, 266 blocks already
+  p = fake_params(GemvWeight::MXFP4, 1, 2048, 4096);
+  EXPECT_EQ(gemv_default_split_k(p, 132), 8);  // 32 chunks would want split 4, but 64 blocks do not fill 132 SMs
 }
 
 TEST(CudaDevice, AvailabilityQueryNeverThrows) {
