@@ -38,6 +38,6 @@ for f in bf16 fp8_block_e8m0 fp8_block_f32scale mxfp4 nvfp4; do
   done
 done
 for f in "$OUT"/ncu_*.log; do [ -f "$f" ] && { echo "--- $(basename "$f")"; grep -E "DRAM Throughput|Duration|pct_of_peak|Memory Throughput" "$f" | sed -E 's/ +/ /g'; }; done
-if [ -f "$OUT/bench_v1.log" ]; then echo "=== bench v1 (earlier decoders)"; grep -E "^(bf16|fp8|mxfp4|nvfp4)" "$OUT/bench_v1.log" | awk '{print $1, $2, $3, $4, $(NF-5), $(NF-4)}'; fi
+if [ -f "$OUT/bench_v1.log" ]; then echo "=== bench v1 (previous kernel build: us/step, GB/s)"; grep -E "^(bf16|fp8|mxfp4|nvfp4)" "$OUT/bench_v1.log" | awk '{print $1, $2, $3, $4, $(NF-5), $(NF-4)}'; fi
 echo "=== bench"
 cat "$OUT/bench.log"
