@@ -14,6 +14,9 @@
 #include "core/check.h"
 #include "model/model.h"
 #include "model/runner.h"
+#ifdef DSV4_HAVE_CUDA
+#include "cuda/runner.h"
+#endif
 #include "server/http_server.h"
 #include "server/scheduler.h"
 #include "tokenizer/tokenizer.h"
@@ -52,7 +55,12 @@ void install_signal_handlers() {
 int run_serve(const ServeArgs& a) {
   install_signal_handlers();
 
-  DSV4_CHECK(a.device == "cpu", "--device {}: only the cpu backend can serve in this build", a.device);
+#ifdef DSV4_HAVE_CUDA
+  DSV4_CHECK(a.device == "cpu" || a.device == "cuda", "--device {}: expected cpu or cuda", a.device);
+#else
+  DSV4_CHECK(a.device == "cpu", "--device {}: this build has no CUDA backend (configure with -DDSV4_CUDA=ON)",
+             a.device);
+#endif
   const Tokenizer tokenizer = Tokenizer::load(a.model_dir);
   const Model model = Model::load(a.model_dir, Numerics{parse_kv_storage(a.kv_dtype),
                                                         parse_indexer_storage(a.indexer_dtype)});
@@ -64,6 +72,13 @@ int run_serve(const ServeArgs& a) {
   server::Metrics metrics;
   server::SchedulerOptions scheduling{a.max_batch, a.max_queue, a.max_context, a.prefill_chunk, a.threads};
   server::RunnerFactory make_runner = [&model](int max_context) { return make_cpu_runner(model, max_context); };
+#ifdef DSV4_HAVE_CUDA
+  if (a.device == "cuda") {
+    // Each CUDA runner holds its own copy of the weights on the device, so slots cost weights + state each.
+    spdlog::warn("--device cuda: every one of the {} slots uploads its own copy of the weights", a.max_batch);
+    make_runner = [&model](int max_context) { return make_cuda_runner(model, max_context); };
+  }
+#endif
   server::Scheduler scheduler(tokenizer, make_runner, scheduling, metrics);
   std::string name = a.served_model_name;
   if (name.empty()) {
@@ -115,7 +130,7 @@ void add_serve_command(CLI::App& app, Handler& handler) {
   cmd->add_option("--host", args->host, "Address to listen on")->capture_default_str();
   cmd->add_option("--port", args->port, "Port to listen on; 0 picks a free one (printed on stdout)")
       ->capture_default_str()->check(CLI::Range(0, 65535));
-  cmd->add_option("--device", args->device, "Backend: cpu")->capture_default_str();
+  cmd->add_option("--device", args->device, "Backend: cpu, or cuda in CUDA builds")->capture_default_str();
   cmd->add_option("--max-batch", args->max_batch, "Sequences decoded together (slots)")
       ->capture_default_str()->check(CLI::Range(1, 4096));
   cmd->add_option("--max-context", args->max_context, "Tokens per sequence (prompt + completion)")
