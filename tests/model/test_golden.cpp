@@ -48,12 +48,16 @@ std::vector<GoldenRun> golden_runs(const std::string& model) {
   return runs;
 }
 
-// Tolerances on max |logit diff|: fp32 engine vs fp32 transformers differ by summation order only (1e-3). With the
-// simulated FP8/FP4 rounding on, a value within fp32 noise of a rounding midpoint can round either way; the
-// reference measured how far that moves its own logits (fp32 vs fp64 evaluation), and the engine may differ by
-// that much (x1.5), never less strictly than 2e-3.
+// Tolerances on max |logit diff| (logits here reach about 20):
+// * fp32 engine vs fp32 transformers differ by summation order only: 1e-3.
+// * With the simulated FP8/FP4 rounding on, a value within fp32 noise of a rounding midpoint may round the other
+//   way in the engine than in the reference, and the flip propagates to every later position. The reference
+//   measured how far that moves its own logits (fp32 vs fp64 evaluation: up to 3.4 on the longest run). The bound
+//   is max(0.1, 1.5 x that noise): 0.1 is well under the effect of the rounding itself (0.2 to 4 against the
+//   unrounded model on these prompts), so a missing or wrong rounding still fails; greedy ids must match exactly.
+//   The roundings themselves are checked bit for bit in test_quantizer_goldens.cpp.
 double tolerance(const GoldenRun& r) {
-  return r.source == "transformers" ? 1e-3 : std::max(2e-3, 1.5 * r.reference_noise);
+  return r.source == "transformers" ? 1e-3 : std::max(0.1, 1.5 * r.reference_noise);
 }
 
 double max_abs_diff(const float* a, const double* b, size_t n) {
