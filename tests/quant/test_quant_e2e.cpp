@@ -253,3 +253,19 @@ TEST(QuantE2E, ExportDequantisedForTransformers) {
                   {int64_t(dsv4::testing::quant_test_prompt().size()), int64_t(a.size() / dsv4::testing::quant_test_prompt().size())});
   }
 }
+
+// A malformed input (an FP8 expert without its scale, a packed expert with odd K) stops `dsv4 quantize` with exit 1
+// and a message naming the tensor; nothing half-written is reported as success.
+TEST(QuantE2E, QuantizeRejectsMalformedInput) {
+  const fs::path in = work_dir() / "malformed";
+  fs::create_directories(in);
+  std::ofstream(in / "config.json") << "{\"model_type\": \"deepseek_v4\"}\n";
+  const std::vector<uint8_t> codes(16 * 32, 0x38);
+  write_safetensors((in / "model.safetensors").string(),
+                    {{"layers.0.ffn.experts.3.w2.weight", DType::F8_E4M3, {16, 32}, codes}});
+  const fs::path log = work_dir() / "malformed.log";
+  EXPECT_NE(run_cli("quantize --model " + in.string() + " --out " + (work_dir() / "malformed-out").string(), log), 0);
+  const std::string text = slurp(log);
+  EXPECT_NE(text.find("layers.0.ffn.experts.3.w2.weight"), std::string::npos) << text;
+  EXPECT_NE(text.find("without a scale"), std::string::npos) << text;
+}
