@@ -38,16 +38,16 @@ const char* gemv_weight_name(GemvWeight w) {
 }
 
 int gemv_default_split_k(const GemvParams& p, int sm_count) {
-  // Each warp should get at least two register groups of chunks (so loads overlap arithmetic), the grid at least
-  // one block per multiprocessor, and no warp should be left without a chunk.
+  // From the split sweep of dsv4_gemv_bench (docs/perf.md): a warp wants at least 16 chunks of k to itself
+  // (4 load groups; 64 when m > 16, where each chunk carries more arithmetic), then the grid wants at least one
+  // block per multiprocessor, and no warp may be left without a chunk.
   const int64_t tiles = (int64_t(p.n) + 15) / 16;
   const int per_chunk = p.weight == GemvWeight::BF16 ? 32 : p.weight == GemvWeight::FP8_BLOCK ? 64 : 128;
   const int n_chunks = (p.k + per_chunk - 1) / per_chunk;
-  const bool fp4 = p.weight == GemvWeight::MXFP4 || p.weight == GemvWeight::NVFP4;
-  const int unroll = detail::gemv_unroll(fp4, (std::max(p.m, 1) + 7) / 8);
+  const int min_chunks_per_warp = p.m > 16 ? 64 : 16;
   auto blocks = [&](int split) { return (tiles * split + detail::kGemvWarps - 1) / detail::kGemvWarps; };
   int split = detail::kGemvWarps;
-  while (split > 1 && n_chunks < 2 * unroll * split) split /= 2;
+  while (split > 1 && n_chunks < min_chunks_per_warp * split) split /= 2;
   while (split < detail::kGemvWarps && blocks(split) < sm_count) split *= 2;
   while (split > 1 && n_chunks < split) split /= 2;
   return split;

@@ -20,6 +20,7 @@ enum class Fmt { BF16, FP8_E8M0, FP8_F32, MXFP4, NVFP4 };
 
 constexpr int kThreads = kGemvWarps * 32;
 constexpr int kChunkBytes = 64;  // bytes of one weight row per chunk: 4 quad threads x 16 bytes
+constexpr int kUnroll = 4;       // chunks loaded per thread before the first is used (8 x 16 B in flight)
 
 template <Fmt F>
 constexpr int elems_per_16b() {  // weight elements in one thread's 16-byte piece
@@ -83,7 +84,6 @@ __global__ void __launch_bounds__(kThreads, kTilesN <= 2 ? 2 : 1) gemv_kernel(co
   constexpr int kPairs = kElems / 2;          // bf16x2 words per row piece
   constexpr int kMmas = kElems / 4;           // k16 steps per chunk
   constexpr bool kFp8 = F == Fmt::FP8_E8M0 || F == Fmt::FP8_F32;
-  constexpr int kUnroll = gemv_unroll(!kFp8 && F != Fmt::BF16, kTilesN);  // chunks per register group
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;  // mma group (row g / g+8, batch column g) and thread in group
@@ -101,99 +101,80 @@ __global__ void __launch_bounds__(kThreads, kTilesN <= 2 ? 2 : 1) gemv_kernel(co
 #pragma unroll
   for (int j = 0; j < kTilesN; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
 
-  // Register double buffering: while one group of kUnroll chunks is decoded and multiplied, the loads of the next
-  // group are already in flight, so the DRAM stream does not stop during the arithmetic.
-  struct Group {
-    uint4 raw_lo[kUnroll], raw_hi[kUnroll];
-    uint32_t sc_lo[kUnroll], sc_hi[kUnroll];
-  };
-  auto load_group = [&](Group& gr, int c0) {
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int c = c0 + u * split;
-      const int kk = c * kChunkK + t * kElems;
-      const bool in_k = c < n_chunks && kk < a.k;
-      const uint4 zero = make_uint4(0, 0, 0, 0);
-      gr.raw_lo[u] = in_k && ok_lo ? load_weights(w_lo + size_t(c) * kChunkBytes) : zero;
-      gr.raw_hi[u] = in_k && ok_hi ? load_weights(w_hi + size_t(c) * kChunkBytes) : zero;
-      gr.sc_lo[u] = gr.sc_hi[u] = 0;
-      if constexpr (kFp8) {  // one scale per (128-row block, 128-k block): uniform over the warp's chunk
-        if (c < n_chunks) {
-          const size_t idx = size_t(row0 / 128) * size_t((a.k + 127) / 128) + size_t(c / 2);
-          gr.sc_lo[u] = F == Fmt::FP8_E8M0 ? uint32_t(__ldg(a.w_scale + idx))
-                                        : __ldg(reinterpret_cast<const uint32_t*>(a.w_scale) + idx);
-        }
-      } else if constexpr (F == Fmt::MXFP4) {  // [n, k/32] e8m0: one byte per 32-element piece
-        const size_t ld = size_t(a.k / 32);
-        if (in_k && ok_lo) gr.sc_lo[u] = __ldg(a.w_scale + size_t(r_lo) * ld + kk / 32);
-        if (in_k && ok_hi) gr.sc_hi[u] = __ldg(a.w_scale + size_t(r_hi) * ld + kk / 32);
-      } else if constexpr (F == Fmt::NVFP4) {  // [n, k/16] e4m3: two bytes per piece
-        const size_t ld = size_t(a.k / 16);
-        const uint16_t* s16 = reinterpret_cast<const uint16_t*>(a.w_scale);
-        if (in_k && ok_lo) gr.sc_lo[u] = __ldg(s16 + (size_t(r_lo) * ld + kk / 16) / 2);
-        if (in_k && ok_hi) gr.sc_hi[u] = __ldg(s16 + (size_t(r_hi) * ld + kk / 16) / 2);
-      }
-    }
-  };
-  auto compute_group = [&](const Group& gr, int c0) {
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int c = c0 + u * split;
-      if (c >= n_chunks) break;  // warp-uniform, so every lane still joins each mma.sync
-      const int kk = c * kChunkK + t * kElems;
-      const bool in_k = kk < a.k;
-      uint32_t w_lo_bf[kPairs], w_hi_bf[kPairs];
-      decode_piece<F>(gr.raw_lo[u], gr.sc_lo[u], w_lo_bf);
-      decode_piece<F>(gr.raw_hi[u], kFp8 ? gr.sc_lo[u] : gr.sc_hi[u], w_hi_bf);
-
-      float chunk_acc[kTilesN][4];  // FP8 with f32 scales: the scale multiplies each chunk's partial sum
-      if constexpr (F == Fmt::FP8_F32) {
-#pragma unroll
-        for (int j = 0; j < kTilesN; ++j) chunk_acc[j][0] = chunk_acc[j][1] = chunk_acc[j][2] = chunk_acc[j][3] = 0.0f;
-      }
-#pragma unroll
-      for (int j = 0; j < kTilesN; ++j) {
-        const int m = j * 8 + g;
-        uint32_t xb[kPairs];
-        if (m < a.m && in_k) {
-          const uint4* xp = reinterpret_cast<const uint4*>(a.x + size_t(m) * a.k + kk);
-#pragma unroll
-          for (int v = 0; v < kPairs / 4; ++v) {
-            const uint4 q = __ldg(xp + v);
-            xb[4 * v + 0] = q.x, xb[4 * v + 1] = q.y, xb[4 * v + 2] = q.z, xb[4 * v + 3] = q.w;
-          }
-        } else {
-#pragma unroll
-          for (int i = 0; i < kPairs; ++i) xb[i] = 0;
-        }
-#pragma unroll
-        for (int i = 0; i < kMmas; ++i)
-          mma_bf16(F == Fmt::FP8_F32 ? chunk_acc[j] : acc[j], w_lo_bf[2 * i], w_hi_bf[2 * i], w_lo_bf[2 * i + 1],
-                   w_hi_bf[2 * i + 1], xb[2 * i], xb[2 * i + 1]);
-      }
-      if constexpr (F == Fmt::FP8_F32) {
-        const float s = __uint_as_float(gr.sc_lo[u]);
-#pragma unroll
-        for (int j = 0; j < kTilesN; ++j)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) acc[j][e] = fmaf(chunk_acc[j][e], s, acc[j][e]);
-      }
-    }
-  };
-
   if (row0 < a.n) {
-    const int step = split * kUnroll;
-    Group g0, g1;
-    int c0 = part;
-    if (c0 < n_chunks) load_group(g0, c0);
-    while (c0 < n_chunks) {  // c0 is warp-uniform: every lane runs the same mma.sync sequence
-      if (c0 + step < n_chunks) load_group(g1, c0 + step);
-      compute_group(g0, c0);
-      c0 += step;
-      if (c0 >= n_chunks) break;
-      if (c0 + step < n_chunks) load_group(g0, c0 + step);
-      compute_group(g1, c0);
-      c0 += step;
+    for (int c0 = part; c0 < n_chunks; c0 += split * kUnroll) {
+      // Issue all weight (and scale) loads of kUnroll chunks first: these are the DRAM stream.
+      uint4 raw_lo[kUnroll], raw_hi[kUnroll];
+      uint32_t sc_lo[kUnroll], sc_hi[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int c = c0 + u * split;
+        const int kk = c * kChunkK + t * kElems;
+        const bool in_k = c < n_chunks && kk < a.k;
+        const uint4 zero = make_uint4(0, 0, 0, 0);
+        raw_lo[u] = in_k && ok_lo ? load_weights(w_lo + size_t(c) * kChunkBytes) : zero;
+        raw_hi[u] = in_k && ok_hi ? load_weights(w_hi + size_t(c) * kChunkBytes) : zero;
+        sc_lo[u] = sc_hi[u] = 0;
+        if constexpr (kFp8) {  // one scale per (128-row block, 128-k block): uniform over the warp's chunk
+          if (c < n_chunks) {
+            const size_t idx = size_t(row0 / 128) * size_t((a.k + 127) / 128) + size_t(c / 2);
+            sc_lo[u] = F == Fmt::FP8_E8M0 ? uint32_t(__ldg(a.w_scale + idx))
+                                          : __ldg(reinterpret_cast<const uint32_t*>(a.w_scale) + idx);
+          }
+        } else if constexpr (F == Fmt::MXFP4) {  // [n, k/32] e8m0: one byte per 32-element piece
+          const size_t ld = size_t(a.k / 32);
+          if (in_k && ok_lo) sc_lo[u] = __ldg(a.w_scale + size_t(r_lo) * ld + kk / 32);
+          if (in_k && ok_hi) sc_hi[u] = __ldg(a.w_scale + size_t(r_hi) * ld + kk / 32);
+        } else if constexpr (F == Fmt::NVFP4) {  // [n, k/16] e4m3: two bytes per piece
+          const size_t ld = size_t(a.k / 16);
+          const uint16_t* s16 = reinterpret_cast<const uint16_t*>(a.w_scale);
+          if (in_k && ok_lo) sc_lo[u] = __ldg(s16 + (size_t(r_lo) * ld + kk / 16) / 2);
+          if (in_k && ok_hi) sc_hi[u] = __ldg(s16 + (size_t(r_hi) * ld + kk / 16) / 2);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int c = c0 + u * split;
+        if (c >= n_chunks) break;  // warp-uniform, so every lane still joins each mma.sync
+        const int kk = c * kChunkK + t * kElems;
+        const bool in_k = kk < a.k;
+        uint32_t w_lo_bf[kPairs], w_hi_bf[kPairs];
+        decode_piece<F>(raw_lo[u], sc_lo[u], w_lo_bf);
+        decode_piece<F>(raw_hi[u], kFp8 ? sc_lo[u] : sc_hi[u], w_hi_bf);
+
+        float chunk_acc[kTilesN][4];  // FP8 with f32 scales: the scale multiplies each chunk's partial sum
+        if constexpr (F == Fmt::FP8_F32) {
+#pragma unroll
+          for (int j = 0; j < kTilesN; ++j) chunk_acc[j][0] = chunk_acc[j][1] = chunk_acc[j][2] = chunk_acc[j][3] = 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < kTilesN; ++j) {
+          const int m = j * 8 + g;
+          uint32_t xb[kPairs];
+          if (m < a.m && in_k) {
+            const uint4* xp = reinterpret_cast<const uint4*>(a.x + size_t(m) * a.k + kk);
+#pragma unroll
+            for (int v = 0; v < kPairs / 4; ++v) {
+              const uint4 q = __ldg(xp + v);
+              xb[4 * v + 0] = q.x, xb[4 * v + 1] = q.y, xb[4 * v + 2] = q.z, xb[4 * v + 3] = q.w;
+            }
+          } else {
+#pragma unroll
+            for (int i = 0; i < kPairs; ++i) xb[i] = 0;
+          }
+#pragma unroll
+          for (int i = 0; i < kMmas; ++i)
+            mma_bf16(F == Fmt::FP8_F32 ? chunk_acc[j] : acc[j], w_lo_bf[2 * i], w_hi_bf[2 * i], w_lo_bf[2 * i + 1],
+                     w_hi_bf[2 * i + 1], xb[2 * i], xb[2 * i + 1]);
+        }
+        if constexpr (F == Fmt::FP8_F32) {
+          const float s = __uint_as_float(sc_lo[u]);
+#pragma unroll
+          for (int j = 0; j < kTilesN; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[j][e] = fmaf(chunk_acc[j][e], s, acc[j][e]);
+        }
+      }
     }
   }
 
