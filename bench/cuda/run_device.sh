@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the GEMV benchmark, then a short summary (the tail the tool returns).
-# Expects a build in ${BUILD:-build-cuda} made on the CPU machine, with its non-system shared libraries in $BUILD/rt.
+# QUICK=1 skips memcheck, ncu and the SASS dump. Expects a build in ${BUILD:-build-cuda} made on the CPU machine, with its non-system shared libraries in $BUILD/rt.
 set -uo pipefail
 BUILD=${BUILD:-build-cuda}
 OUT=${OUT:-/tmp/out}
@@ -15,19 +15,19 @@ if [ -x "$BUILD/v1/dsv4_gemv_bench" ]; then  # an earlier kernel version carried
   "$BUILD/v1/dsv4_gemv_bench" > "$OUT/bench_v1.log" 2>&1
   echo "bench v1 exit code: $?"
 fi
-if command -v compute-sanitizer >/dev/null; then
+if [ -z "${QUICK:-}" ] && command -v compute-sanitizer >/dev/null; then
   timeout 90 compute-sanitizer --tool memcheck --print-limit 5 "$BUILD/tests/cuda/dsv4_cuda_tests" \
     --gtest_filter='*m3_n301*auto*:*m64_n45*outf32_auto*:*m1_n34000*:CudaDequant*' > "$OUT/memcheck.log" 2>&1
   echo "memcheck exit code: $? ($(grep -c 'OK \]' "$OUT/memcheck.log") ok, $(grep -E 'ERROR SUMMARY' "$OUT/memcheck.log" | tail -1))"
 fi
-if command -v ncu >/dev/null; then
+if [ -z "${QUICK:-}" ] && command -v ncu >/dev/null; then
   for c in "mxfp4 4096 8192 1" "fp8 32768 1024 1"; do
     timeout 45 ncu --clock-control none --launch-skip 5 --launch-count 1 --section SpeedOfLight \
       --metrics sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active,smsp__issue_active.avg.pct_of_peak_sustained_active,sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active,l1tex__throughput.avg.pct_of_peak_sustained_active,sm__warps_active.avg.pct_of_peak_sustained_active \
       "$BUILD/bench/cuda/dsv4_gemv_bench" --one $c > "$OUT/ncu_${c// /_}.log" 2>&1
   done
 fi
-command -v cuobjdump >/dev/null && cuobjdump -sass "$BUILD/bench/cuda/dsv4_gemv_bench" > "$OUT/gemv.sass" 2>&1
+[ -z "${QUICK:-}" ] && command -v cuobjdump >/dev/null && cuobjdump -sass "$BUILD/bench/cuda/dsv4_gemv_bench" > "$OUT/gemv.sass" 2>&1
 echo "=== tests"
 grep -E "^\[  (PASSED|FAILED|SKIPPED) |FAILED  \]|tests ran" "$OUT/tests.log" | head -20
 grep "^\[device\]" "$OUT/tests.log"
