@@ -240,7 +240,9 @@ QuantizeReport quantize_checkpoint(const QuantizeOptions& o) {
   for (const std::string& c : companions_of_requantised) plan[c].action = Action::Drop;
   int64_t n_fused = 0;
   for (const auto& [name, p] : plan)
-    if (name.find("mlp.experts.gate_up_proj") != std::string::npos) ++n_fused;
+    if (name.find("mlp.experts.gate_up_proj") != std::string::npos ||
+        name.find("mlp.experts.down_proj") != std::string::npos)
+      ++n_fused;
   if (n_fused)
     report.notes.push_back(fmt::format("{} fused transformers expert tensors (mlp.experts.gate_up_proj/down_proj) "
                                        "were copied unquantised; re-save with per-expert official names to quantise",
