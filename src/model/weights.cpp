@@ -13,7 +13,7 @@
 
 #include "core/check.h"
 #include "io/safetensors.h"
-#include "model/weight_decode.h"
+#include "quant/stored_weight.h"
 
 namespace dsv4 {
 namespace {
@@ -117,7 +117,10 @@ class WeightReader {
   }
 
   std::vector<float> decode(const TensorView& t, const std::vector<int64_t>& shape) {
-    return decode_weight_f32(checkpoint_, t, shape);
+    const StoredWeight stored = classify_weight(checkpoint_, t);
+    for (const TensorView* companion : {stored.scale, stored.scale_2, stored.input_scale})
+      if (companion) used_.insert(companion->name);
+    return dequantize(stored, shape);
   }
 
   Matrix matrix(const std::string& name, int rows, int cols) {
