@@ -132,12 +132,24 @@ void HttpServer::add_routes() {
         metrics_.render(scheduler_.queue_length(), scheduler_.running(), scheduler_.options().max_batch),
         "text/plain; version=0.0.4; charset=utf-8");
   });
-  http.Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
-    handle_generation(Endpoint::kCompletions, req, res);
-  });
-  http.Post("/v1/chat/completions", [this](const httplib::Request& req, httplib::Response& res) {
-    handle_generation(Endpoint::kChatCompletions, req, res);
-  });
+  // The bodies are read here rather than by cpp-httplib, which caps bodies sent as form data (curl -d's default
+  // Content-Type) at 8 KB: a JSON body is accepted whatever the Content-Type says.
+  auto generation = [this](Endpoint endpoint) {
+    return [this, endpoint](const httplib::Request& req, httplib::Response& res,
+                            const httplib::ContentReader& read_body) {
+      std::string body;
+      const bool complete = read_body([&](const char* data, size_t n) {
+        body.append(data, n);
+        return body.size() <= options_.max_body_bytes;
+      });
+      if (!complete)
+        return send_error(res, ApiError(413, fmt::format("The request body is larger than {} bytes",
+                                                         options_.max_body_bytes)));
+      handle_generation(endpoint, body, res);
+    };
+  };
+  http.Post("/v1/completions", generation(Endpoint::kCompletions));
+  http.Post("/v1/chat/completions", generation(Endpoint::kChatCompletions));
 
   // Anything that ends in an error status without a body (unknown path, body too large, ...) gets an
   // OpenAI-style error body too.
@@ -170,7 +182,7 @@ void HttpServer::add_routes() {
   });
 }
 
-void HttpServer::handle_generation(Endpoint endpoint, const httplib::Request& req, httplib::Response& res) {
+void HttpServer::handle_generation(Endpoint endpoint, const std::string& request_body, httplib::Response& res) {
   if (draining_) return send_unavailable(res, 503, "The server is shutting down", 5);
 
   // Everything a response needs, shared by the handler and the content provider that outlives it.
@@ -186,7 +198,7 @@ void HttpServer::handle_generation(Endpoint endpoint, const httplib::Request& re
   try {
     Json body;
     try {
-      body = Json::parse(req.body);
+      body = Json::parse(request_body);
     } catch (const nlohmann::json::parse_error& e) {
       throw ApiError(400, fmt::format("The request body is not valid JSON: {}", e.what()));
     }

@@ -46,7 +46,7 @@ class HttpServer {
   void shutdown();
 
  private:
-  void handle_generation(Endpoint endpoint, const httplib::Request& req, httplib::Response& res);
+  void handle_generation(Endpoint endpoint, const std::string& request_body, httplib::Response& res);
   void add_routes();
 
   Scheduler& scheduler_;

@@ -93,6 +93,10 @@ head -c 9000000 /dev/zero | tr '\0' ' ' >"$WORK/huge"
 STATUS=$("${C[@]}" -o /dev/null -w '%{http_code}' "$URL/v1/completions" -H 'Content-Type: application/json' --data-binary @"$WORK/huge")
 check "body too large 413 ($STATUS)" [ "$STATUS" = 413 ]
 request GET /health
+# A JSON body over 8 KB sent as curl -d's default form Content-Type is still read as JSON.
+BIG=$(head -c 12000 /dev/zero | tr '\0' 'a' | sed 's/a\{6\}/tok a /g')
+STATUS=$("${C[@]}" -o "$WORK/body" -w '%{http_code}' "$URL/v1/completions" -d "{\"model\":\"$NAME\",\"prompt\":\"${BIG:0:1500}\",\"max_tokens\":1,\"junk\":\"$BIG\"}")
+check "large form-typed JSON body is parsed ($STATUS)" grep -q 'Unrecognized request argument supplied: junk' "$WORK/body"
 check "alive after bad input" [ "$(json 'j.status' <<<"$BODY")" = ok ]
 
 # --- a client that disconnects mid-stream frees its slot
