@@ -256,4 +256,30 @@ describe("overload and shutdown", { timeout: 60000 }, () => {
     const { code } = await server.exited;
     assert.equal(code, 0);
   });
+
+  test("past --drain-timeout, SIGTERM cancels what is left and still exits 0", async () => {
+    const server = await startServer(["--drain-timeout", "0.5"]);
+    const openai = client(server.url);
+    const stream = await openai.completions.create({
+      ...greedy, prompt: "endless", max_tokens: 4000, ignore_eos: true, stream: true,
+    });
+    const reading = (async () => {
+      let chunks = 0;
+      try {
+        for await (const _ of stream) chunks++;
+      } catch (e) {
+        return { chunks, error: e };
+      }
+      return { chunks, error: null };
+    })();
+    await new Promise((r) => setTimeout(r, 200));
+    const t0 = Date.now();
+    server.child.kill("SIGTERM");
+    const { chunks, error } = await reading;
+    assert.ok(chunks > 0 && chunks < 4000, `chunks before the cut: ${chunks}`);
+    assert.ok(error instanceof OpenAI.APIError, `the stream ends with an error event: ${error}`);
+    const { code } = await server.exited;
+    assert.equal(code, 0);
+    assert.ok(Date.now() - t0 < 8000, "exits soon after the drain timeout");
+  });
 });
