@@ -58,8 +58,8 @@ int run_serve(const ServeArgs& a) {
 #ifdef DSV4_HAVE_CUDA
   DSV4_CHECK(a.device == "cpu" || a.device == "cuda", "--device {}: expected cpu or cuda", a.device);
 #else
-  DSV4_CHECK(a.device == "cpu", "--device {}: this build has no CUDA backend (configure with -DDSV4_CUDA=ON)",
-             a.device);
+  DSV4_CHECK(a.device == "cpu", "--device {}: expected cpu (this build has no CUDA backend; configure with "
+             "-DDSV4_CUDA=ON for --device cuda)", a.device);
 #endif
   const Tokenizer tokenizer = Tokenizer::load(a.model_dir);
   const Model model = Model::load(a.model_dir, Numerics{parse_kv_storage(a.kv_dtype),

@@ -26,6 +26,12 @@ check() {  # check NAME CONDITION...
   fi
 }
 
+# Refusals at startup: a device this build or machine cannot serve on, a missing model.
+"$DSV4" serve --model "$MODEL" --port 0 --device tpu >"$WORK/dev.log" 2>&1
+check "unknown device: exit 1 with a message" [ $? = 1 ] && check "unknown device message" grep -q -- "--device tpu" "$WORK/dev.log"
+"$DSV4" serve --model "$WORK/no-such-model" --port 0 >"$WORK/nomodel.log" 2>&1
+check "missing model: exit 1" [ $? = 1 ]
+
 "$DSV4" serve --model "$MODEL" --port 0 --max-batch 8 --max-queue 64 --max-context 512 >"$WORK/server.log" 2>&1 &
 SERVER_PID=$!
 for _ in $(seq 200); do
