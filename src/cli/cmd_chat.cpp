@@ -13,22 +13,20 @@
 #include <optional>
 
 #include "cli/commands.h"
+#include "cli/engine_options.h"
 #include "core/check.h"
 #include "model/session.h"
 #include "tokenizer/chat_format.h"
 #include "tokenizer/tokenizer.h"
-#ifdef DSV4_HAVE_CUDA
-#include "cuda/runner.h"
-#endif
 
 namespace dsv4::cli {
 namespace {
 
 struct ChatArgs {
-  std::string model_dir, tokenizer, device = "cpu", kv_dtype = "fp8", indexer_dtype = "fp4", system, effort;
-  int max_new_tokens = 2048, max_context = 16384, top_k = 0;
-  float temperature = 0.0f, top_p = 1.0f;
-  uint64_t seed = 0;
+  EngineOptions engine{.max_context = 16384};
+  SamplingParams sampling;
+  std::string tokenizer, system, effort;
+  int max_new_tokens = 2048;
   bool no_think = false;
 };
 
@@ -47,22 +45,10 @@ nlohmann::ordered_json assistant_message(const std::string& reply, bool thinking
 }
 
 int run_chat(const ChatArgs& a) {
-#ifdef DSV4_HAVE_CUDA
-  DSV4_CHECK(a.device == "cpu" || a.device == "cuda", "--device {}: expected cpu or cuda", a.device);
-#else
-  DSV4_CHECK(a.device == "cpu", "--device {}: only the cpu backend is available in this build", a.device);
-#endif
-  const Tokenizer tokenizer = Tokenizer::load(a.tokenizer.empty() ? a.model_dir : a.tokenizer);
+  const Tokenizer tokenizer = Tokenizer::load(a.tokenizer.empty() ? a.engine.model_dir : a.tokenizer);
   const std::optional<int32_t> eos = tokenizer.eos_id();
-  Numerics numerics{parse_kv_storage(a.kv_dtype), parse_indexer_storage(a.indexer_dtype)};
-  Model model = Model::load(a.model_dir, numerics);
-  spdlog::info("model {}: {}", a.model_dir, model.config().summary());
-#ifdef DSV4_HAVE_CUDA
-  std::unique_ptr<SequenceRunner> runner =
-      a.device == "cuda" ? make_cuda_runner(model, a.max_context) : make_cpu_runner(model, a.max_context);
-#else
-  std::unique_ptr<SequenceRunner> runner = make_cpu_runner(model, a.max_context);
-#endif
+  const Model model = load_model(a.engine);
+  std::unique_ptr<SequenceRunner> runner = runner_factory(model, a.engine.device)(a.engine.max_context);
   Session session(*runner);
 
   ChatFormatOptions format;
@@ -106,14 +92,14 @@ int run_chat(const ChatArgs& a) {
       in_state.clear();
       feed = prompt;
     }
-    DSV4_CHECK(in_state.size() + feed.size() + a.max_new_tokens <= static_cast<size_t>(a.max_context),
+    DSV4_CHECK(in_state.size() + feed.size() + a.max_new_tokens <= static_cast<size_t>(a.engine.max_context),
                "the conversation ({} tokens) plus --max-new-tokens {} exceeds --max-context {}; use /reset",
-               in_state.size() + feed.size(), a.max_new_tokens, a.max_context);
+               in_state.size() + feed.size(), a.max_new_tokens, a.engine.max_context);
 
     StreamDecoder stream(tokenizer, /*skip_special=*/true);
     GenerateOptions options;
     options.max_new_tokens = a.max_new_tokens;
-    options.sampling = {a.temperature, a.top_p, a.top_k, a.seed};
+    options.sampling = a.sampling;
     options.on_token = [&](int32_t id) {
       std::fputs(stream.push(id).c_str(), stdout);
       std::fflush(stdout);
@@ -145,8 +131,7 @@ int run_chat(const ChatArgs& a) {
 void add_chat_command(CLI::App& app, Handler& handler) {
   auto args = std::make_shared<ChatArgs>();
   CLI::App* cmd = app.add_subcommand("chat", "Interactive chat in the terminal (DeepSeek-V4 chat format, streamed)");
-  cmd->add_option("--model", args->model_dir, "Model directory (config.json, safetensors, tokenizer.json)")
-      ->required();
+  add_engine_options(cmd, args->engine);
   cmd->add_option("--tokenizer", args->tokenizer, "tokenizer.json or directory (default: the model directory)");
   cmd->add_option("--system", args->system, "System prompt");
   cmd->add_flag("--no-think", args->no_think, "Chat mode: answer directly instead of reasoning in <think> first");
@@ -154,19 +139,7 @@ void add_chat_command(CLI::App& app, Handler& handler) {
       ->check(CLI::IsMember({"high", "max"}));
   cmd->add_option("--max-new-tokens", args->max_new_tokens, "Tokens per reply at most")
       ->capture_default_str()->check(CLI::PositiveNumber);
-  cmd->add_option("--temperature", args->temperature, "Sampling temperature; 0 = greedy")
-      ->capture_default_str()->check(CLI::NonNegativeNumber);
-  cmd->add_option("--top-p", args->top_p, "Nucleus sampling threshold in (0, 1]")->capture_default_str();
-  cmd->add_option("--top-k", args->top_k, "Sample among the k most likely tokens; 0 = all")
-      ->capture_default_str()->check(CLI::NonNegativeNumber);
-  cmd->add_option("--seed", args->seed, "Random seed for sampling")->capture_default_str();
-  cmd->add_option("--device", args->device, "Backend: cpu or cuda (builds with DSV4_CUDA)")->capture_default_str();
-  cmd->add_option("--max-context", args->max_context, "Tokens of state preallocated for the conversation")
-      ->capture_default_str()->check(CLI::PositiveNumber);
-  cmd->add_option("--kv-dtype", args->kv_dtype, "KV cache storage: fp8 (official rounding), bf16, f32")
-      ->capture_default_str()->check(CLI::IsMember({"fp8", "bf16", "f32"}));
-  cmd->add_option("--indexer-dtype", args->indexer_dtype, "Indexer q/k storage: fp4 (official), bf16, f32")
-      ->capture_default_str()->check(CLI::IsMember({"fp4", "bf16", "f32"}));
+  add_sampling_options(cmd, args->sampling);
   cmd->callback([&handler, args] { handler = [args] { return run_chat(*args); }; });
 }
 

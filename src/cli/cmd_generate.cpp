@@ -10,23 +10,20 @@
 #include <sstream>
 
 #include "cli/commands.h"
+#include "cli/engine_options.h"
 #include "core/check.h"
 #include "io/npy.h"
 #include "model/session.h"
 #include "tokenizer/tokenizer.h"
-#ifdef DSV4_HAVE_CUDA
-#include "cuda/runner.h"
-#endif
 
 namespace dsv4::cli {
 namespace {
 
 struct GenerateArgs {
-  std::string model_dir, prompt_ids, prompt_text, device = "cpu", kv_dtype = "fp8", indexer_dtype = "fp4",
-                                                   logits_out, trace_dir;
-  int max_new_tokens = 16, max_context = 8192, top_k = 0;
-  float temperature = 0.0f, top_p = 1.0f;
-  uint64_t seed = 0;
+  EngineOptions engine;
+  SamplingParams sampling;
+  std::string prompt_ids, prompt_text, logits_out, trace_dir;
+  int max_new_tokens = 16;
   bool json = false, ignore_eos = false;
 };
 
@@ -51,23 +48,17 @@ std::vector<int32_t> parse_ids(const std::string& text) {
 }
 
 int run_generate(const GenerateArgs& a) {
-#ifdef DSV4_HAVE_CUDA
-  DSV4_CHECK(a.device == "cpu" || a.device == "cuda", "--device {}: expected cpu or cuda", a.device);
-#else
-  DSV4_CHECK(a.device == "cpu", "--device {}: only the cpu backend is available in this build", a.device);
-#endif
   std::optional<Tokenizer> tokenizer;
   std::vector<int32_t> prompt;
   if (!a.prompt_text.empty()) {
-    tokenizer = Tokenizer::load(a.model_dir);
+    tokenizer = Tokenizer::load(a.engine.model_dir);
     if (tokenizer->add_bos_token() && tokenizer->bos_id()) prompt.push_back(*tokenizer->bos_id());
     const std::vector<int32_t> ids = tokenizer->encode(a.prompt_text);
     prompt.insert(prompt.end(), ids.begin(), ids.end());
   } else {
     prompt = parse_ids(a.prompt_ids);
   }
-  Numerics numerics{parse_kv_storage(a.kv_dtype), parse_indexer_storage(a.indexer_dtype)};
-  Model model = Model::load(a.model_dir, numerics);
+  Model model = load_model(a.engine);
   if (!a.trace_dir.empty()) {
     std::filesystem::create_directories(a.trace_dir);
     auto call = std::make_shared<int>(0);  // one file per forward call and tensor: <call>_<layer>_<name>.npy
@@ -79,22 +70,16 @@ int run_generate(const GenerateArgs& a) {
       write_npy_f32(file, data, {rows, cols});
     });
   }
-  spdlog::info("model {}: {}", a.model_dir, model.config().summary());
-#ifdef DSV4_HAVE_CUDA
-  std::unique_ptr<SequenceRunner> runner =
-      a.device == "cuda" ? make_cuda_runner(model, a.max_context) : make_cpu_runner(model, a.max_context);
-#else
-  std::unique_ptr<SequenceRunner> runner = make_cpu_runner(model, a.max_context);
-#endif
+  std::unique_ptr<SequenceRunner> runner = runner_factory(model, a.engine.device)(a.engine.max_context);
   Session session(*runner);
   spdlog::info("sequence state: {:.1f} MiB for --max-context {}", runner->state_bytes() / 1048576.0,
-               a.max_context);
+               a.engine.max_context);
 
   GenerateOptions options;
   options.max_new_tokens = a.max_new_tokens;
   options.stop_at_eos = !a.ignore_eos;
   options.keep_logits = !a.logits_out.empty();
-  options.sampling = {a.temperature, a.top_p, a.top_k, a.seed};
+  options.sampling = a.sampling;
   std::optional<StreamDecoder> stream;
   if (tokenizer && !a.json) {
     stream.emplace(*tokenizer);
@@ -131,34 +116,21 @@ int run_generate(const GenerateArgs& a) {
 void add_generate_command(CLI::App& app, Handler& handler) {
   auto args = std::make_shared<GenerateArgs>();
   CLI::App* cmd = app.add_subcommand("generate", "Generate tokens from a prompt (greedy unless --temperature > 0)");
-  cmd->add_option("--model", args->model_dir, "Model directory (config.json + safetensors)")->required();
+  add_engine_options(cmd, args->engine);
   auto* ids = cmd->add_option("--prompt-ids", args->prompt_ids, "Prompt as comma-separated token ids, e.g. 5,17,99");
   auto* text = cmd->add_option("--prompt", args->prompt_text, "Prompt text (tokenised with the model's tokenizer)");
   ids->excludes(text);
   cmd->add_option("--max-new-tokens", args->max_new_tokens, "Number of tokens to generate")
       ->capture_default_str()->check(CLI::NonNegativeNumber);
-  cmd->add_option("--temperature", args->temperature, "Sampling temperature; 0 = greedy")
-      ->capture_default_str()->check(CLI::NonNegativeNumber);
-  cmd->add_option("--top-p", args->top_p, "Nucleus sampling threshold in (0, 1]")->capture_default_str();
-  cmd->add_option("--top-k", args->top_k, "Sample among the k most likely tokens; 0 = all")
-      ->capture_default_str()->check(CLI::NonNegativeNumber);
-  cmd->add_option("--seed", args->seed, "Random seed for sampling")->capture_default_str();
-  cmd->add_option("--device", args->device, "Backend: cpu or cuda (builds with DSV4_CUDA)")->capture_default_str();
-  cmd->add_option("--max-context", args->max_context, "Tokens of state preallocated per sequence")
-      ->capture_default_str()->check(CLI::PositiveNumber);
-  cmd->add_option("--kv-dtype", args->kv_dtype, "KV cache storage: fp8 (official rounding), bf16, f32")
-      ->capture_default_str()->check(CLI::IsMember({"fp8", "bf16", "f32"}));
-  cmd->add_option("--indexer-dtype", args->indexer_dtype, "Indexer q/k storage: fp4 (official), bf16, f32")
-      ->capture_default_str()->check(CLI::IsMember({"fp4", "bf16", "f32"}));
+  add_sampling_options(cmd, args->sampling);
   cmd->add_option("--logits-out", args->logits_out,
                   "Write float32 .npy [len(prompt)+len(output)-1, vocab]: row i = logits after token i");
   cmd->add_option("--trace-dir", args->trace_dir,
                   "Write every named intermediate (q, kv, attn_out, ...) of every forward call as .npy here");
   cmd->add_flag("--json", args->json, "Print {\"prompt_ids\":[...],\"output_ids\":[...]}");
   cmd->add_flag("--ignore-eos", args->ignore_eos, "Do not stop at the end-of-sequence token");
-  cmd->callback([&handler, args, cmd, ids, text] {
+  cmd->callback([&handler, args, ids, text] {
     if (ids->count() == 0 && text->count() == 0) throw CLI::RequiredError("--prompt-ids or --prompt");
-    (void)cmd;
     handler = [args] { return run_generate(*args); };
   });
 }

@@ -1,0 +1,49 @@
+// SPDX-License-Identifier: MIT
+#include "cli/engine_options.h"
+
+#include <spdlog/spdlog.h>
+
+#include "core/check.h"
+#ifdef DSV4_HAVE_CUDA
+#include "cuda/runner.h"
+#endif
+
+namespace dsv4::cli {
+
+void add_engine_options(CLI::App* cmd, EngineOptions& o) {
+  cmd->add_option("--model", o.model_dir, "Model directory (config.json, safetensors, tokenizer.json)")->required();
+  cmd->add_option("--device", o.device, "Backend: cpu, or cuda in builds with DSV4_CUDA")->capture_default_str();
+  cmd->add_option("--max-context", o.max_context, "Tokens of state preallocated per sequence")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  cmd->add_option("--kv-dtype", o.kv_dtype, "KV cache storage: fp8 (official rounding), bf16, f32")
+      ->capture_default_str()->check(CLI::IsMember({"fp8", "bf16", "f32"}));
+  cmd->add_option("--indexer-dtype", o.indexer_dtype, "Indexer q/k storage: fp4 (official), bf16, f32")
+      ->capture_default_str()->check(CLI::IsMember({"fp4", "bf16", "f32"}));
+}
+
+Model load_model(const EngineOptions& o) {
+  Model model = Model::load(o.model_dir, {parse_kv_storage(o.kv_dtype), parse_indexer_storage(o.indexer_dtype)});
+  spdlog::info("model {}: {}", o.model_dir, model.config().summary());
+  return model;
+}
+
+RunnerFactory runner_factory(const Model& model, const std::string& device) {
+  if (device == "cpu") return [&model](int max_context) { return make_cpu_runner(model, max_context); };
+#ifdef DSV4_HAVE_CUDA
+  if (device == "cuda") return [&model](int max_context) { return make_cuda_runner(model, max_context); };
+  DSV4_FAIL("--device {}: expected cpu or cuda", device);
+#else
+  DSV4_FAIL("--device {}: this build has only the cpu backend (configure with -DDSV4_CUDA=ON for cuda)", device);
+#endif
+}
+
+void add_sampling_options(CLI::App* cmd, SamplingParams& p) {
+  cmd->add_option("--temperature", p.temperature, "Sampling temperature; 0 = greedy")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
+  cmd->add_option("--top-p", p.top_p, "Nucleus sampling threshold in (0, 1]")->capture_default_str();
+  cmd->add_option("--top-k", p.top_k, "Sample among the k most likely tokens; 0 = all")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
+  cmd->add_option("--seed", p.seed, "Random seed for sampling")->capture_default_str();
+}
+
+}  // namespace dsv4::cli

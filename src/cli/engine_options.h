@@ -1,0 +1,35 @@
+// SPDX-License-Identifier: MIT
+// The options every model-running subcommand shares (model, backend, state size, numerics, sampling), declared once
+// so that generate, chat and serve spell and check them the same way.
+#pragma once
+#include <CLI/CLI.hpp>
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "model/model.h"
+#include "model/runner.h"
+#include "model/session.h"
+
+namespace dsv4::cli {
+
+struct EngineOptions {
+  std::string model_dir, device = "cpu", kv_dtype = "fp8", indexer_dtype = "fp4";
+  int max_context = 8192;
+};
+
+// --model, --device, --max-context, --kv-dtype, --indexer-dtype
+void add_engine_options(CLI::App* cmd, EngineOptions& options);
+
+// Loads the model with the chosen numerics and logs its summary.
+Model load_model(const EngineOptions& options);
+
+// Makes per-sequence runners on the chosen backend; throws for a backend this build does not have.
+using RunnerFactory = std::function<std::unique_ptr<SequenceRunner>(int max_context)>;
+RunnerFactory runner_factory(const Model& model, const std::string& device);
+
+// --temperature, --top-p, --top-k, --seed
+void add_sampling_options(CLI::App* cmd, SamplingParams& params);
+
+}  // namespace dsv4::cli
