@@ -32,7 +32,7 @@ check "unknown device: exit 1 with a message" [ $? = 1 ] && check "unknown devic
 "$DSV4" serve --model "$WORK/no-such-model" --port 0 >"$WORK/nomodel.log" 2>&1
 check "missing model: exit 1" [ $? = 1 ]
 
-"$DSV4" serve --model "$MODEL" --port 0 --max-batch 8 --max-queue 64 --max-context 512 >"$WORK/server.log" 2>&1 &
+"$DSV4" serve --model "$MODEL" --port 0 --max-batch 8 --max-queue 64 --max-context 4096 >"$WORK/server.log" 2>&1 &
 SERVER_PID=$!
 for _ in $(seq 200); do
   grep -q "listening on" "$WORK/server.log" 2>/dev/null && break
@@ -90,7 +90,7 @@ bad "absurd max_tokens" 400 /v1/completions "{\"model\":\"$NAME\",\"prompt\":\"x
 bad "absurd temperature" 400 /v1/completions "{\"model\":\"$NAME\",\"prompt\":\"x\",\"temperature\":1e308}"
 bad "string temperature" 400 /v1/completions "{\"model\":\"$NAME\",\"prompt\":\"x\",\"temperature\":\"warm\"}"
 bad "unknown model" 404 /v1/completions '{"model":"nope","prompt":"x"}'
-LONG=$(head -c 6000 /dev/zero | tr '\0' 'a' | sed 's/a\{5\}/word /g')
+LONG=$(head -c 30000 /dev/zero | tr '\0' 'a' | sed 's/a\{5\}/word /g')
 bad "prompt over the context" 400 /v1/completions "{\"model\":\"$NAME\",\"prompt\":\"$LONG\"}"
 bad "invalid UTF-8" 400 /v1/completions "$(printf '{"model":"%s","prompt":"\xff\xfe"}' "$NAME")"
 request GET /v1/nothing-here
@@ -106,7 +106,7 @@ check "large form-typed JSON body is parsed ($STATUS)" grep -q 'Unrecognized req
 check "alive after bad input" [ "$(json 'j.status' <<<"$BODY")" = ok ]
 
 # --- a client that disconnects mid-stream frees its slot
-"${C[@]}" -N --max-time 0.5 "$URL/v1/completions" -d "{\"model\":\"$NAME\",\"prompt\":\"x\",\"max_tokens\":480,\"ignore_eos\":true,\"stream\":true}" >/dev/null 2>&1
+"${C[@]}" -N --max-time 0.3 "$URL/v1/completions" -d "{\"model\":\"$NAME\",\"prompt\":\"x\",\"max_tokens\":4000,\"ignore_eos\":true,\"stream\":true}" >/dev/null 2>&1
 for _ in $(seq 100); do
   request GET /metrics
   M=$BODY
@@ -115,6 +115,15 @@ for _ in $(seq 100); do
 done
 check "disconnect frees the slot" grep -q '^dsv4_running_sequences 0$' <<<"$M"
 check "disconnect counted as cancelled" grep -q 'dsv4_requests_finished_total{reason="cancelled"} 1$' <<<"$M"
+# ... and so does one that gives up waiting for a non-streamed answer
+"${C[@]}" --max-time 0.3 "$URL/v1/completions" -d "{\"model\":\"$NAME\",\"prompt\":\"x\",\"max_tokens\":4000,\"ignore_eos\":true}" >/dev/null 2>&1
+for _ in $(seq 100); do
+  request GET /metrics
+  M=$BODY
+  echo "$M" | grep -q '^dsv4_running_sequences 0$' && echo "$M" | grep -q 'reason="cancelled"} 2$' && break
+  sleep 0.05
+done
+check "non-streamed disconnect frees the slot" grep -q 'dsv4_requests_finished_total{reason="cancelled"} 2$' <<<"$M"
 
 # --- 32 concurrent requests, half streamed
 for i in $(seq 32); do

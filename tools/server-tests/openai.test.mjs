@@ -216,10 +216,10 @@ describe("overload and shutdown", { timeout: 60000 }, () => {
   test("a full queue answers 429 with Retry-After", async () => {
     const server = await startServer(["--max-batch", "1", "--max-queue", "1"]);
     try {
-      const body = (n) => JSON.stringify({ ...greedy, prompt: "busy", max_tokens: n, stream: true });
+      const body = (n) => JSON.stringify({ ...greedy, prompt: "busy", max_tokens: n, ignore_eos: true, stream: true });
       const post = (n) => fetch(`${server.url}/v1/completions`, { method: "POST", body: body(n) });
-      const running = await post(600); // its headers come with the first token
-      const queued = post(600); // waits for the slot: no headers yet
+      const running = await post(4000); // its headers come with the first token
+      const queued = post(4000); // waits for the slot: no headers yet
       await waitForMetrics(server.url, (t) => metricValue(t, "dsv4_queue_length") === 1);
       const refused = await fetch(`${server.url}/v1/completions`, { method: "POST", body: JSON.stringify({ ...greedy, prompt: "x", max_tokens: 1 }) });
       assert.equal(refused.status, 429);
@@ -258,7 +258,7 @@ describe("overload and shutdown", { timeout: 60000 }, () => {
   });
 
   test("past --drain-timeout, SIGTERM cancels what is left and still exits 0", async () => {
-    const server = await startServer(["--drain-timeout", "0.5"]);
+    const server = await startServer(["--drain-timeout", "0.2"]);
     const openai = client(server.url);
     const stream = await openai.completions.create({
       ...greedy, prompt: "endless", max_tokens: 4000, ignore_eos: true, stream: true,
@@ -272,7 +272,7 @@ describe("overload and shutdown", { timeout: 60000 }, () => {
       }
       return { chunks, error: null };
     })();
-    await new Promise((r) => setTimeout(r, 200));
+    await new Promise((r) => setTimeout(r, 100));
     const t0 = Date.now();
     server.child.kill("SIGTERM");
     const { chunks, error } = await reading;
