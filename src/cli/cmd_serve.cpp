@@ -11,12 +11,10 @@
 #include <thread>
 
 #include "cli/commands.h"
+#include "cli/engine_options.h"
 #include "core/check.h"
 #include "model/model.h"
 #include "model/runner.h"
-#ifdef DSV4_HAVE_CUDA
-#include "cuda/runner.h"
-#endif
 #include "server/http_server.h"
 #include "server/scheduler.h"
 #include "tokenizer/tokenizer.h"
@@ -25,10 +23,9 @@ namespace dsv4::cli {
 namespace {
 
 struct ServeArgs {
-  std::string model_dir, host = "127.0.0.1", device = "cpu", served_model_name, kv_dtype = "fp8",
-                         indexer_dtype = "fp4";
-  int port = 8000, max_batch = 8, max_context = 4096, max_queue = 64, prefill_chunk = 256, http_threads = 0,
-      threads = 0;
+  EngineOptions engine{.max_context = 4096};
+  std::string host = "127.0.0.1", served_model_name;
+  int port = 8000, max_batch = 8, max_queue = 64, prefill_chunk = 256, http_threads = 0, threads = 0;
   double drain_timeout = 30;
 };
 
@@ -55,38 +52,26 @@ void install_signal_handlers() {
 int run_serve(const ServeArgs& a) {
   install_signal_handlers();
 
-#ifdef DSV4_HAVE_CUDA
-  DSV4_CHECK(a.device == "cpu" || a.device == "cuda", "--device {}: expected cpu or cuda", a.device);
-#else
-  DSV4_CHECK(a.device == "cpu", "--device {}: expected cpu (this build has no CUDA backend; configure with "
-             "-DDSV4_CUDA=ON for --device cuda)", a.device);
-#endif
-  const Tokenizer tokenizer = Tokenizer::load(a.model_dir);
-  const Model model = Model::load(a.model_dir, Numerics{parse_kv_storage(a.kv_dtype),
-                                                        parse_indexer_storage(a.indexer_dtype)});
-  spdlog::info("model {}: {}", a.model_dir, model.config().summary());
+  const EngineOptions& e = a.engine;
+  const Tokenizer tokenizer = Tokenizer::load(e.model_dir);
+  const Model model = load_model(e);
   if (tokenizer.vocab_size() > model.config().vocab_size)
     spdlog::warn("the tokenizer knows {} ids but the model only {}; ids past the model are never produced",
                  tokenizer.vocab_size(), model.config().vocab_size);
 
   server::Metrics metrics;
-  server::SchedulerOptions scheduling{a.max_batch, a.max_queue, a.max_context, a.prefill_chunk, a.threads};
-  server::RunnerFactory make_runner = [&model](int max_context) { return make_cpu_runner(model, max_context); };
-#ifdef DSV4_HAVE_CUDA
-  if (a.device == "cuda") {
-    // Each CUDA runner holds its own copy of the weights on the device, so slots cost weights + state each.
+  server::SchedulerOptions scheduling{a.max_batch, a.max_queue, e.max_context, a.prefill_chunk, a.threads};
+  const RunnerFactory make_runner = runner_factory(model, e.device);
+  if (e.device == "cuda")  // each CUDA runner holds its own copy of the weights: slots cost weights + state each
     spdlog::warn("--device cuda: every one of the {} slots uploads its own copy of the weights", a.max_batch);
-    make_runner = [&model](int max_context) { return make_cuda_runner(model, max_context); };
-  }
-#endif
   server::Scheduler scheduler(tokenizer, make_runner, scheduling, metrics);
   std::string name = a.served_model_name;
   if (name.empty()) {
-    std::filesystem::path dir = std::filesystem::absolute(a.model_dir).lexically_normal();
+    std::filesystem::path dir = std::filesystem::absolute(e.model_dir).lexically_normal();
     if (dir.filename().empty()) dir = dir.parent_path();  // "models/tiny/"
     name = dir.filename().string();
   }
-  server::ApiContext context{tokenizer, name, a.max_context, model.config().vocab_size};
+  server::ApiContext context{tokenizer, name, e.max_context, model.config().vocab_size};
   server::HttpOptions http_options{a.host, a.port, a.http_threads, a.drain_timeout};
   server::HttpServer server(scheduler, context, metrics, http_options);
   const int port = server.bind();
@@ -107,7 +92,7 @@ int run_serve(const ServeArgs& a) {
     if (drain.joinable()) drain.join();
   });
 
-  spdlog::info("{} slots x {} tokens of context, queue {}", a.max_batch, a.max_context, a.max_queue);
+  spdlog::info("{} slots x {} tokens of context, queue {}", a.max_batch, e.max_context, a.max_queue);
   std::printf("dsv4 serve: model '%s' listening on http://%s:%d\n", name.c_str(), a.host.c_str(), port);
   std::fflush(stdout);
   server.run();
@@ -125,16 +110,12 @@ int run_serve(const ServeArgs& a) {
 void add_serve_command(CLI::App& app, Handler& handler) {
   auto args = std::make_shared<ServeArgs>();
   CLI::App* cmd = app.add_subcommand("serve", "OpenAI-compatible HTTP server with continuous batching");
-  cmd->add_option("--model", args->model_dir, "Model directory (config.json, safetensors, tokenizer.json)")
-      ->required();
+  add_engine_options(cmd, args->engine);
   cmd->add_option("--host", args->host, "Address to listen on")->capture_default_str();
   cmd->add_option("--port", args->port, "Port to listen on; 0 picks a free one (printed on stdout)")
       ->capture_default_str()->check(CLI::Range(0, 65535));
-  cmd->add_option("--device", args->device, "Backend: cpu, or cuda in CUDA builds")->capture_default_str();
   cmd->add_option("--max-batch", args->max_batch, "Sequences decoded together (slots)")
       ->capture_default_str()->check(CLI::Range(1, 4096));
-  cmd->add_option("--max-context", args->max_context, "Tokens per sequence (prompt + completion)")
-      ->capture_default_str()->check(CLI::Range(2, 1 << 24));
   cmd->add_option("--max-queue", args->max_queue, "Requests that may wait for a slot; more get 429")
       ->capture_default_str()->check(CLI::Range(0, 1 << 20));
   cmd->add_option("--prefill-chunk", args->prefill_chunk, "Prompt tokens one sequence consumes per step")
@@ -143,10 +124,6 @@ void add_serve_command(CLI::App& app, Handler& handler) {
       ->capture_default_str()->check(CLI::NonNegativeNumber);
   cmd->add_option("--served-model-name", args->served_model_name,
                   "Model id in the API (default: the model directory's name)");
-  cmd->add_option("--kv-dtype", args->kv_dtype, "KV cache storage: fp8 (official rounding), bf16, f32")
-      ->capture_default_str()->check(CLI::IsMember({"fp8", "bf16", "f32"}));
-  cmd->add_option("--indexer-dtype", args->indexer_dtype, "Indexer q/k storage: fp4 (official), bf16, f32")
-      ->capture_default_str()->check(CLI::IsMember({"fp4", "bf16", "f32"}));
   cmd->add_option("--drain-timeout", args->drain_timeout, "Seconds running requests may take after SIGTERM")
       ->capture_default_str()->check(CLI::NonNegativeNumber);
   cmd->add_option("--http-threads", args->http_threads, "HTTP worker threads (0: max-batch + max-queue + 16)")

@@ -26,7 +26,6 @@ void add_engine_options(CLI::App* cmd, EngineOptions& options);
 Model load_model(const EngineOptions& options);
 
 // Makes per-sequence runners on the chosen backend; throws for a backend this build does not have.
-using RunnerFactory = std::function<std::unique_ptr<SequenceRunner>(int max_context)>;
 RunnerFactory runner_factory(const Model& model, const std::string& device);
 
 // --temperature, --top-p, --top-k, --seed

@@ -3,6 +3,7 @@
 // its own runner with device-resident weights and state. Session (generation, sampling) only sees this interface.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <vector>
@@ -26,5 +27,8 @@ class SequenceRunner {
 };
 
 std::unique_ptr<SequenceRunner> make_cpu_runner(const Model& model, int max_context);
+
+// Makes one runner (one sequence slot) on some backend.
+using RunnerFactory = std::function<std::unique_ptr<SequenceRunner>(int max_context)>;
 
 }  // namespace dsv4

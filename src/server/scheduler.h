@@ -96,7 +96,7 @@ struct SchedulerOptions {
 };
 
 // Makes one runner (one sequence's state) sized for max_context tokens; called max_batch times at startup.
-using RunnerFactory = std::function<std::unique_ptr<SequenceRunner>(int max_context)>;
+using dsv4::RunnerFactory;
 
 class Scheduler {
  public:
