@@ -275,11 +275,13 @@ void HttpServer::handle_generation(Endpoint endpoint, const std::string& request
             }
             x->events.clear();
             if (finished) break;
-            while (!x->handle->wait_events(x->events, kPoll))
-              if (!sink.is_writable()) {
-                x->handle->cancel();
-                return false;
-              }
+            // Checked on every wake-up, not only on timeouts: a fast model delivers events faster than kPoll,
+            // and a client that left must still be noticed before its completion is finished.
+            if (!sink.is_writable()) {
+              x->handle->cancel();
+              return false;
+            }
+            x->handle->wait_events(x->events, kPoll);
           }
           const Json body = x->builder.error().empty()
                                 ? x->builder.response()

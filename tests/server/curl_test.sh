@@ -105,8 +105,9 @@ STATUS=$("${C[@]}" -o "$WORK/body" -w '%{http_code}' "$URL/v1/completions" -d "{
 check "large form-typed JSON body is parsed ($STATUS)" grep -q 'Unrecognized request argument supplied: junk' "$WORK/body"
 check "alive after bad input" [ "$(json 'j.status' <<<"$BODY")" = ok ]
 
-# --- a client that disconnects mid-stream frees its slot
-"${C[@]}" -N --max-time 0.3 "$URL/v1/completions" -d "{\"model\":\"$NAME\",\"prompt\":\"x\",\"max_tokens\":4000,\"ignore_eos\":true,\"stream\":true}" >/dev/null 2>&1
+# --- a client that disconnects mid-stream frees its slot (1 s: long enough to be admitted on a loaded machine,
+# far shorter than the 4000 tokens take)
+"${C[@]}" -N --max-time 1 "$URL/v1/completions" -d "{\"model\":\"$NAME\",\"prompt\":\"x\",\"max_tokens\":4000,\"ignore_eos\":true,\"stream\":true}" >/dev/null 2>&1
 for _ in $(seq 100); do
   request GET /metrics
   M=$BODY
@@ -116,7 +117,7 @@ done
 check "disconnect frees the slot" grep -q '^dsv4_running_sequences 0$' <<<"$M"
 check "disconnect counted as cancelled" grep -q 'dsv4_requests_finished_total{reason="cancelled"} 1$' <<<"$M"
 # ... and so does one that gives up waiting for a non-streamed answer
-"${C[@]}" --max-time 0.3 "$URL/v1/completions" -d "{\"model\":\"$NAME\",\"prompt\":\"x\",\"max_tokens\":4000,\"ignore_eos\":true}" >/dev/null 2>&1
+"${C[@]}" --max-time 1 "$URL/v1/completions" -d "{\"model\":\"$NAME\",\"prompt\":\"x\",\"max_tokens\":4000,\"ignore_eos\":true}" >/dev/null 2>&1
 for _ in $(seq 100); do
   request GET /metrics
   M=$BODY
