@@ -77,6 +77,13 @@ namespace {
 
 float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
 
+// (mean(x²) + eps)^-½ over all hc·D values of a token's streams (spec 2.3: one RMS, not one per stream).
+float streams_inv_rms(const float* xs, int width, float eps) {
+  double sum_sq = 0;
+  for (int i = 0; i < width; ++i) sum_sq += double(xs[i]) * xs[i];
+  return 1.0f / std::sqrt(float(sum_sq / width) + eps);
+}
+
 // mHC "pre" (spec 2.3): mixing weights from all hc streams, Sinkhorn-normalised combine matrix, collapsed input.
 //   streams [n, hc, D] -> collapsed [n, D], post [n, hc], comb [n, hc, hc] (comb[j][k]: from stream j to k)
 void hc_pre(const HyperConnWeights& w, const ModelConfig& c, const float* streams, int n, float* collapsed,
@@ -87,9 +94,7 @@ void hc_pre(const HyperConnWeights& w, const ModelConfig& c, const float* stream
 #pragma omp parallel for if (n > 16)
   for (int t = 0; t < n; ++t) {
     const float* xs = streams + int64_t(t) * width;
-    double sum_sq = 0;
-    for (int i = 0; i < width; ++i) sum_sq += double(xs[i]) * xs[i];
-    const float rs = 1.0f / std::sqrt(float(sum_sq / width) + c.rms_norm_eps);
+    const float rs = streams_inv_rms(xs, width, c.rms_norm_eps);
     const float* m = mix.data() + int64_t(t) * n_mix;
     std::vector<float> pre(hc);
     for (int k = 0; k < hc; ++k) {
@@ -157,9 +162,7 @@ void hc_head(const HyperConnWeights& w, const ModelConfig& c, const float* strea
   gemm_nt(streams, w.fn.data.data(), mix.data(), n, hc, width);
   for (int t = 0; t < n; ++t) {
     const float* xs = streams + int64_t(t) * width;
-    double sum_sq = 0;
-    for (int i = 0; i < width; ++i) sum_sq += double(xs[i]) * xs[i];
-    const float rs = 1.0f / std::sqrt(float(sum_sq / width) + c.rms_norm_eps);
+    const float rs = streams_inv_rms(xs, width, c.rms_norm_eps);
     for (int d = 0; d < D; ++d) y[int64_t(t) * D + d] = 0;
     for (int k = 0; k < hc; ++k) {
       const float pre = sigmoid(mix[t * hc + k] * rs * w.scale[0] + w.base[k]) + c.hc_eps;
