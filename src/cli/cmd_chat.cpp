@@ -23,7 +23,7 @@ namespace dsv4::cli {
 namespace {
 
 struct ChatArgs {
-  EngineOptions engine{.max_context = 16384};
+  EngineOptions engine = EngineOptions::with_max_context(16384);
   SamplingParams sampling;
   std::string tokenizer, system, effort;
   int max_new_tokens = 2048;

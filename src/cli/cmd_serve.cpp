@@ -23,7 +23,7 @@ namespace dsv4::cli {
 namespace {
 
 struct ServeArgs {
-  EngineOptions engine{.max_context = 4096};
+  EngineOptions engine = EngineOptions::with_max_context(4096);
   std::string host = "127.0.0.1", served_model_name;
   int port = 8000, max_batch = 8, max_queue = 64, prefill_chunk = 256, http_threads = 0, threads = 0;
   double drain_timeout = 30;

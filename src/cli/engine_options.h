@@ -17,6 +17,12 @@ namespace dsv4::cli {
 struct EngineOptions {
   std::string model_dir, device = "cpu", kv_dtype = "fp8", indexer_dtype = "fp4";
   int max_context = 8192;
+
+  static EngineOptions with_max_context(int tokens) {
+    EngineOptions o;
+    o.max_context = tokens;
+    return o;
+  }
 };
 
 // --model, --device, --max-context, --kv-dtype, --indexer-dtype

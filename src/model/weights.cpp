@@ -89,12 +89,6 @@ std::vector<std::string> candidate_names(const std::string& official) {
   return names;
 }
 
-std::string shape_of(const std::vector<int64_t>& s) {
-  std::string out = "[";
-  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
-  return out + "]";
-}
-
 class WeightReader {
  public:
   explicit WeightReader(const Checkpoint& c) : checkpoint_(c) {}
