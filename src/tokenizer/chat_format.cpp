@@ -520,4 +520,181 @@ std::string format_chat_v4(const nlohmann::ordered_json& messages_in, const Chat
   return prompt;
 }
 
+
+// ---- Decoder: completion text -> message (encoding_dsv4.py, parse_message_from_completion_text) ----
+
+namespace {
+
+struct Stop {
+  size_t next;            // index after the matched stop (or text.size() when none matched)
+  std::string_view text;  // what came before it
+  int which;              // index into the stop list, -1 when none matched
+};
+
+// The reference's _read_until_stop: the earliest of the stops after `from` (on a tie, the first
+// listed); without a match, the rest of the text.
+Stop read_until(std::string_view text, size_t from, std::initializer_list<std::string_view> stops) {
+  size_t best = std::string_view::npos;
+  int which = -1, i = 0;
+  for (std::string_view s : stops) {
+    const size_t pos = text.find(s, from);
+    if (pos != std::string_view::npos && (best == std::string_view::npos || pos < best)) best = pos, which = i;
+    ++i;
+  }
+  if (which < 0) return {text.size(), text.substr(from), -1};
+  return {best + std::data(stops)[which].size(), text.substr(from, best - from), which};
+}
+
+std::string shown(std::string_view s) {
+  constexpr size_t kMax = 120;
+  return s.size() <= kMax ? std::string(s) : std::string(s.substr(0, kMax)) + "...";
+}
+
+[[noreturn]] void parse_fail(const std::string& what) {
+  DSV4_FAIL("DeepSeek-V4 completion: {}", what);
+}
+
+bool is_py_space(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v'; }
+
+// `^\s*name="(.*?)">\n$` (DOTALL) on what follows "<｜DSML｜invoke". Python's `$` also matches before
+// a final newline, so `">\n\n` closes the tag too (the encoder writes that for a call without
+// arguments).
+std::string parse_invoke_name(std::string_view s) {
+  size_t i = 0;
+  while (i < s.size() && is_py_space(s[i])) ++i;
+  constexpr std::string_view kOpen = "name=\"";
+  if (s.substr(i, kOpen.size()) == kOpen) {
+    const size_t start = i + kOpen.size();
+    for (std::string_view close : {std::string_view("\">\n\n"), std::string_view("\">\n")}) {
+      if (s.size() >= start + close.size() && s.substr(s.size() - close.size()) == close) {
+        return std::string(s.substr(start, s.size() - close.size() - start));
+      }
+    }
+  }
+  parse_fail(fmt::format("tool name format error: '{}'", shown(s)));
+}
+
+struct Param {
+  std::string name;
+  bool is_string;
+  std::string value;
+};
+
+// `^ name="(.*?)" string="(true|false)">(.*?)<$` (DOTALL) on what lies between
+// "<｜DSML｜parameter" and "/｜DSML｜parameter": the name ends at the first `" string="true|false">`.
+Param parse_parameter(std::string_view s) {
+  constexpr std::string_view kOpen = " name=\"";
+  size_t end = std::string_view::npos;  // where the value ends: before the final "<" (or "<\n")
+  if (s.size() >= 1 && s.back() == '<') end = s.size() - 1;
+  else if (s.size() >= 2 && s.substr(s.size() - 2) == "<\n") end = s.size() - 2;
+  if (end != std::string_view::npos && s.substr(0, kOpen.size()) == kOpen) {
+    for (size_t pos = s.find("\" string=\"", kOpen.size()); pos != std::string_view::npos && pos < end;
+         pos = s.find("\" string=\"", pos + 1)) {
+      for (std::string_view flag : {std::string_view("true\">"), std::string_view("false\">")}) {
+        const size_t at = pos + 10;  // past `" string="`
+        if (s.substr(at, flag.size()) == flag && at + flag.size() <= end) {
+          return {std::string(s.substr(kOpen.size(), pos - kOpen.size())), flag[0] == 't',
+                  std::string(s.substr(at + flag.size(), end - at - flag.size()))};
+        }
+      }
+    }
+  }
+  parse_fail(fmt::format("parameter format error: '{}'", shown(s)));
+}
+
+// The reference's decode_dsml_to_arguments: "{" + ", ".join(json(key) + ": " + value) + "}", where a
+// string="true" value is JSON-quoted and any other value is taken as written.
+std::string arguments_from_params(const std::vector<Param>& params) {
+  std::string out = "{";
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (i) out += ", ";
+    out += python_json_dumps(Json(params[i].name)) + ": " +
+           (params[i].is_string ? python_json_dumps(Json(params[i].value)) : params[i].value);
+  }
+  return out + "}";
+}
+
+// The DSML block after "\n\n<｜DSML｜tool_calls"; returns the index after "</｜DSML｜tool_calls>".
+size_t parse_tool_calls(std::string_view text, size_t index, std::vector<ParsedToolCall>& calls) {
+  const std::string d(kDsml);
+  const std::string invoke_open = "<" + d + "invoke", invoke_close = "</" + d + "invoke";
+  const std::string param_open = "<" + d + "parameter", param_close = "/" + d + "parameter";
+  const std::string block_close = "</" + d + "tool_calls>";
+  while (true) {
+    Stop s = read_until(text, index, {invoke_open, block_close});
+    if (s.text != ">\n") parse_fail(fmt::format("tool call format error: expected '>\\n' but got '{}'", shown(s.text)));
+    if (s.which < 0) parse_fail("unterminated tool-call block (missing " + block_close + ")");
+    index = s.next;
+    if (s.which == 1) return index;
+
+    s = read_until(text, index, {param_open, invoke_close});
+    if (s.which < 0) parse_fail("unterminated invoke (missing " + invoke_close + ">)");
+    ParsedToolCall call;
+    call.name = parse_invoke_name(s.text);
+    index = s.next;
+    std::vector<Param> params;
+    while (s.which == 0) {
+      s = read_until(text, index, {param_close});
+      if (s.which < 0) parse_fail("unterminated parameter (missing <" + param_close + ">)");
+      Param p = parse_parameter(s.text);
+      for (const auto& q : params) {
+        if (q.name == p.name) parse_fail(fmt::format("duplicate parameter name: '{}'", p.name));
+      }
+      params.push_back(std::move(p));
+      index = s.next;
+      s = read_until(text, index, {param_open, invoke_close});
+      if (s.text != ">\n") {
+        parse_fail(fmt::format("parameter format error: expected '>\\n' but got '{}'", shown(s.text)));
+      }
+      if (s.which < 0) parse_fail("unterminated invoke (missing " + invoke_close + ">)");
+      index = s.next;
+    }
+    call.arguments = arguments_from_params(params);
+    calls.push_back(std::move(call));
+  }
+}
+
+}  // namespace
+
+nlohmann::ordered_json ParsedMessage::to_json() const {
+  Json calls = Json::array();
+  for (const auto& c : tool_calls) {
+    calls.push_back({{"type", "function"}, {"function", {{"name", c.name}, {"arguments", c.arguments}}}});
+  }
+  return {{"role", "assistant"}, {"content", content}, {"reasoning_content", reasoning_content},
+          {"tool_calls", std::move(calls)}};
+}
+
+ParsedMessage parse_completion_v4(std::string_view text, ThinkingMode mode) {
+  ParsedMessage msg;
+  const std::string tool_calls_start = "\n\n<" + std::string(kDsml) + "tool_calls";
+  size_t index = 0;
+  if (mode == ThinkingMode::kThinking) {
+    const Stop s = read_until(text, index, {kThinkEnd, tool_calls_start});
+    if (s.which != 0) parse_fail("invalid thinking format: missing </think>");
+    msg.reasoning_content = std::string(s.text);
+    index = s.next;
+  }
+  Stop s = read_until(text, index, {kEos, tool_calls_start});
+  msg.content = std::string(s.text);
+  index = s.next;
+  if (s.which == 1) {
+    index = parse_tool_calls(text, index, msg.tool_calls);
+    s = read_until(text, index, {kEos});
+    if (!s.text.empty()) parse_fail(fmt::format("unexpected content after tool calls: '{}'", shown(s.text)));
+    index = s.next;
+  } else if (s.which < 0) {
+    parse_fail("invalid format: missing the end-of-sentence token");
+  }
+  if (index != text.size()) {
+    parse_fail(fmt::format("unexpected content at end: '{}'", shown(text.substr(index))));
+  }
+  for (std::string_view sp : {kBos, kEos, kThinkStart, kThinkEnd, kDsml}) {
+    if (msg.content.find(sp) != std::string::npos || msg.reasoning_content.find(sp) != std::string::npos) {
+      parse_fail(fmt::format("unexpected special token '{}' in content", sp));
+    }
+  }
+  return msg;
+}
+
 }  // namespace dsv4

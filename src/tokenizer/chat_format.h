@@ -20,6 +20,8 @@
 #include <nlohmann/json.hpp>
 
 #include <string>
+#include <string_view>
+#include <vector>
 
 namespace dsv4 {
 
@@ -46,6 +48,41 @@ struct ChatFormatOptions {
 // tool-call arguments).
 std::string format_chat_v4(const nlohmann::ordered_json& messages, const ChatFormatOptions& options = {},
                            const nlohmann::ordered_json& context = nlohmann::ordered_json::array());
+
+// One tool call parsed back from DSML: arguments is a JSON object as text, built as the reference
+// builds it: each parameter marked string="true" becomes a JSON string, any other value is copied
+// verbatim (it should already be JSON, and is not checked: a bad value gives arguments that do not
+// parse, as in the reference).
+struct ParsedToolCall {
+  std::string name;
+  std::string arguments;
+};
+
+// An assistant turn parsed back from the model's completion text.
+struct ParsedMessage {
+  std::string reasoning_content;  // empty in chat mode
+  std::string content;
+  std::vector<ParsedToolCall> tool_calls;
+
+  // The reference's dict: {"role": "assistant", "content", "reasoning_content", "tool_calls":
+  // [{"type": "function", "function": {"name", "arguments"}}]}; format_chat_v4 takes it back.
+  nlohmann::ordered_json to_json() const;
+};
+
+// The decoder half of encoding_dsv4.py (`parse_message_from_completion_text`): the text the model
+// generated after the prompt (after "<think>" in thinking mode, after "</think>" in chat mode):
+//
+//   [reasoning "</think>"] content ["\n\n<｜DSML｜tool_calls>\n<｜DSML｜invoke name=\"N\">\n
+//   <｜DSML｜parameter name=\"K\" string=\"true|false\">V</｜DSML｜parameter>\n...</｜DSML｜invoke>\n
+//   ...</｜DSML｜tool_calls>"] EOS
+//
+// As the reference, it parses only well-formed text and throws dsv4::Error otherwise: thinking mode
+// without "</think>" before the tool calls, content without the end-of-sentence token (after a
+// tool-call block the token is optional), anything after it, DSML tags out of shape, a duplicate
+// parameter, special tokens left in content or reasoning. One deliberate difference: the reference
+// stops reading when the text runs out, so a completion cut right after a parameter or invoke tag
+// passes with a half-written call; here the block must end with "</｜DSML｜tool_calls>".
+ParsedMessage parse_completion_v4(std::string_view text, ThinkingMode mode);
 
 // Python's json.dumps(value, ensure_ascii=False): ", " and ": " separators, non-ASCII kept, floats
 // in repr() form (1.0, 1e-05, 1e+16). The format embeds tool schemas and arguments this way.
