@@ -8,6 +8,7 @@
 #include <sstream>
 
 #include "core/check.h"
+#include "chat_fixtures.h"
 #include "tokenizer/chat_format.h"
 
 using dsv4::ChatFormatOptions;
@@ -18,26 +19,13 @@ using Json = nlohmann::ordered_json;
 
 namespace {
 
-const std::filesystem::path kFixtures = std::filesystem::path(DSV4_TEST_DATA) / "chat_format_v4";
+const auto& kFixtures = dsv4::test::kChatFixtures;
+using dsv4::test::read_file;
+std::string read(const std::filesystem::path& p) { return read_file(p); }
 
-std::string read(const std::filesystem::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  EXPECT_TRUE(in) << "cannot open " << p;
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-// A fixture input is either a message list or {"messages": [...], "tools": [...]}.
 std::string render_fixture(int n, ThinkingMode mode) {
-  const Json in = Json::parse(read(kFixtures / ("test_input_" + std::to_string(n) + ".json")));
-  ChatFormatOptions o;
-  o.thinking_mode = mode;
-  if (in.is_object()) {
-    o.tools = in.value("tools", Json());
-    return format_chat_v4(in["messages"], o);
-  }
-  return format_chat_v4(in, o);
+  const auto [messages, options] = dsv4::test::load_chat_fixture(n, mode);
+  return format_chat_v4(messages, options);
 }
 
 const std::string kBos = "<｜begin▁of▁sentence｜>";

@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "core/check.h"
+#include "chat_fixtures.h"
 #include "tokenizer/chat_format.h"
 
 using dsv4::ChatFormatOptions;
@@ -21,19 +22,13 @@ using Json = nlohmann::ordered_json;
 
 namespace {
 
-const std::filesystem::path kFixtures = std::filesystem::path(DSV4_TEST_DATA) / "chat_format_v4";
+const auto& kFixtures = dsv4::test::kChatFixtures;
 
 const std::string kEos = "<｜end▁of▁sentence｜>";
 const std::string kAssistant = "<｜Assistant｜>";
 const std::string kDsml = "｜DSML｜";
 
-std::string read(const std::filesystem::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  EXPECT_TRUE(in) << "cannot open " << p;
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
+std::string read(const std::filesystem::path& p) { return dsv4::test::read_file(p); }
 
 // The n-th assistant turn of a golden prompt: from after "<｜Assistant｜>" and the mode's opening
 // token (plus an action task token) to its end-of-sentence token, inclusive.
@@ -63,16 +58,8 @@ std::string block(const std::string& invokes) {
   return "\n\n<" + kDsml + "tool_calls>\n" + invokes + "</" + kDsml + "tool_calls>";
 }
 
-// A fixture as (messages, options with request-level tools).
 std::pair<Json, ChatFormatOptions> load_fixture(int n, ThinkingMode mode) {
-  const Json in = Json::parse(read(kFixtures / ("test_input_" + std::to_string(n) + ".json")));
-  ChatFormatOptions o;
-  o.thinking_mode = mode;
-  if (in.is_object()) {
-    o.tools = in.value("tools", Json());
-    return {in["messages"], o};
-  }
-  return {in, o};
+  return dsv4::test::load_chat_fixture(n, mode);
 }
 
 Json slice(const Json& messages, size_t n) {
