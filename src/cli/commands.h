@@ -16,5 +16,6 @@ void add_chat_command(CLI::App& app, Handler& handler);
 void add_quantize_command(CLI::App& app, Handler& handler);
 void add_inspect_command(CLI::App& app, Handler& handler);
 void add_serve_command(CLI::App& app, Handler& handler);
+void add_bench_command(CLI::App& app, Handler& handler);
 
 }  // namespace dsv4::cli

@@ -24,6 +24,7 @@ int main(int argc, char** argv) {
   dsv4::cli::add_quantize_command(app, handler);
   dsv4::cli::add_inspect_command(app, handler);
   dsv4::cli::add_serve_command(app, handler);
+  dsv4::cli::add_bench_command(app, handler);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -1,0 +1,454 @@
+// SPDX-License-Identifier: MIT
+// `dsv4 bench`: a random model with the real V4-Flash shapes (fewer routed experts per layer so that it fits one
+// GPU; batch-1 decode reads 6 of them whatever the count) on the CUDA runner, in NVFP4 and BF16. Reports prefill
+// tokens/s (1K / 8K / 32K prompts) and batch-1 decode tokens/s, each against its roofline:
+//   decode   bytes that must be read per token (weights of the 6 + 1 experts, attention, fp32 mixes, KV at the
+//            decode context, lm_head, one embedding row) / copy bandwidth measured in the same run
+//   prefill  FLOPs per token (2 x active params + attention) / the bf16 tensor-core rate, and the weight-streaming
+//            bound of the runner's chunked prefill (every chunk of kCudaMaxChunk tokens reads the weights once)
+// docs/bench.md explains the accounting. `--plan-only` prints the accounting without a GPU.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cli/commands.h"
+#include "core/check.h"
+#include "model/model.h"
+#include "model/synthetic.h"
+#ifdef DSV4_HAVE_CUDA
+#include "cuda/bandwidth.h"
+#include "cuda/cuda_check.h"
+#include "cuda/device.h"
+#include "cuda/runner.h"
+#endif
+
+namespace dsv4::cli {
+namespace {
+
+using nlohmann::json;
+
+// Dense bf16 tensor-core rate of one H200 as measured on these machines (8192^3 bf16 matmul through PyTorch,
+// 769-798 TFLOP/s on random data): the device README's "bf16 matrix work at about 790 TFLOP/s".
+constexpr double kBf16DenseFlops = 790e12;
+constexpr int kDecodeWarmupSteps = 2;  // the first 1-token step captures the CUDA graph
+#ifdef DSV4_HAVE_CUDA
+constexpr int kPrefillChunk = kCudaMaxChunk;
+#else
+constexpr int kPrefillChunk = 64;  // the CUDA runner's chunk (kCudaMaxChunk), for --plan-only in CPU builds
+#endif
+
+enum class BenchFormat { NVFP4, BF16 };
+
+const char* format_name(BenchFormat f) { return f == BenchFormat::NVFP4 ? "nvfp4" : "bf16"; }
+
+// Storage of one linear-layer weight element: NVFP4 = e2m1 nibble + one e4m3 scale per 16 (the fp32 global scale
+// per matrix is negligible); BF16 = 2 bytes.
+double linear_bytes_per_element(BenchFormat f) { return f == BenchFormat::NVFP4 ? 0.5 + 1.0 / 16 : 2.0; }
+
+struct BenchArgs {
+  std::string format = "both";
+  int experts = 32;
+  std::vector<int> prefill = {1024, 8192, 32768};
+  int decode_context = 8192;
+  int decode_steps = 64;
+  int max_context = 0;  // 0 = max(prefill lengths, decode context + warm-up + steps)
+  uint64_t seed = 1;
+  std::string json_path;
+  bool plan_only = false;
+};
+
+// ---- accounting -------------------------------------------------------------------------------------------
+
+// Elements of the linear-layer weights, summed over layers (one routed expert counted apart: batch 1 reads k).
+struct LinearElements {
+  double attention = 0;     // wq_a, wq_b, wkv, wo_a, wo_b
+  double compressors = 0;   // main KV compressors wkv + wgate (CSA, HCA)
+  double indexer = 0;       // indexer wq_b + indexer compressor wkv + wgate (CSA)
+  double routed_expert = 0; // w1 + w2 + w3 of one routed expert, all layers
+  double shared = 0;        // shared expert w1 + w2 + w3, all layers
+  double fp32 = 0;          // fp32 matrices: mHC fn (2 per layer + head), router gate, indexer weights_proj
+  double vectors = 0;       // norms, sinks, hc base/scale, gate bias, one ape row per compressor (fp32)
+  double head = 0, embed_row = 0;
+};
+
+LinearElements linear_elements(const ModelConfig& c) {
+  LinearElements e;
+  const double D = c.hidden_size, H = c.n_heads, hd = c.head_dim, hc = c.hc_mult, n_mix = (2 + hc) * hc;
+  for (int l = 0; l < c.n_layers; ++l) {
+    e.attention += c.q_lora_rank * D + H * hd * c.q_lora_rank + hd * D +
+                   double(c.o_groups) * c.o_lora_rank * (H * hd / c.o_groups) + D * c.o_groups * c.o_lora_rank;
+    e.vectors += 2 * D + c.q_lora_rank + hd + H + 2 * (n_mix + 3);
+    if (c.has_compressor(l)) {
+      const double width = (c.is_csa(l) ? 2 : 1) * hd;
+      e.compressors += 2 * width * D;
+      e.vectors += hd + width;
+    }
+    if (c.is_csa(l)) {
+      const double width = 2.0 * c.index_head_dim;
+      e.indexer += double(c.index_n_heads) * c.index_head_dim * c.q_lora_rank + 2 * width * D;
+      e.fp32 += c.index_n_heads * D;
+      e.vectors += c.index_head_dim + width;
+    }
+    e.fp32 += 2 * n_mix * hc * D + c.n_routed_experts * D;
+    if (!c.hash_routed[l]) e.vectors += c.n_routed_experts;
+    e.routed_expert += 3.0 * c.moe_inter * D;
+    e.shared += 3.0 * c.moe_inter * c.n_shared_experts * D;
+  }
+  e.fp32 += hc * hc * D;  // hc_head fn
+  e.vectors += D + hc + 1;
+  e.head = double(c.vocab_size) * D;
+  e.embed_row = D;
+  return e;
+}
+
+// Keys one token at `pos` attends, summed over layers (spec 3.7): window min(pos+1, W) in every layer; CSA the
+// top-k of its (pos+1) div 4 entries, all of which the indexer scores; HCA every (pos+1) div 128 entry.
+struct AttendedKeys {
+  double window = 0, csa = 0, hca = 0, index_keys = 0;
+};
+
+AttendedKeys attended_keys(const ModelConfig& c, int64_t pos) {
+  AttendedKeys k;
+  for (int l = 0; l < c.n_layers; ++l) {
+    k.window += double(std::min<int64_t>(pos + 1, c.window));
+    if (!c.has_compressor(l)) continue;
+    const int64_t entries = (pos + 1) / c.compress_ratio[l];
+    if (c.is_csa(l)) {
+      k.csa += double(std::min<int64_t>(entries, c.index_topk));
+      k.index_keys += double(entries);
+    } else {
+      k.hca += double(entries);
+    }
+  }
+  return k;
+}
+
+// FLOPs per attended key (QK^T and PV over H heads of head_dim: 4 H d) and per indexer key (2 x heads x dim),
+// spec 9.
+double attention_flops(const ModelConfig& c, const AttendedKeys& k) {
+  return (k.window + k.csa + k.hca) * 4.0 * c.n_heads * c.head_dim +
+         k.index_keys * 2.0 * c.index_n_heads * c.index_head_dim;
+}
+
+struct CostLine {
+  std::string name;
+  double bytes = 0, flops = 0;
+};
+
+double total_bytes(const std::vector<CostLine>& lines) {
+  double s = 0;
+  for (const CostLine& l : lines) s += l.bytes;
+  return s;
+}
+double total_flops(const std::vector<CostLine>& lines) {
+  double s = 0;
+  for (const CostLine& l : lines) s += l.flops;
+  return s;
+}
+
+// Bytes read and FLOPs of one batch-1 decode step at position `pos`, in the sizes the CUDA runner stores: linear
+// weights in `f`, embedding and lm_head bf16, mixes / gate / weights_proj fp32, KV and indexer keys fp32.
+std::vector<CostLine> decode_token_cost(const ModelConfig& c, BenchFormat f, int64_t pos) {
+  const LinearElements e = linear_elements(c);
+  const double w = linear_bytes_per_element(f), f32 = 4, bf16 = 2;
+  const AttendedKeys k = attended_keys(c, pos);
+  const double kv_entry = c.head_dim * f32, index_entry = c.index_head_dim * f32;
+  const double key_flops = 4.0 * c.n_heads * c.head_dim;
+  const int top_k = c.n_experts_per_tok;
+  return {
+      {"attention wq_a wq_b wkv wo_a wo_b", e.attention * w, 2 * e.attention},
+      {"KV compressors wkv wgate", e.compressors * w, 2 * e.compressors},
+      {"indexer wq_b + compressor", e.indexer * w, 2 * e.indexer},
+      {fmt::format("routed experts ({} of {})", top_k, c.n_routed_experts), top_k * e.routed_expert * w,
+       2 * top_k * e.routed_expert},
+      {"shared expert", e.shared * w, 2 * e.shared},
+      {"fp32 mHC fn, router gate, weights_proj", e.fp32 * f32, 2 * e.fp32},
+      {"fp32 norms, sinks, biases, ape rows", e.vectors * f32, 0},
+      {"lm_head (bf16)", e.head * bf16, 2 * e.head},
+      {"embedding row (bf16)", e.embed_row * bf16, 0},
+      {"KV window entries (fp32)", k.window * kv_entry, k.window * key_flops},
+      {"KV CSA top-k entries (fp32)", k.csa * kv_entry, k.csa * key_flops},
+      {"KV HCA entries (fp32)", k.hca * kv_entry, k.hca * key_flops},
+      {"indexer keys (fp32)", k.index_keys * index_entry,
+       k.index_keys * 2.0 * c.index_n_heads * c.index_head_dim},
+  };
+}
+
+// Expected distinct experts a chunk of `tokens` tokens touches in one layer under uniform random routing.
+double experts_touched(const ModelConfig& c, int tokens) {
+  const double E = c.n_routed_experts;
+  return E * (1.0 - std::pow(1.0 - c.n_experts_per_tok / E, tokens));
+}
+
+struct PrefillBounds {
+  double flops_per_token = 0;       // averaged over the prompt's positions; lm_head once (last_only)
+  double compute_tok_s = 0;         // at kBf16DenseFlops
+  double weight_bytes_per_chunk = 0;
+  double streaming_seconds = 0;     // weight bytes of all chunks + lm_head once, at `bandwidth` (0 = unknown)
+  double streaming_tok_s = 0;
+};
+
+PrefillBounds prefill_bounds(const ModelConfig& c, BenchFormat f, int tokens, double bandwidth_bytes_s) {
+  const LinearElements e = linear_elements(c);
+  const double w = linear_bytes_per_element(f);
+  PrefillBounds b;
+  double attention = 0;
+  for (int64_t pos = 0; pos < tokens; ++pos) attention += attention_flops(c, attended_keys(c, pos));
+  const double linear = 2 * (e.attention + e.compressors + e.indexer + c.n_experts_per_tok * e.routed_expert +
+                             e.shared + e.fp32);
+  b.flops_per_token = linear + attention / tokens + 2 * e.head / tokens;
+  b.compute_tok_s = kBf16DenseFlops / b.flops_per_token;
+  const int chunk = std::min(tokens, kPrefillChunk);
+  b.weight_bytes_per_chunk = (e.attention + e.compressors + e.indexer + e.shared) * w + e.fp32 * 4 +
+                             experts_touched(c, chunk) * e.routed_expert * w;
+  if (bandwidth_bytes_s > 0) {
+    const double chunks = std::ceil(double(tokens) / kPrefillChunk);
+    b.streaming_seconds = (chunks * b.weight_bytes_per_chunk + e.head * 2) / bandwidth_bytes_s;
+    b.streaming_tok_s = tokens / b.streaming_seconds;
+  }
+  return b;
+}
+
+std::vector<BenchFormat> parse_formats(const std::string& s) {
+  if (s == "nvfp4") return {BenchFormat::NVFP4};
+  if (s == "bf16") return {BenchFormat::BF16};
+  return {BenchFormat::NVFP4, BenchFormat::BF16};
+}
+
+// Position of the middle timed decode step (the KV read grows by a few entries over the steps).
+int64_t decode_mean_position(const BenchArgs& a) {
+  return int64_t(a.decode_context) + kDecodeWarmupSteps + a.decode_steps / 2;
+}
+
+void validate(BenchArgs& a) {
+  DSV4_CHECK(a.experts >= 6, "dsv4 bench: --experts must be >= 6 (top-6 routing), got {}", a.experts);
+  DSV4_CHECK(!a.prefill.empty(), "dsv4 bench: --prefill lists no prompt length");
+  for (int len : a.prefill) DSV4_CHECK(len > 0, "dsv4 bench: --prefill length {} must be positive", len);
+  DSV4_CHECK(a.decode_context >= 0, "dsv4 bench: --decode-context {} must be >= 0", a.decode_context);
+  DSV4_CHECK(a.decode_steps > 0, "dsv4 bench: --decode-steps {} must be positive", a.decode_steps);
+  const int needed = std::max(*std::max_element(a.prefill.begin(), a.prefill.end()),
+                              a.decode_context + kDecodeWarmupSteps + a.decode_steps);
+  if (a.max_context == 0) a.max_context = needed;
+  DSV4_CHECK(a.max_context >= needed, "dsv4 bench: --max-context {} is below the {} tokens the runs need",
+             a.max_context, needed);
+}
+
+void print_cost_table(const std::vector<CostLine>& lines, BenchFormat f, int64_t pos) {
+  fmt::print("\nbytes read per decoded token, batch 1, {} linears, position {}:\n", format_name(f), pos);
+  fmt::print("  {:<42} {:>10} {:>10}\n", "component (all layers)", "GB/token", "GFLOP");
+  for (const CostLine& l : lines) fmt::print("  {:<42} {:>10.4f} {:>10.3f}\n", l.name, l.bytes / 1e9, l.flops / 1e9);
+  fmt::print("  {:<42} {:>10.4f} {:>10.3f}\n", "total", total_bytes(lines) / 1e9, total_flops(lines) / 1e9);
+}
+
+json cost_json(const std::vector<CostLine>& lines) {
+  json j = json::array();
+  for (const CostLine& l : lines) j.push_back({{"component", l.name}, {"bytes", l.bytes}, {"flops", l.flops}});
+  return j;
+}
+
+void write_json(const BenchArgs& a, const json& report) {
+  if (a.json_path.empty()) return;
+  std::ofstream out(a.json_path);
+  DSV4_CHECK(out.good(), "dsv4 bench: cannot write --json {}", a.json_path);
+  out << report.dump(2) << "\n";
+  DSV4_CHECK(out.good(), "dsv4 bench: writing --json {} failed", a.json_path);
+}
+
+json args_json(const BenchArgs& a, const ModelConfig& c) {
+  return {{"experts_per_layer", a.experts}, {"prefill", a.prefill}, {"decode_context", a.decode_context},
+          {"decode_steps", a.decode_steps}, {"max_context", a.max_context}, {"seed", a.seed},
+          {"config", c.summary()}, {"bf16_dense_flops", kBf16DenseFlops}, {"prefill_chunk", kPrefillChunk}};
+}
+
+// The accounting alone, no GPU needed.
+int run_plan(const BenchArgs& a) {
+  const ModelConfig config = flash_shaped_config(a.experts);
+  fmt::print("model: {}\n", config.summary());
+  json report = args_json(a, config);
+  for (BenchFormat f : parse_formats(a.format)) {
+    const int64_t pos = decode_mean_position(a);
+    const std::vector<CostLine> lines = decode_token_cost(config, f, pos);
+    print_cost_table(lines, f, pos);
+    json prefill = json::array();
+    for (int len : a.prefill) {
+      const PrefillBounds b = prefill_bounds(config, f, len, 0);
+      fmt::print("  prefill {:>6}: {:.2f} GFLOP/token -> compute bound {:.0f} tok/s; {:.2f} GB of weights per "
+                 "{}-token chunk\n", len, b.flops_per_token / 1e9, b.compute_tok_s, b.weight_bytes_per_chunk / 1e9,
+                 std::min(len, kPrefillChunk));
+      prefill.push_back({{"tokens", len}, {"flops_per_token", b.flops_per_token},
+                         {"compute_bound_tok_s", b.compute_tok_s},
+                         {"weight_bytes_per_chunk", b.weight_bytes_per_chunk}});
+    }
+    report["formats"][format_name(f)] = {{"decode_position", pos}, {"decode_bytes_per_token", total_bytes(lines)},
+                                         {"decode_flops_per_token", total_flops(lines)},
+                                         {"decode_components", cost_json(lines)}, {"prefill", prefill}};
+  }
+  write_json(a, report);
+  return 0;
+}
+
+#ifdef DSV4_HAVE_CUDA
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+std::vector<int32_t> random_tokens(std::mt19937_64& rng, int n, int vocab) {
+  std::uniform_int_distribution<int32_t> pick(0, vocab - 1);
+  std::vector<int32_t> ids(static_cast<size_t>(n));
+  for (int32_t& id : ids) id = pick(rng);
+  return ids;
+}
+
+size_t device_used_bytes() {
+  size_t free_bytes = 0, total_bytes = 0;
+  DSV4_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+  return total_bytes - free_bytes;
+}
+
+json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double bandwidth_gbs) {
+  const ModelConfig& c = model.config();
+  const double bandwidth = bandwidth_gbs * 1e9;
+  CudaRunnerOptions options;
+  options.synthetic_format = f == BenchFormat::NVFP4 ? GemvWeight::NVFP4 : GemvWeight::BF16;
+  options.synthetic_seed = a.seed;
+  fmt::print("\n=== {} ===\n", format_name(f));
+  std::fflush(stdout);
+  auto start = std::chrono::steady_clock::now();
+  std::unique_ptr<SequenceRunner> runner = make_cuda_runner(model, a.max_context, options);
+  const CudaRunnerStats built = cuda_runner_stats(*runner);
+  const size_t used = device_used_bytes();
+  fmt::print("runner built in {:.1f} s: weights {:.2f} GB, workspaces {:.2f} GB, state {:.2f} GB; GPU memory in use "
+             "{:.2f} GB of {:.2f} GB\n", seconds_since(start), built.weight_bytes / 1e9, built.workspace_bytes / 1e9,
+             runner->state_bytes() / 1e9, used / 1e9, device_info().global_mem_bytes / 1e9);
+  json report = {{"weight_bytes", built.weight_bytes}, {"workspace_bytes", built.workspace_bytes},
+                 {"state_bytes", runner->state_bytes()}, {"gpu_memory_used_bytes", used}};
+  std::mt19937_64 rng(a.seed);
+
+  fmt::print("\nprefill (last-row logits; chunks of {} tokens):\n", kPrefillChunk);
+  fmt::print("  {:>7} {:>9} {:>10} {:>13} {:>9} {:>15} {:>9}\n", "tokens", "seconds", "tok/s", "compute bound",
+             "fraction", "weight-stream", "fraction");
+  json prefill = json::array();
+  for (int len : a.prefill) {
+    runner->reset();
+    runner->forward(random_tokens(rng, std::min(len, 512), c.vocab_size), true);  // warm-up
+    runner->reset();
+    const std::vector<int32_t> prompt = random_tokens(rng, len, c.vocab_size);
+    start = std::chrono::steady_clock::now();
+    runner->forward(prompt, true);
+    const double seconds = seconds_since(start);
+    const double tok_s = len / seconds;
+    const PrefillBounds b = prefill_bounds(c, f, len, bandwidth);
+    fmt::print("  {:>7} {:>9.3f} {:>10.0f} {:>13.0f} {:>9.3f} {:>15.0f} {:>9.3f}\n", len, seconds, tok_s,
+               b.compute_tok_s, tok_s / b.compute_tok_s, b.streaming_tok_s, tok_s / b.streaming_tok_s);
+    prefill.push_back({{"tokens", len}, {"seconds", seconds}, {"tok_s", tok_s},
+                       {"flops_per_token", b.flops_per_token}, {"compute_bound_tok_s", b.compute_tok_s},
+                       {"fraction_of_compute_bound", tok_s / b.compute_tok_s},
+                       {"weight_bytes_per_chunk", b.weight_bytes_per_chunk},
+                       {"weight_streaming_bound_tok_s", b.streaming_tok_s},
+                       {"fraction_of_weight_streaming_bound", tok_s / b.streaming_tok_s}});
+  }
+  report["prefill"] = prefill;
+
+  runner->reset();
+  if (a.decode_context > 0) runner->forward(random_tokens(rng, a.decode_context, c.vocab_size), true);
+  std::vector<int32_t> token = random_tokens(rng, 1, c.vocab_size);
+  for (int i = 0; i < kDecodeWarmupSteps; ++i) runner->forward(token, true);
+  start = std::chrono::steady_clock::now();
+  for (int i = 0; i < a.decode_steps; ++i) {
+    token[0] = int32_t((token[0] + 7919) % c.vocab_size);  // a different token each step, no sampling cost
+    runner->forward(token, true);
+  }
+  const double seconds = seconds_since(start);
+  const CudaRunnerStats stats = cuda_runner_stats(*runner);
+  const int64_t kernels = stats.last_forward_replayed_graph ? stats.graph_kernels : stats.launches_last_forward;
+  const int64_t pos = decode_mean_position(a);
+  const std::vector<CostLine> lines = decode_token_cost(c, f, pos);
+  const double bytes = total_bytes(lines), tok_s = a.decode_steps / seconds, roofline = bandwidth / bytes;
+  print_cost_table(lines, f, pos);
+  fmt::print("\ndecode batch 1 at context {}: {:.1f} tok/s ({:.3f} ms/token), {} kernels per token{}; roofline "
+             "{:.1f} tok/s ({:.2f} GB/token at {:.0f} GB/s) -> {:.3f} of roofline\n",
+             a.decode_context, tok_s, 1e3 * seconds / a.decode_steps, kernels,
+             stats.last_forward_replayed_graph ? " (graph replay)" : "", roofline, bytes / 1e9, bandwidth_gbs,
+             tok_s / roofline);
+  fmt::print("decode batch 8, 32: not measured (the CUDA runner runs one sequence)\n");
+  report["decode"] = {{"batch", 1}, {"context", a.decode_context}, {"steps", a.decode_steps},
+                      {"mean_position", pos}, {"seconds", seconds}, {"tok_s", tok_s},
+                      {"ms_per_token", 1e3 * seconds / a.decode_steps}, {"kernels_per_token", kernels},
+                      {"graph_replay", stats.last_forward_replayed_graph}, {"bytes_per_token", bytes},
+                      {"flops_per_token", total_flops(lines)}, {"components", cost_json(lines)},
+                      {"roofline_tok_s", roofline}, {"fraction_of_roofline", tok_s / roofline}};
+  report["decode_batch_8"] = "not measured: the CUDA runner runs one sequence";
+  report["decode_batch_32"] = "not measured: the CUDA runner runs one sequence";
+  return report;
+}
+
+int run_bench(const BenchArgs& a) {
+  DSV4_CHECK(cuda_available(), "dsv4 bench: no usable CUDA device");
+  const DeviceInfo info = device_info();
+  fmt::print("device: {}, {} SMs, {:.1f} GB\n", info.name, info.sm_count, info.global_mem_bytes / 1e9);
+  const double bandwidth_gbs = measure_copy_bandwidth_gbs();
+  fmt::print("copy bandwidth (2 GiB copy kernel, read + write): {:.0f} GB/s\n", bandwidth_gbs);
+
+  auto start = std::chrono::steady_clock::now();
+  ModelConfig config = flash_shaped_config(a.experts);
+  ModelWeights weights = synthetic_weights(config, a.seed);
+  const Model model(std::move(config), std::move(weights));
+  fmt::print("model: {} (host tensors built in {:.1f} s)\n", model.config().summary(), seconds_since(start));
+
+  json report = args_json(a, model.config());
+  report["device"] = info.name;
+  report["copy_bandwidth_gbs"] = bandwidth_gbs;
+  // One runner at a time: BF16 with 32 experts alone takes ~85 GB.
+  for (BenchFormat f : parse_formats(a.format)) report["formats"][format_name(f)] =
+      bench_format(a, model, f, bandwidth_gbs);
+  write_json(a, report);
+  return 0;
+}
+
+#else
+
+int run_bench(const BenchArgs&) { DSV4_FAIL("dsv4 bench needs a CUDA build (configure with -DDSV4_CUDA=ON)"); }
+
+#endif
+
+}  // namespace
+
+void add_bench_command(CLI::App& app, Handler& handler) {
+  auto args = std::make_shared<BenchArgs>();
+  CLI::App* cmd = app.add_subcommand("bench", "Benchmark a random model with the V4-Flash shapes on the GPU: prefill "
+                                              "and decode tokens/s against their rooflines");
+  cmd->add_option("--format", args->format, "Linear-layer weight format: nvfp4, bf16 or both (one after the other)")
+      ->capture_default_str()->check(CLI::IsMember({"nvfp4", "bf16", "both"}));
+  cmd->add_option("--experts", args->experts, "Routed experts per layer (>= 6; Flash has 256, which do not fit one "
+                                              "GPU; batch-1 decode reads 6 whatever the count)")
+      ->capture_default_str();
+  cmd->add_option("--prefill", args->prefill, "Prompt lengths to time, comma-separated")
+      ->delimiter(',')->capture_default_str();
+  cmd->add_option("--decode-context", args->decode_context, "Tokens prefilled before the timed decode steps")
+      ->capture_default_str();
+  cmd->add_option("--decode-steps", args->decode_steps, "Timed 1-token decode steps")->capture_default_str();
+  cmd->add_option("--max-context", args->max_context,
+                  "Tokens of state preallocated (default: the longest prompt or decode context + steps)");
+  cmd->add_option("--seed", args->seed, "Seed of the weights and token ids")->capture_default_str();
+  cmd->add_option("--json", args->json_path, "Also write every number to this JSON file");
+  cmd->add_flag("--plan-only", args->plan_only,
+                "Print the bytes / FLOPs accounting only (no GPU needed)");
+  cmd->callback([&handler, args] {
+    handler = [args] {
+      validate(*args);
+      return args->plan_only ? run_plan(*args) : run_bench(*args);
+    };
+  });
+}
+
+}  // namespace dsv4::cli

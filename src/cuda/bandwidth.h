@@ -1,0 +1,14 @@
+// SPDX-License-Identifier: MIT
+// The device's copy bandwidth, as the roofline of memory-bound kernels: a grid-stride 16-byte copy kernel (the
+// ceiling for kernels that read with ordinary loads; cudaMemcpy D2D measured lower on H200, docs/perf.md).
+#pragma once
+#include <cstddef>
+
+namespace dsv4 {
+
+// GB/s (1e9 bytes) counting bytes read + written, copying `bytes` from one device buffer to another: warm-up
+// copies first (the card idles at low clocks), then the mean of `reps` copies timed with CUDA events. Allocates
+// 2 x bytes of device memory for the duration of the call. Throws dsv4::Error on any CUDA failure.
+double measure_copy_bandwidth_gbs(size_t bytes = size_t(2) << 30, int reps = 10);
+
+}  // namespace dsv4
