@@ -22,7 +22,10 @@ void add_engine_options(CLI::App* cmd, EngineOptions& o) {
 }
 
 Model load_model(const EngineOptions& o) {
-  Model model = Model::load(o.model_dir, {parse_kv_storage(o.kv_dtype), parse_indexer_storage(o.indexer_dtype)});
+  // The CUDA runner uploads the checkpoint's encodings as they are; only the CPU needs every weight in fp32.
+  const WeightLoad load = o.device == "cuda" ? WeightLoad::KeepLinearsPacked : WeightLoad::DecodeAll;
+  Model model =
+      Model::load(o.model_dir, {parse_kv_storage(o.kv_dtype), parse_indexer_storage(o.indexer_dtype)}, load);
   spdlog::info("model {}: {}", o.model_dir, model.config().summary());
   return model;
 }

@@ -37,6 +37,26 @@ const char* gemv_weight_name(GemvWeight w) {
   return "?";
 }
 
+int64_t gemv_weight_bytes(GemvWeight w, int64_t n, int64_t k) {
+  switch (w) {
+    case GemvWeight::BF16: return n * k * 2;
+    case GemvWeight::FP8_BLOCK: return n * k;
+    case GemvWeight::MXFP4:
+    case GemvWeight::NVFP4: return n * k / 2;
+  }
+  return 0;
+}
+
+int64_t gemv_scale_bytes(GemvWeight w, int64_t n, int64_t k, GemvScale fp8_scale) {
+  switch (w) {
+    case GemvWeight::BF16: return 0;
+    case GemvWeight::FP8_BLOCK: return (n + 127) / 128 * ((k + 127) / 128) * (fp8_scale == GemvScale::F32 ? 4 : 1);
+    case GemvWeight::MXFP4: return n * (k / 32);
+    case GemvWeight::NVFP4: return n * (k / 16);
+  }
+  return 0;
+}
+
 int gemv_default_split_k(const GemvParams& p, int sm_count) {
   // From the split sweep of dsv4_gemv_bench (docs/perf.md): a warp wants at least 16 chunks of k to itself
   // (4 load groups; 64 when m > 16, where each chunk carries more arithmetic), then the grid wants at least one
@@ -53,24 +73,66 @@ int gemv_default_split_k(const GemvParams& p, int sm_count) {
   return split;
 }
 
-void gemv(const GemvParams& p) {
+namespace {
+
+// Checks every field of p; returns false when there is nothing to do (m == 0 or n == 0).
+bool check_gemv_params(const GemvParams& p, const char* what) {
   const char* fmt_name = gemv_weight_name(p.weight);
-  DSV4_CHECK(p.m >= 0 && p.m <= kGemvMaxM, "gemv: m = {} is outside [0, {}]", p.m, kGemvMaxM);
-  DSV4_CHECK(p.n >= 0 && p.k > 0, "gemv: expected n >= 0 and k > 0, got n = {}, k = {}", p.n, p.k);
-  DSV4_CHECK(p.k % k_multiple(p.weight) == 0, "gemv ({}): k = {} must be a multiple of {}", fmt_name, p.k,
+  DSV4_CHECK(p.m >= 0 && p.m <= kGemvMaxM, "{}: m = {} is outside [0, {}]", what, p.m, kGemvMaxM);
+  DSV4_CHECK(p.n >= 0 && p.k > 0, "{}: expected n >= 0 and k > 0, got n = {}, k = {}", what, p.n, p.k);
+  DSV4_CHECK(p.k % k_multiple(p.weight) == 0, "{} ({}): k = {} must be a multiple of {}", what, fmt_name, p.k,
              k_multiple(p.weight));
-  if (p.m == 0 || p.n == 0) return;
-  DSV4_CHECK(p.x && p.w && p.y, "gemv ({}): x, w and y must be device pointers, got x={} w={} y={}", fmt_name, p.x,
-             p.w, p.y);
-  DSV4_CHECK(p.weight == GemvWeight::BF16 || p.w_scale, "gemv ({}): w_scale is required", fmt_name);
-  DSV4_CHECK(aligned(p.x, 16) && aligned(p.w, 16), "gemv ({}): x and w must be 16-byte aligned", fmt_name);
-  DSV4_CHECK(p.weight != GemvWeight::NVFP4 || aligned(p.w_scale, 2), "gemv (nvfp4): w_scale must be 2-byte aligned");
+  DSV4_CHECK(p.w_row0 >= 0 && (p.weight != GemvWeight::FP8_BLOCK || p.w_row0 % 16 == 0),
+             "{}: w_row0 = {} must be >= 0 (and a multiple of 16 for fp8_block)", what, p.w_row0);
+  DSV4_CHECK(p.ldy == 0 || p.ldy >= p.n, "{}: ldy = {} is smaller than n = {}", what, p.ldy, p.n);
+  if (p.m == 0 || p.n == 0) return false;
+  DSV4_CHECK(p.x && p.w && p.y, "{} ({}): x, w and y must be device pointers, got x={} w={} y={}", what, fmt_name,
+             p.x, p.w, p.y);
+  DSV4_CHECK(p.weight == GemvWeight::BF16 || p.w_scale, "{} ({}): w_scale is required", what, fmt_name);
+  DSV4_CHECK(aligned(p.x, 16) && aligned(p.w, 16), "{} ({}): x and w must be 16-byte aligned", what, fmt_name);
+  DSV4_CHECK(p.weight != GemvWeight::NVFP4 || aligned(p.w_scale, 2), "{} (nvfp4): w_scale must be 2-byte aligned",
+             what);
   DSV4_CHECK(p.weight != GemvWeight::FP8_BLOCK || p.fp8_scale != GemvScale::F32 || aligned(p.w_scale, 4),
-             "gemv (fp8_block): f32 w_scale must be 4-byte aligned");
+             "{} (fp8_block): f32 w_scale must be 4-byte aligned", what);
   DSV4_CHECK(p.split_k == 0 || p.split_k == 1 || p.split_k == 2 || p.split_k == 4 || p.split_k == 8,
-             "gemv: split_k = {} must be 0 (auto), 1, 2, 4 or 8", p.split_k);
+             "{}: split_k = {} must be 0 (auto), 1, 2, 4 or 8", what, p.split_k);
+  return true;
+}
+
+}  // namespace
+
+void gemv(const GemvParams& p) {
+  if (!check_gemv_params(p, "gemv")) return;
   const int split = p.split_k ? p.split_k : gemv_default_split_k(p, current_sm_count());
   DSV4_CUDA_CHECK(detail::gemv_launch(p, split));
+}
+
+void gemv_grouped(const GemvGroupedParams& g) {
+  if (!check_gemv_params(g.base, "gemv_grouped") || g.max_slots == 0) return;
+  DSV4_CHECK(g.max_slots > 0 && g.max_slots <= 65535, "gemv_grouped: max_slots = {} is outside [0, 65535]",
+             g.max_slots);
+  DSV4_CHECK(g.slot_count && g.slot_expert && g.slot_offset && g.row_order,
+             "gemv_grouped: slot_count, slot_expert, slot_offset and row_order must be device pointers");
+  DSV4_CHECK(g.x_row_div > 0, "gemv_grouped: x_row_div = {} must be positive", g.x_row_div);
+  DSV4_CHECK(g.w_expert_stride % 16 == 0, "gemv_grouped: w_expert_stride = {} must keep 16-byte alignment",
+             g.w_expert_stride);
+  DSV4_CHECK(g.base.weight != GemvWeight::NVFP4 || g.scale_expert_stride % 2 == 0,
+             "gemv_grouped (nvfp4): scale_expert_stride = {} must be even", g.scale_expert_stride);
+  DSV4_CHECK(g.base.weight != GemvWeight::FP8_BLOCK || g.base.fp8_scale != GemvScale::F32 ||
+                 g.scale_expert_stride % 4 == 0,
+             "gemv_grouped (fp8_block): f32 scale_expert_stride = {} must be a multiple of 4", g.scale_expert_stride);
+  // The split is chosen for one expert's shape with the active slots as extra blocks: decode's few slots want
+  // the full split, like a plain gemv of that shape.
+  const int split = g.base.split_k ? g.base.split_k : gemv_default_split_k(g.base, current_sm_count());
+  DSV4_CUDA_CHECK(detail::gemv_grouped_launch(g, split));
+}
+
+void moe_slots(const MoeSlotsParams& p) {
+  DSV4_CHECK(p.n >= 0 && p.k > 0 && p.experts > 0 && p.experts <= 4096 && p.n * p.k <= 4096,
+             "moe_slots: n = {}, k = {}, experts = {} (experts and n*k must be in [1, 4096])", p.n, p.k, p.experts);
+  DSV4_CHECK(p.ids && p.slot_count && p.slot_expert && p.slot_offset && p.row_order,
+             "moe_slots: every pointer must be a device pointer");
+  DSV4_CUDA_CHECK(detail::moe_slots_launch(p));
 }
 
 }  // namespace dsv4

@@ -33,9 +33,17 @@ struct KernelArgs {
   const __nv_bfloat16* x;       // [m, k]
   const uint8_t* w;             // weight bytes, rows of row_bytes
   const uint8_t* w_scale;       // format's scale tensor (bytes)
-  void* y;                      // [m, n]
+  void* y;                      // [m, ldy]
+  int64_t ldy;
+  int w_row0;                   // first weight row of the call (FP8: its scale row block is (w_row0 + r) / 128)
   float y_factor;               // output multiplier (NVFP4: weight_scale_2 * 2^8; else 1)
   bool out_bf16;
+  // grouped launches (gemv_grouped): blockIdx.y is the slot
+  size_t w_stride, scale_stride;
+  const float* scale_2;         // [E] or nullptr
+  float nvfp4_factor;           // kNvfp4OutputFactor when NVFP4, else 0 (scale_2 unused)
+  const int32_t *slot_count, *slot_expert, *slot_offset, *row_order;
+  int x_row_div;
 };
 
 __device__ __forceinline__ uint4 load_weights(const uint8_t* p) {
@@ -77,7 +85,7 @@ __device__ __forceinline__ void decode_piece(const uint4& raw, uint32_t scale, u
   }
 }
 
-template <Fmt F, int kTilesN>
+template <Fmt F, int kTilesN, bool kGrouped>
 __global__ void __launch_bounds__(kThreads, kTilesN <= 2 ? 2 : 1) gemv_kernel(const KernelArgs a) {
   constexpr int kElems = elems_per_16b<F>();  // per thread, per row, per chunk
   constexpr int kChunkK = 4 * kElems;
@@ -94,8 +102,37 @@ __global__ void __launch_bounds__(kThreads, kTilesN <= 2 ? 2 : 1) gemv_kernel(co
   const bool ok_lo = r_lo < a.n, ok_hi = r_hi < a.n;
   const int n_chunks = (a.k + kChunkK - 1) / kChunkK;
   const size_t row_bytes = F == Fmt::BF16 ? size_t(a.k) * 2 : kFp8 ? size_t(a.k) : size_t(a.k) / 2;
-  const uint8_t* w_lo = a.w + size_t(r_lo) * row_bytes + t * 16;
+
+  // Which weights and which rows of x / y: all m rows (plain), or one slot's routed pairs (grouped).
+  const uint8_t* w_base = a.w;
+  const uint8_t* w_scale = a.w_scale;
+  float y_factor = a.y_factor;
+  int m_rows = a.m, order0 = 0;
+  if constexpr (kGrouped) {
+    const int s = blockIdx.y;
+    if (s >= __ldg(a.slot_count)) return;  // the whole block: no barrier has been reached yet
+    const int e = __ldg(a.slot_expert + s);
+    order0 = __ldg(a.slot_offset + s);
+    m_rows = __ldg(a.slot_offset + s + 1) - order0;
+    w_base += size_t(e) * a.w_stride;
+    w_scale += size_t(e) * a.scale_stride;
+    if (a.scale_2) y_factor = __ldg(a.scale_2 + e) * a.nvfp4_factor;
+  }
+  w_base += size_t(a.w_row0) * row_bytes;
+  if constexpr (F == Fmt::MXFP4) w_scale += size_t(a.w_row0) * (a.k / 32);
+  if constexpr (F == Fmt::NVFP4) w_scale += size_t(a.w_row0) * (a.k / 16);
+  const uint8_t* w_lo = w_base + size_t(r_lo) * row_bytes + t * 16;
   const uint8_t* w_hi = w_lo + 8 * row_bytes;
+  auto pair_of = [&](int row) { return kGrouped ? __ldg(a.row_order + order0 + row) : row; };
+
+  // More rows than the tile holds (a grouped slot above base.m) are covered by further passes over W.
+  for (int rb = 0; rb < m_rows; rb += kTilesN * 8) {
+  const __nv_bfloat16* x_row[kTilesN];  // this thread's batch row of each n-tile, nullptr past the slot's rows
+#pragma unroll
+  for (int j = 0; j < kTilesN; ++j) {
+    const int row = rb + j * 8 + g;
+    x_row[j] = row < m_rows ? a.x + size_t(kGrouped ? pair_of(row) / a.x_row_div : row) * a.k : nullptr;
+  }
 
   float acc[kTilesN][4];
 #pragma unroll
@@ -117,17 +154,17 @@ __global__ void __launch_bounds__(kThreads, kTilesN <= 2 ? 2 : 1) gemv_kernel(co
         sc_lo[u] = sc_hi[u] = 0;
         if constexpr (kFp8) {  // one scale per (128-row block, 128-k block): uniform over the warp's chunk
           if (c < n_chunks) {
-            const size_t idx = size_t(row0 / 128) * size_t((a.k + 127) / 128) + size_t(c / 2);
-            sc_lo[u] = F == Fmt::FP8_E8M0 ? uint32_t(__ldg(a.w_scale + idx))
-                                          : __ldg(reinterpret_cast<const uint32_t*>(a.w_scale) + idx);
+            const size_t idx = size_t((a.w_row0 + row0) / 128) * size_t((a.k + 127) / 128) + size_t(c / 2);
+            sc_lo[u] = F == Fmt::FP8_E8M0 ? uint32_t(__ldg(w_scale + idx))
+                                          : __ldg(reinterpret_cast<const uint32_t*>(w_scale) + idx);
           }
         } else if constexpr (F == Fmt::MXFP4) {  // [n, k/32] e8m0: one byte per 32-element piece
           const size_t ld = size_t(a.k / 32);
-          if (in_k && ok_lo) sc_lo[u] = __ldg(a.w_scale + size_t(r_lo) * ld + kk / 32);
-          if (in_k && ok_hi) sc_hi[u] = __ldg(a.w_scale + size_t(r_hi) * ld + kk / 32);
+          if (in_k && ok_lo) sc_lo[u] = __ldg(w_scale + size_t(r_lo) * ld + kk / 32);
+          if (in_k && ok_hi) sc_hi[u] = __ldg(w_scale + size_t(r_hi) * ld + kk / 32);
         } else if constexpr (F == Fmt::NVFP4) {  // [n, k/16] e4m3: two bytes per piece
           const size_t ld = size_t(a.k / 16);
-          const uint16_t* s16 = reinterpret_cast<const uint16_t*>(a.w_scale);
+          const uint16_t* s16 = reinterpret_cast<const uint16_t*>(w_scale);
           if (in_k && ok_lo) sc_lo[u] = __ldg(s16 + (size_t(r_lo) * ld + kk / 16) / 2);
           if (in_k && ok_hi) sc_hi[u] = __ldg(s16 + (size_t(r_hi) * ld + kk / 16) / 2);
         }
@@ -149,10 +186,9 @@ __global__ void __launch_bounds__(kThreads, kTilesN <= 2 ? 2 : 1) gemv_kernel(co
         }
 #pragma unroll
         for (int j = 0; j < kTilesN; ++j) {
-          const int m = j * 8 + g;
           uint32_t xb[kPairs];
-          if (m < a.m && in_k) {
-            const uint4* xp = reinterpret_cast<const uint4*>(a.x + size_t(m) * a.k + kk);
+          if (x_row[j] && in_k) {
+            const uint4* xp = reinterpret_cast<const uint4*>(x_row[j] + kk);
 #pragma unroll
             for (int v = 0; v < kPairs / 4; ++v) {
               const uint4 q = __ldg(xp + v);
@@ -182,6 +218,7 @@ __global__ void __launch_bounds__(kThreads, kTilesN <= 2 ? 2 : 1) gemv_kernel(co
   // bank conflicts in the read loop (consecutive threads read consecutive rows).
   constexpr int kCols = kTilesN * 8 + 1;
   __shared__ float red[kGemvWarps][16][kCols];
+  if (rb > 0) __syncthreads();  // the previous pass's reads of red are done
 #pragma unroll
   for (int j = 0; j < kTilesN; ++j) {
     red[warp][g][8 * j + 2 * t] = acc[j][0];
@@ -192,57 +229,114 @@ __global__ void __launch_bounds__(kThreads, kTilesN <= 2 ? 2 : 1) gemv_kernel(co
   __syncthreads();
   const int rows_in_block = tiles_per_block * 16;
   const int n_block0 = blockIdx.x * rows_in_block;
-  for (int idx = threadIdx.x; idx < rows_in_block * a.m; idx += kThreads) {
+  const int pass_rows = min(kTilesN * 8, m_rows - rb);
+  for (int idx = threadIdx.x; idx < rows_in_block * pass_rows; idx += kThreads) {
     const int r = idx % rows_in_block, m = idx / rows_in_block;
     const int n = n_block0 + r;
     if (n >= a.n) continue;
     const int tl = r / 16, rr = r % 16;
     float s = 0.0f;
     for (int p = 0; p < split; ++p) s += red[tl * split + p][rr][m];
-    s *= a.y_factor;
-    const size_t out = size_t(m) * a.n + n;
+    s *= y_factor;
+    const size_t out = size_t(pair_of(rb + m)) * a.ldy + n;
     if (a.out_bf16)
       static_cast<__nv_bfloat16*>(a.y)[out] = __float2bfloat16_rn(s);
     else
       static_cast<float*>(a.y)[out] = s;
   }
+  }  // row passes
 }
 
-template <Fmt F>
-cudaError_t launch_fmt(const KernelArgs& a, cudaStream_t stream) {
+template <Fmt F, bool kGrouped>
+cudaError_t launch_fmt(const KernelArgs& a, int slots, cudaStream_t stream) {
   const int rows_per_block = kGemvWarps / a.split * 16;
-  const dim3 grid((a.n + rows_per_block - 1) / rows_per_block);
+  const dim3 grid((a.n + rows_per_block - 1) / rows_per_block, slots);
   if (a.m <= 8)
-    gemv_kernel<F, 1><<<grid, kThreads, 0, stream>>>(a);
+    gemv_kernel<F, 1, kGrouped><<<grid, kThreads, 0, stream>>>(a);
   else if (a.m <= 16)
-    gemv_kernel<F, 2><<<grid, kThreads, 0, stream>>>(a);
+    gemv_kernel<F, 2, kGrouped><<<grid, kThreads, 0, stream>>>(a);
   else if (a.m <= 32)
-    gemv_kernel<F, 4><<<grid, kThreads, 0, stream>>>(a);
+    gemv_kernel<F, 4, kGrouped><<<grid, kThreads, 0, stream>>>(a);
   else
-    gemv_kernel<F, 8><<<grid, kThreads, 0, stream>>>(a);
+    gemv_kernel<F, 8, kGrouped><<<grid, kThreads, 0, stream>>>(a);
   return cudaGetLastError();
 }
 
-}  // namespace
+template <bool kGrouped>
+cudaError_t launch(const GemvParams& p, const KernelArgs& a, int slots) {
+  switch (p.weight) {
+    case GemvWeight::BF16: return launch_fmt<Fmt::BF16, kGrouped>(a, slots, p.stream);
+    case GemvWeight::FP8_BLOCK:
+      return p.fp8_scale == GemvScale::E8M0 ? launch_fmt<Fmt::FP8_E8M0, kGrouped>(a, slots, p.stream)
+                                            : launch_fmt<Fmt::FP8_F32, kGrouped>(a, slots, p.stream);
+    case GemvWeight::MXFP4: return launch_fmt<Fmt::MXFP4, kGrouped>(a, slots, p.stream);
+    case GemvWeight::NVFP4: return launch_fmt<Fmt::NVFP4, kGrouped>(a, slots, p.stream);
+  }
+  return cudaErrorInvalidValue;
+}
 
-cudaError_t gemv_launch(const GemvParams& p, int split_k) {
+KernelArgs plain_args(const GemvParams& p, int split_k) {
   KernelArgs a{};
   a.m = p.m, a.n = p.n, a.k = p.k, a.split = split_k;
   a.x = static_cast<const __nv_bfloat16*>(p.x);
   a.w = static_cast<const uint8_t*>(p.w);
   a.w_scale = static_cast<const uint8_t*>(p.w_scale);
   a.y = p.y;
+  a.ldy = p.ldy ? p.ldy : p.n;
+  a.w_row0 = p.w_row0;
   a.y_factor = p.weight == GemvWeight::NVFP4 ? p.w_scale_2 * dq::kNvfp4OutputFactor : 1.0f;
   a.out_bf16 = p.out == GemvOut::BF16;
-  switch (p.weight) {
-    case GemvWeight::BF16: return launch_fmt<Fmt::BF16>(a, p.stream);
-    case GemvWeight::FP8_BLOCK:
-      return p.fp8_scale == GemvScale::E8M0 ? launch_fmt<Fmt::FP8_E8M0>(a, p.stream)
-                                            : launch_fmt<Fmt::FP8_F32>(a, p.stream);
-    case GemvWeight::MXFP4: return launch_fmt<Fmt::MXFP4>(a, p.stream);
-    case GemvWeight::NVFP4: return launch_fmt<Fmt::NVFP4>(a, p.stream);
+  a.x_row_div = 1;
+  return a;
+}
+
+// One block of moe_slots: counting sort of the n·k picks by expert (experts and picks <= 4096).
+__global__ void moe_slots_kernel(MoeSlotsParams p) {
+  __shared__ int count[4096];
+  __shared__ int start[4096];
+  const int pairs = p.n * p.k;
+  for (int e = threadIdx.x; e < p.experts; e += blockDim.x) count[e] = 0;
+  __syncthreads();
+  for (int i = threadIdx.x; i < pairs; i += blockDim.x) atomicAdd(&count[p.ids[i]], 1);
+  __syncthreads();
+  if (threadIdx.x == 0) {  // serial scan: E <= a few hundred in practice
+    int offset = 0, slots = 0;
+    for (int e = 0; e < p.experts; ++e) {
+      start[e] = offset;
+      if (count[e]) {
+        p.slot_expert[slots] = e;
+        p.slot_offset[slots] = offset;
+        ++slots;
+      }
+      offset += count[e];
+    }
+    p.slot_offset[slots] = offset;
+    *p.slot_count = slots;
+    for (int i = 0; i < pairs; ++i) p.row_order[start[p.ids[i]]++] = i;  // stable: ascending pair index
   }
-  return cudaErrorInvalidValue;
+}
+
+}  // namespace
+
+cudaError_t gemv_launch(const GemvParams& p, int split_k) { return launch<false>(p, plain_args(p, split_k), 1); }
+
+cudaError_t gemv_grouped_launch(const GemvGroupedParams& g, int split_k) {
+  KernelArgs a = plain_args(g.base, split_k);
+  a.w_stride = g.w_expert_stride;
+  a.scale_stride = g.scale_expert_stride;
+  a.scale_2 = g.base.weight == GemvWeight::NVFP4 ? g.scale_2 : nullptr;
+  a.nvfp4_factor = dq::kNvfp4OutputFactor;
+  a.slot_count = g.slot_count;
+  a.slot_expert = g.slot_expert;
+  a.slot_offset = g.slot_offset;
+  a.row_order = g.row_order;
+  a.x_row_div = g.x_row_div;
+  return launch<true>(g.base, a, g.max_slots);
+}
+
+cudaError_t moe_slots_launch(const MoeSlotsParams& p) {
+  moe_slots_kernel<<<1, 256, 0, p.stream>>>(p);
+  return cudaGetLastError();
 }
 
 }  // namespace dsv4::detail

@@ -14,13 +14,17 @@
 //                                                                            W = e2m1 * 2^(E - 127)
 //     NVFP4      w [n, k/2] packed e2m1, w_scale [n, k/16] e4m3, w_scale_2 fp32 scalar
 //                                                                            W = e2m1 * e4m3(scale) * w_scale_2
-//   y  [m, n] fp32 or bf16 (round to nearest even), contiguous (row stride n). Every element is written.
+//   y  [m, n] fp32 or bf16 (round to nearest even), row stride ldy (0 = n). Every element y[i, 0..n) is written,
+//      nothing else (a fused projection writes its parts side by side into one [m, ldy] buffer).
 //   k: multiple of 8 (BF16), 16 (FP8_BLOCK), 32 (MXFP4, NVFP4). m in [0, 64]; m == 0 or n == 0 is a no-op.
 // Numerics: W decodes exactly to bf16 (see dequant.cuh for the scale ranges), bf16 x bf16 products are exact,
 // accumulation is fp32 in an unspecified order (tensor-core sums, then a split-k sum across warps).
 // The kernel is asynchronous on `stream`; launch errors are thrown as dsv4::Error.
 #pragma once
 #include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
 
 namespace dsv4 {
 
@@ -35,8 +39,11 @@ struct GemvParams {
   const void* x = nullptr;        // [m, k] bf16
   const void* w = nullptr;        // see the table above
   const void* w_scale = nullptr;  // see the table above; nullptr for BF16
+  int w_row0 = 0;                 // the call covers rows [w_row0, w_row0 + n) of the matrix at w / w_scale
+                                  // (FP8_BLOCK: a multiple of 16, the scale grid is the whole matrix's)
   float w_scale_2 = 1.0f;         // NVFP4 weight_scale_2 (the loader reads the scalar once); ignored otherwise
-  void* y = nullptr;              // [m, n] of `out`
+  void* y = nullptr;              // [m, n] of `out`, row stride ldy
+  int64_t ldy = 0;                // 0 = n
   GemvWeight weight = GemvWeight::BF16;
   GemvScale fp8_scale = GemvScale::E8M0;
   GemvOut out = GemvOut::F32;
@@ -46,9 +53,50 @@ struct GemvParams {
 
 void gemv(const GemvParams& p);
 
+// Grouped (MoE) skinny GEMM over rows routed to experts on the device, so no host round trip decides which
+// experts run:
+//   for each active slot s < *slot_count, expert e = slot_expert[s], and each pair r in
+//   row_order[slot_offset[s] .. slot_offset[s+1]):   y[r, :] = x[r / x_row_div, :] · W_eᵀ
+// W_e = the format of `base` at base.w + e·w_expert_stride bytes (scale: base.w_scale + e·scale_expert_stride),
+// NVFP4 global scale scale_2[e] (nullptr: base.w_scale_2 for every expert). base.m is the most rows any slot
+// holds (<= 64, the kernel's tile width; a host-known bound such as the chunk's token count), base.n / base.k the
+// shape of one expert, base.x [rows, k] bf16, base.y [pairs, ldy]. Slots past *slot_count exit at once; the grid
+// has max_slots of them, so the launch shape does not depend on the routing (graph capture).
+struct GemvGroupedParams {
+  GemvParams base;
+  size_t w_expert_stride = 0, scale_expert_stride = 0;  // bytes
+  const float* scale_2 = nullptr;                       // device [E]
+  int max_slots = 0;
+  const int32_t* slot_count = nullptr;   // device [1]
+  const int32_t* slot_expert = nullptr;  // device [max_slots]
+  const int32_t* slot_offset = nullptr;  // device [max_slots + 1]
+  const int32_t* row_order = nullptr;    // device [pairs]
+  int x_row_div = 1;
+};
+void gemv_grouped(const GemvGroupedParams& p);
+
+// Builds the slot arrays of gemv_grouped from the router's picks ids [n, k] (expert ids in [0, experts)):
+// pairs t·k + i sorted by expert, ascending, stable; one slot per expert with at least one pair.
+// slot_expert / slot_offset need min(experts, n·k) (+1) entries. experts <= 4096, n·k <= 4096.
+struct MoeSlotsParams {
+  const int32_t* ids = nullptr;
+  int n = 0, k = 0, experts = 0;
+  int32_t* slot_count = nullptr;
+  int32_t* slot_expert = nullptr;
+  int32_t* slot_offset = nullptr;
+  int32_t* row_order = nullptr;
+  cudaStream_t stream = nullptr;
+};
+void moe_slots(const MoeSlotsParams& p);
+
 // The split_k that gemv() chooses for p on a device with sm_count multiprocessors.
 int gemv_default_split_k(const GemvParams& p, int sm_count);
 
 const char* gemv_weight_name(GemvWeight w);
+
+// Bytes of an [n, k] weight in `w`'s layout above, and of its scale tensor (FP8_BLOCK with e8m0 scales; 0 for
+// BF16).
+int64_t gemv_weight_bytes(GemvWeight w, int64_t n, int64_t k);
+int64_t gemv_scale_bytes(GemvWeight w, int64_t n, int64_t k, GemvScale fp8_scale = GemvScale::E8M0);
 
 }  // namespace dsv4

@@ -85,10 +85,12 @@ struct HcPreParams {
 };
 void hc_pre(const HcPreParams& p, cudaStream_t stream);
 
-// 2.4 mHC post:  streams[t, k] <- post[t, k] · (out[t] + out2[t]) + Σ_j comb[t, j, k] · streams[t, j]
-// (out2 optional: the shared expert's output).
-void hc_post(const float* out, const float* out2, const float* post, const float* comb, int n, int hc, int D,
-             float* streams, cudaStream_t stream);
+// 2.4 mHC post:  streams[t, k] <- post[t, k] · (o_t) + Σ_j comb[t, j, k] · streams[t, j]  with
+//   o_t = (Σ_{i < out_k} out[t · out_k + i]) + out2[t]
+// (out [n, out_k, D]: the routed experts' per-pick outputs, summed in pick order; out2 optional: the shared
+// expert's output).
+void hc_post(const float* out, int out_k, const float* out2, const float* post, const float* comb, int n, int hc,
+             int D, float* streams, cudaStream_t stream);
 
 // 2.5 + 5: final collapse y = Σ_k (σ(mix_k·rs·scale0 + base_k) + hc_eps) · streams_k, then rms_norm(y, norm_weight)
 // written as bf16 [n, D] (the head GEMM's input). mix [n, hc].
@@ -185,25 +187,20 @@ struct RouterParams {
 };
 void router(const RouterParams& p, cudaStream_t stream);
 
-// 4.2 experts, computed only for the (token, expert) pairs picked: expert e = ids[t, i] (ids nullptr: expert 0
-// with weight 1, the shared expert):
-//   up:   h[t, i, :] = silu(min(x_t·w1_eᵀ, limit)) · clamp(x_t·w3_eᵀ, ±limit) · weight[t, i]   (limit 0 = no clamp)
-//   down: out[t, :] = Σ_i h[t, i, :] · w2_eᵀ
-// Weights bf16: w13 [E, 2·inter, D] (rows 0..inter-1 = w1, inter..2·inter-1 = w3), w2 [E, D, inter].
-// D and inter multiples of 8. h fp32 [n, k, inter], out fp32 [n, D] (overwritten).
-struct ExpertParams {
-  const float* x = nullptr;
-  const uint16_t* w13 = nullptr;
-  const uint16_t* w2 = nullptr;
-  const int32_t* ids = nullptr;
-  const float* weights = nullptr;
-  int n = 0, k = 1, D = 0, inter = 0;
+// 4.2 SwiGLU between an expert's up projections (gemv / gemv_grouped outputs) and its down projection:
+//   h[r, j] = silu(min(gate[r, j], limit)) · clamp(up[r, j], ±limit) · (weights ? weights[r] : 1)   (limit 0 = none)
+// gate / up fp32 rows of stride ld (a fused [w1 | w3] output: up = gate + inter); h bf16 [rows, inter] (the
+// down projection's input).
+struct SwigluParams {
+  const float* gate = nullptr;
+  const float* up = nullptr;
+  int64_t ld = 0;
+  const float* weights = nullptr;  // [rows] routing weights, or nullptr (shared expert)
+  int rows = 0, inter = 0;
   float limit = 0.0f;
-  float* h = nullptr;
-  float* out = nullptr;
+  uint16_t* h = nullptr;
 };
-void experts_up(const ExpertParams& p, cudaStream_t stream);
-void experts_down(const ExpertParams& p, cudaStream_t stream);
+void swiglu(const SwigluParams& p, cudaStream_t stream);
 
 // Fills n floats with value (state reset: compressor scores start at -inf).
 void fill_f32(float* x, int64_t n, float value, cudaStream_t stream);

@@ -221,49 +221,17 @@ __global__ void router_kernel(RouterParams p) {
   }
 }
 
-// Dot product of an fp32 vector (shared or global) with a bf16 row, 8 elements per lane step, summed over the warp.
-__device__ float dot_bf16_row(const float* x, const uint16_t* row, int len) {
-  const uint4* w = reinterpret_cast<const uint4*>(row);
-  float acc = 0, wf[8];
-  for (int c = threadIdx.x & 31; c < len / 8; c += 32) {
-    unpack_bf16x8(w[c], wf);
-    for (int q = 0; q < 8; ++q) acc += x[c * 8 + q] * wf[q];
-  }
-  return warp_sum(acc);
-}
-
-constexpr int kExpertWarps = 8;
-
-__global__ void experts_up_kernel(ExpertParams p) {
-  extern __shared__ float x[];  // [D]
-  const int pair = blockIdx.y, t = pair / p.k, i = pair % p.k;
-  const int e = p.ids ? p.ids[t * p.k + i] : 0;
-  const float weight = p.ids ? p.weights[t * p.k + i] : 1.0f;
-  for (int d = threadIdx.x; d < p.D; d += blockDim.x) x[d] = p.x[int64_t(t) * p.D + d];
-  __syncthreads();
-  const int j = blockIdx.x * kExpertWarps + (threadIdx.x >> 5);
-  if (j >= p.inter) return;
-  const uint16_t* w13 = p.w13 + int64_t(e) * 2 * p.inter * p.D;
-  float g = dot_bf16_row(x, w13 + int64_t(j) * p.D, p.D);
-  float u = dot_bf16_row(x, w13 + int64_t(p.inter + j) * p.D, p.D);
-  if ((threadIdx.x & 31) != 0) return;
+__global__ void swiglu_kernel(SwigluParams p) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= int64_t(p.rows) * p.inter) return;
+  const int r = int(i / p.inter), j = int(i % p.inter);
+  float g = p.gate[r * p.ld + j], u = p.up[r * p.ld + j];
   if (p.limit > 0) {  // gate clamped from above only, up on both sides
     g = fminf(g, p.limit);
     u = fminf(fmaxf(u, -p.limit), p.limit);
   }
-  p.h[int64_t(pair) * p.inter + j] = g / (1.0f + expf(-g)) * u * weight;
-}
-
-__global__ void experts_down_kernel(ExpertParams p) {
-  const int t = blockIdx.y, d = blockIdx.x * kExpertWarps + (threadIdx.x >> 5);
-  if (d >= p.D) return;
-  float acc = 0;
-  for (int i = 0; i < p.k; ++i) {
-    const int e = p.ids ? p.ids[t * p.k + i] : 0;
-    const uint16_t* row = p.w2 + (int64_t(e) * p.D + d) * p.inter;
-    acc += dot_bf16_row(p.h + (int64_t(t) * p.k + i) * p.inter, row, p.inter);
-  }
-  if ((threadIdx.x & 31) == 0) p.out[int64_t(t) * p.D + d] = acc;
+  const float w = p.weights ? p.weights[r] : 1.0f;
+  p.h[i] = f32_to_bf16(g / (1.0f + expf(-g)) * u * w);
 }
 
 }  // namespace
@@ -303,20 +271,10 @@ void router(const RouterParams& p, cudaStream_t stream) {
   DSV4_CUDA_LAUNCHED();
 }
 
-void experts_up(const ExpertParams& p, cudaStream_t stream) {
-  if (p.n == 0) return;
-  OPS_CHECK(p.D % 8 == 0 && p.inter % 8 == 0, "experts_up: D %d and inter %d must be multiples of 8", p.D, p.inter);
-  OPS_CHECK(p.D <= 12288, "experts_up: D %d exceeds 12288 (shared memory)", p.D);
-  experts_up_kernel<<<dim3(blocks_for(p.inter, kExpertWarps), p.n * p.k), kExpertWarps * 32, p.D * sizeof(float),
-                      stream>>>(p);
-  DSV4_CUDA_LAUNCHED();
-}
-
-void experts_down(const ExpertParams& p, cudaStream_t stream) {
-  if (p.n == 0) return;
-  OPS_CHECK(p.D % 8 == 0 && p.inter % 8 == 0, "experts_down: D %d and inter %d must be multiples of 8", p.D,
-            p.inter);
-  experts_down_kernel<<<dim3(blocks_for(p.D, kExpertWarps), p.n), kExpertWarps * 32, 0, stream>>>(p);
+void swiglu(const SwigluParams& p, cudaStream_t stream) {
+  if (p.rows == 0) return;
+  OPS_CHECK(p.inter > 0 && p.ld >= p.inter, "swiglu: inter %d and row stride %lld", p.inter, (long long)p.ld);
+  swiglu_kernel<<<blocks_for(int64_t(p.rows) * p.inter, 256), 256, 0, stream>>>(p);
   DSV4_CUDA_LAUNCHED();
 }
 

@@ -185,15 +185,17 @@ __global__ void hc_pre_kernel(HcPreParams p) {
   }
 }
 
-__global__ void hc_post_kernel(const float* out, const float* out2, const float* post, const float* comb, int n,
-                               int hc, int D, float* streams) {
+__global__ void hc_post_kernel(const float* out, int out_k, const float* out2, const float* post, const float* comb,
+                               int n, int hc, int D, float* streams) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= int64_t(n) * D) return;
   const int t = int(i / D), d = int(i % D);
   float* xs = streams + int64_t(t) * hc * D;
   float old[kMaxHc];
   for (int j = 0; j < hc; ++j) old[j] = xs[j * D + d];
-  const float o = out2 ? out[i] + out2[i] : out[i];
+  float o = out[(int64_t(t) * out_k) * D + d];
+  for (int e = 1; e < out_k; ++e) o = __fadd_rn(o, out[(int64_t(t) * out_k + e) * D + d]);
+  if (out2) o = __fadd_rn(o, out2[i]);
   const float* C = comb + int64_t(t) * hc * hc;
   for (int k = 0; k < hc; ++k) {
     float acc = __fmul_rn(post[t * hc + k], o);
@@ -271,10 +273,12 @@ void hc_pre(const HcPreParams& p, cudaStream_t stream) {
   DSV4_CUDA_LAUNCHED();
 }
 
-void hc_post(const float* out, const float* out2, const float* post, const float* comb, int n, int hc, int D,
-             float* streams, cudaStream_t stream) {
+void hc_post(const float* out, int out_k, const float* out2, const float* post, const float* comb, int n, int hc,
+             int D, float* streams, cudaStream_t stream) {
   OPS_CHECK(hc > 0 && hc <= kMaxHc, "hc_post: hc_mult %d outside [1, %d]", hc, kMaxHc);
-  hc_post_kernel<<<blocks_for(int64_t(n) * D, 256), 256, 0, stream>>>(out, out2, post, comb, n, hc, D, streams);
+  OPS_CHECK(out_k > 0, "hc_post: out_k %d must be positive", out_k);
+  hc_post_kernel<<<blocks_for(int64_t(n) * D, 256), 256, 0, stream>>>(out, out_k, out2, post, comb, n, hc, D,
+                                                                      streams);
   DSV4_CUDA_LAUNCHED();
 }
 

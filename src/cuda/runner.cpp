@@ -5,7 +5,10 @@
 //              -> q_norm -> gemv [wq_b|indexer wq_b] -> q norm+rope -> kv norm+rope+round -> compressors (+ entry
 //              norm/rope/round when a block completes) -> indexer q rope+round -> weights_proj -> scores+top-k
 //              -> attention -> window ring -> G x gemv wo_a -> gemv wo_b -> hc_post
-//   ffn:       mix -> hc_pre+norm -> gate (fp32 linear) -> router -> experts up/down -> shared up/down -> hc_post
+//   ffn:       mix -> hc_pre+norm -> gate (fp32 linear) -> router -> moe_slots -> grouped gemv w1, w3 -> swiglu
+//              -> grouped gemv w2 -> shared [w1|w3] gemv -> swiglu -> shared w2 gemv -> hc_post (sums the picks)
+// Linear weights stay in their checkpoint encoding (device_weights.h); the fused projections are launched as
+// one gemv per run of parts sharing an encoding.
 #include "cuda/runner.h"
 
 #include <cuda_runtime.h>
@@ -22,7 +25,9 @@
 #include "core/check.h"
 #include "cuda/cuda_check.h"
 #include "cuda/device.h"
+#include "cuda/device_weights.h"
 #include "cuda/gemv.h"
+#include "cuda/synthetic.h"
 #include "cuda/ops.h"
 #include "formats/bf16.h"
 #include "model/model.h"
@@ -44,16 +49,6 @@ DeviceBuffer upload_f32(const std::vector<float>& v) {
 DeviceBuffer upload_i32(const std::vector<int32_t>& v) {
   DeviceBuffer b(std::max<size_t>(v.size(), 1) * sizeof(int32_t));
   if (!v.empty()) b.upload(v.data(), v.size() * sizeof(int32_t));
-  return b;
-}
-
-// Row-concatenation of matrices with equal column counts, as bf16.
-DeviceBuffer upload_bf16(const std::vector<const Matrix*>& parts) {
-  std::vector<uint16_t> host;
-  for (const Matrix* m : parts)
-    for (float v : m->data) host.push_back(f32_to_bf16(v));
-  DeviceBuffer b(std::max<size_t>(host.size(), 1) * sizeof(uint16_t));
-  if (!host.empty()) b.upload(host.data(), host.size() * sizeof(uint16_t));
   return b;
 }
 
@@ -85,16 +80,19 @@ struct LayerDevice {
   HcDevice hc_attn, hc_ffn;
   DeviceBuffer attn_norm, ffn_norm, q_norm, kv_norm, sink;
   // x-side fused projection rows: wq_a | wkv | compressor wkv | compressor wgate | indexer wkv | indexer wgate
-  DeviceBuffer w_x;
+  FusedLinear w_x;
   int n_x = 0, off_kv = 0, off_ckv = 0, off_cgate = 0, off_ikv = 0, off_igate = 0;
   // q-side fused projection rows: wq_b | indexer wq_b
-  DeviceBuffer w_q;
+  FusedLinear w_q;
   int n_q = 0, off_iq = 0;
-  DeviceBuffer wo_a, wo_b;
+  DeviceLinear wo_a, wo_b;
   std::optional<CompressorDevice> compressor, index_compressor;
   DeviceBuffer index_wproj;  // fp32 [index_n_heads, D]
   // MoE
-  DeviceBuffer gate, gate_bias, tid2eid, w13, w2, shared_w13, shared_w2;
+  DeviceBuffer gate, gate_bias, tid2eid;
+  DeviceExperts w1, w3, w2;
+  FusedLinear shared_w13;  // [w1 | w3] of the shared expert
+  DeviceLinear shared_w2;
   int shared_inter = 0;
   // sequence state
   DeviceBuffer window, compressed, index_keys;
@@ -129,18 +127,46 @@ class CudaRunner final : public SequenceRunner {
     gpu::row_op(p, stream_);
     ++launches_;
   }
-  // y[n, rows] = x[n, k] · W[rows, k]ᵀ with bf16 x and W (gemv: n <= 64 by construction of the chunk size).
-  void linear(const void* x, const void* w, void* y, int m, int rows, int k, GemvOut out) {
-    GemvParams p;
-    p.m = m;
-    p.n = rows;
-    p.k = k;
-    p.x = x;
-    p.w = w;
-    p.y = y;
-    p.out = out;
+  // y[m, :] = x[m, k] · Wᵀ with bf16 x (gemv: m <= 64 by construction of the chunk size).
+  void linear(const DeviceLinear& w, const void* x, void* y, int m, GemvOut out, int row0 = 0, int rows = -1) {
+    GemvParams p = w.params(x, y, m, out, 0, row0, rows);
     p.stream = stream_;
     gemv(p);
+    ++launches_;
+  }
+  // Every part of a fused projection into its columns of y [m, f.n] (fp32).
+  void linear(const FusedLinear& f, const void* x, float* y, int m) {
+    for (const FusedLinear::Part& part : f.parts) {
+      GemvParams p = part.weight.params(x, y + part.row0, m, GemvOut::F32, f.n);
+      p.stream = stream_;
+      gemv(p);
+      ++launches_;
+    }
+  }
+  // y[pair, :] = x[pair / x_row_div, :] · W_eᵀ for the routed pairs of the moe_slots arrays.
+  void linear_grouped(const DeviceExperts& w, const void* x, int x_row_div, void* y, int max_rows, GemvOut out) {
+    GemvGroupedParams g;
+    g.base.m = max_rows;
+    g.base.n = w.n;
+    g.base.k = w.k;
+    g.base.x = x;
+    g.base.w = w.w.data();
+    g.base.w_scale = w.scale.data();
+    g.base.y = y;
+    g.base.weight = w.format;
+    g.base.fp8_scale = w.fp8_scale;
+    g.base.out = out;
+    g.base.stream = stream_;
+    g.w_expert_stride = w.w_stride;
+    g.scale_expert_stride = w.scale_stride;
+    g.scale_2 = w.scale_2.data() ? w.scale_2.as<float>() : nullptr;
+    g.max_slots = max_slots_;
+    g.slot_count = slot_count_.as<int32_t>();
+    g.slot_expert = slot_expert_.as<int32_t>();
+    g.slot_offset = slot_offset_.as<int32_t>();
+    g.row_order = row_order_.as<int32_t>();
+    g.x_row_div = x_row_div;
+    gemv_grouped(g);
     ++launches_;
   }
   void linear_f32(const float* x, const DeviceBuffer& w, float* y, int m, int rows, int k, float scale = 1.0f) {
@@ -164,14 +190,17 @@ class CudaRunner final : public SequenceRunner {
   bool upload_pending_ = false;
 
   // weights
-  DeviceBuffer embed_, head_, final_norm_, inv_freq_main_, inv_freq_compress_;
+  DeviceBuffer embed_, final_norm_, inv_freq_main_, inv_freq_compress_;
+  DeviceLinear head_;
   std::optional<HcDevice> hc_head_;
   std::vector<LayerDevice> layers_;
 
   // workspaces, sized for kCudaMaxChunk tokens
   DeviceBuffer tokens_, streams_, mix_, post_, comb_, normed_, normed_bf16_, y_x_, qr_bf16_, y_q_, kv_chunk_,
       index_w_, scores_, selected_, o_grouped_, z_grouped_, z_, attn_out_, router_logits_, expert_ids_,
-      expert_weights_, h_, h_shared_, ffn_out_, shared_out_, head_in_, logits_;
+      expert_weights_, slot_count_, slot_expert_, slot_offset_, row_order_, expert_gate_, expert_up_, h_, y_pairs_,
+      shared_y13_, h_shared_, shared_out_, head_in_, logits_;
+  int max_slots_ = 1;  // grouped-gemv grid: min(experts, picks of a full chunk)
   int max_entries_ = 1;  // largest compressed-entry count of any layer (scores scratch row length)
   int32_t* host_tokens_ = nullptr;  // pinned
   int64_t* host_pos_ = nullptr;     // pinned, the decode graph's position
@@ -198,8 +227,19 @@ CudaRunner::CudaRunner(const Model& model, int max_context, CudaRunnerOptions op
   DSV4_CUDA_CHECK(cudaEventCreateWithFlags(&tokens_uploaded_, cudaEventDisableTiming));
 
   window_slots_ = std::min(c.window, max_context);
-  embed_ = upload_bf16({&W.embed});
-  head_ = upload_bf16({&W.head});
+  WeightUploader uploader(options.synthetic_format, options.synthetic_seed);
+  if (W.embed.has_values()) {
+    std::vector<uint16_t> host(W.embed.data.size());
+    for (size_t i = 0; i < host.size(); ++i) host[i] = f32_to_bf16(W.embed.data[i]);
+    embed_ = DeviceBuffer(host.size() * sizeof(uint16_t));
+    embed_.upload(host.data(), host.size() * sizeof(uint16_t));
+  } else {
+    DSV4_CHECK(options.synthetic_format, "cuda runner: the embedding has no values");
+    embed_ = DeviceBuffer(size_t(c.vocab_size) * D * sizeof(uint16_t));
+    fill_synthetic_weight(GemvWeight::BF16, embed_.data(), nullptr, c.vocab_size, D, options.synthetic_seed ^ 0xe,
+                          nullptr);
+  }
+  head_ = uploader.linear(W.head, GemvWeight::BF16);
   final_norm_ = upload_f32(W.norm);
   hc_head_.emplace(W.hc_head);
   inv_freq_main_ = upload_f32(rope_inv_freq(c.rope_main, rd));
@@ -246,7 +286,7 @@ CudaRunner::CudaRunner(const Model& model, int max_context, CudaRunnerOptions op
     if (A.compressor) d.compressor = add_compressor(*A.compressor, d.off_ckv, d.off_cgate);
     if (A.indexer) d.index_compressor = add_compressor(A.indexer->compressor, d.off_ikv, d.off_igate);
     d.n_x = n_x;
-    d.w_x = upload_bf16(x_rows);
+    d.w_x = uploader.fused(x_rows);
     std::vector<const Matrix*> q_rows = {&A.wq_b};
     d.n_q = H * hd;
     d.off_iq = H * hd;
@@ -255,9 +295,12 @@ CudaRunner::CudaRunner(const Model& model, int max_context, CudaRunnerOptions op
       d.n_q += A.indexer->wq_b.rows;
       d.index_wproj = upload_f32(A.indexer->weights_proj.data);
     }
-    d.w_q = upload_bf16(q_rows);
-    d.wo_a = upload_bf16({&A.wo_a});
-    d.wo_b = upload_bf16({&A.wo_b});
+    d.w_q = uploader.fused(q_rows);
+    d.wo_a = uploader.linear(A.wo_a);
+    d.wo_b = uploader.linear(A.wo_b);
+    DSV4_CHECK(d.wo_a.format != GemvWeight::FP8_BLOCK || c.o_lora_rank % 16 == 0,
+               "cuda runner: fp8 wo_a needs o_lora_rank {} to be a multiple of 16 (per-group row ranges)",
+               c.o_lora_rank);
     max_n_x = std::max(max_n_x, d.n_x);
     max_n_q = std::max(max_n_q, d.n_q);
 
@@ -279,30 +322,31 @@ CudaRunner::CudaRunner(const Model& model, int max_context, CudaRunnerOptions op
     d.gate = upload_f32(M.gate.data);
     if (!M.gate_bias.empty()) d.gate_bias = upload_f32(M.gate_bias);
     if (d.hash) d.tid2eid = upload_i32(M.tid2eid);
-    std::vector<const Matrix*> up, down;
+    std::vector<const Matrix*> w1, w3, w2;
     for (const ExpertWeights& e : M.experts) {
-      up.push_back(&e.w1);
-      up.push_back(&e.w3);
-      down.push_back(&e.w2);
+      w1.push_back(&e.w1);
+      w3.push_back(&e.w3);
+      w2.push_back(&e.w2);
     }
-    d.w13 = upload_bf16(up);
-    d.w2 = upload_bf16(down);
+    d.w1 = uploader.experts(w1);
+    d.w3 = uploader.experts(w3);
+    d.w2 = uploader.experts(w2);
     max_inter = std::max(max_inter, c.moe_inter);
     if (M.shared) {
       d.shared_inter = M.shared->w1.rows;
       DSV4_CHECK(d.shared_inter % 8 == 0, "cuda runner: shared expert width {} must be a multiple of 8",
                  d.shared_inter);
-      d.shared_w13 = upload_bf16({&M.shared->w1, &M.shared->w3});
-      d.shared_w2 = upload_bf16({&M.shared->w2});
+      d.shared_w13 = uploader.fused({&M.shared->w1, &M.shared->w3});
+      d.shared_w2 = uploader.linear(M.shared->w2);
       max_shared = std::max(max_shared, d.shared_inter);
     }
   }
-  for (const DeviceBuffer* b : {&embed_, &head_}) stats_.weight_bytes += bytes_of(*b);
-  for (const LayerDevice& d : layers_)
-    for (const DeviceBuffer* b : {&d.w_x, &d.w_q, &d.wo_a, &d.wo_b, &d.gate, &d.w13, &d.w2, &d.shared_w13,
-                                  &d.shared_w2, &d.index_wproj})
-      stats_.weight_bytes += bytes_of(*b);
-
+  stats_.weight_bytes += bytes_of(embed_) + head_.bytes();
+  for (const LayerDevice& d : layers_) {
+    stats_.weight_bytes += d.w_x.bytes() + d.w_q.bytes() + d.wo_a.bytes() + d.wo_b.bytes() + d.w1.bytes() +
+                           d.w3.bytes() + d.w2.bytes() + d.shared_w13.bytes() + d.shared_w2.bytes();
+    for (const DeviceBuffer* b : {&d.gate, &d.index_wproj}) stats_.weight_bytes += bytes_of(*b);
+  }
   const size_t C = kCudaMaxChunk, f = sizeof(float), b16 = sizeof(uint16_t);
   const int n_mix = (2 + hc) * hc, k = c.n_experts_per_tok;
   tokens_ = zeros(C * sizeof(int32_t));
@@ -326,16 +370,25 @@ CudaRunner::CudaRunner(const Model& model, int max_context, CudaRunnerOptions op
   router_logits_ = zeros(C * c.n_routed_experts * f);
   expert_ids_ = zeros(C * k * sizeof(int32_t));
   expert_weights_ = zeros(C * k * f);
-  h_ = zeros(C * k * max_inter * f);
-  h_shared_ = zeros(C * max_shared * f);
-  ffn_out_ = zeros(C * D * f);
+  max_slots_ = std::max(1, std::min<int>(c.n_routed_experts, int(C) * k));
+  slot_count_ = zeros(sizeof(int32_t));
+  slot_expert_ = zeros(max_slots_ * sizeof(int32_t));
+  slot_offset_ = zeros((max_slots_ + 1) * sizeof(int32_t));
+  row_order_ = zeros(C * k * sizeof(int32_t));
+  expert_gate_ = zeros(C * k * max_inter * f);
+  expert_up_ = zeros(C * k * max_inter * f);
+  h_ = zeros(C * k * max_inter * b16);
+  y_pairs_ = zeros(C * k * D * f);
+  shared_y13_ = zeros(C * 2 * max_shared * f);
+  h_shared_ = zeros(C * max_shared * b16);
   shared_out_ = zeros(C * D * f);
   head_in_ = zeros(C * D * b16);
   logits_ = zeros(C * c.vocab_size * f);
   for (const DeviceBuffer* b : {&tokens_, &streams_, &mix_, &post_, &comb_, &normed_, &normed_bf16_, &y_x_,
                                 &qr_bf16_, &y_q_, &kv_chunk_, &index_w_, &scores_, &selected_, &o_grouped_,
-                                &z_grouped_, &z_, &attn_out_, &router_logits_, &expert_ids_, &expert_weights_, &h_,
-                                &h_shared_, &ffn_out_, &shared_out_, &head_in_, &logits_})
+                                &z_grouped_, &z_, &attn_out_, &router_logits_, &expert_ids_, &expert_weights_,
+                                &slot_count_, &slot_expert_, &slot_offset_, &row_order_, &expert_gate_, &expert_up_,
+                                &h_, &y_pairs_, &shared_y13_, &h_shared_, &shared_out_, &head_in_, &logits_})
     stats_.workspace_bytes += b->size();
   pos_ = zeros(sizeof(int64_t));
   DSV4_CUDA_CHECK(cudaMallocHost(&host_tokens_, C * sizeof(int32_t)));
@@ -450,7 +503,7 @@ void CudaRunner::enqueue_chunk(int n, int64_t pos0, const int64_t* pos_device, R
   gpu::hc_head_norm(streams, mix_.as<float>(), hc_head_->base.as<float>(), hc_head_->scale.as<float>(),
                     final_norm_.as<float>(), rows, hc, D, c.hc_eps, c.rms_norm_eps, head_in_.as<uint16_t>(), stream_);
   ++launches_;
-  linear(head_in_.data(), head_.data(), logits_.data(), rows, V, D, GemvOut::F32);
+  linear(head_, head_in_.data(), logits_.data(), rows, GemvOut::F32);
   DSV4_CUDA_CHECK(cudaMemcpyAsync(host_logits_, logits_.data(), size_t(rows) * V * sizeof(float),
                                   cudaMemcpyDeviceToHost, stream_));
 }
@@ -472,7 +525,7 @@ void CudaRunner::attention_block(int l, int n, int64_t pos0, const int64_t* pos_
   ++launches_;
 
   // 3.2 / 3.3 / 3.5 input projections in one GEMM, then q_norm and the q projections in another.
-  linear(normed_bf16_.data(), d.w_x.data(), y_x, n, d.n_x, D, GemvOut::F32);
+  linear(d.w_x, normed_bf16_.data(), y_x, n);
   RowOpParams qn;
   qn.x = y_x;
   qn.x_token_stride = d.n_x;
@@ -483,7 +536,7 @@ void CudaRunner::attention_block(int l, int n, int64_t pos0, const int64_t* pos_
   qn.weight = d.q_norm.as<float>();
   qn.eps = c.rms_norm_eps;
   row_op(qn);
-  linear(qr_bf16_.data(), d.w_q.data(), y_q, n, d.n_q, c.q_lora_rank, GemvOut::F32);
+  linear(d.w_q, qr_bf16_.data(), y_q, n);
 
   RowOpParams q;  // per-head norm (no weight) + RoPE, in place
   q.x = q.y = y_q;
@@ -620,15 +673,15 @@ void CudaRunner::attention_block(int l, int n, int64_t pos0, const int64_t* pos_
   const int G = c.o_groups, ol = c.o_lora_rank, gw = H * hd / G;
   uint16_t* z_out = n == 1 ? z_.as<uint16_t>() : z_grouped_.as<uint16_t>();  // one token: [G, 1, ol] = [1, G·ol]
   for (int g = 0; g < G; ++g)
-    linear(o_grouped_.as<uint16_t>() + size_t(g) * n * gw, d.wo_a.as<uint16_t>() + size_t(g) * ol * gw,
-           z_out + size_t(g) * n * ol, n, ol, gw, GemvOut::BF16);
+    linear(d.wo_a, o_grouped_.as<uint16_t>() + size_t(g) * n * gw, z_out + size_t(g) * n * ol, n, GemvOut::BF16,
+           g * ol, ol);
   if (n > 1) {
     gpu::ungroup_bf16(z_grouped_.as<uint16_t>(), G, n, ol, z_.as<uint16_t>(), stream_);
     ++launches_;
   }
-  linear(z_.data(), d.wo_b.data(), attn_out_.data(), n, D, G * ol, GemvOut::F32);
+  linear(d.wo_b, z_.data(), attn_out_.data(), n, GemvOut::F32);
 
-  gpu::hc_post(attn_out_.as<float>(), nullptr, post_.as<float>(), comb_.as<float>(), n, hc, D, streams_.as<float>(),
+  gpu::hc_post(attn_out_.as<float>(), 1, nullptr, post_.as<float>(), comb_.as<float>(), n, hc, D, streams_.as<float>(),
                stream_);
   ++launches_;
 }
@@ -642,7 +695,7 @@ void CudaRunner::ffn_block(int l, int n) {
   linear_f32(streams_.as<float>(), d.hc_ffn.fn, mix_.as<float>(), n, n_mix, hc * D);
   gpu::hc_pre({streams_.as<float>(), mix_.as<float>(), d.hc_ffn.base.as<float>(), d.hc_ffn.scale.as<float>(),
                d.ffn_norm.as<float>(), n, hc, D, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps, post_.as<float>(),
-               comb_.as<float>(), normed_.as<float>(), nullptr},
+               comb_.as<float>(), normed_.as<float>(), normed_bf16_.as<uint16_t>()},
               stream_);
   ++launches_;
 
@@ -664,40 +717,52 @@ void CudaRunner::ffn_block(int l, int n) {
   gpu::router(rp, stream_);
   ++launches_;
 
-  // 4.2 routed experts (only the picked ones), then the shared expert
-  gpu::ExpertParams ep;
-  ep.x = normed_.as<float>();
-  ep.w13 = d.w13.as<uint16_t>();
-  ep.w2 = d.w2.as<uint16_t>();
-  ep.ids = expert_ids_.as<int32_t>();
-  ep.weights = expert_weights_.as<float>();
-  ep.n = n;
-  ep.k = k;
-  ep.D = D;
-  ep.inter = c.moe_inter;
-  ep.limit = c.swiglu_limit;
-  ep.h = h_.as<float>();
-  ep.out = ffn_out_.as<float>();
-  gpu::experts_up(ep, stream_);
-  gpu::experts_down(ep, stream_);
-  launches_ += 2;
+  // 4.2 routed experts (only the picked ones, grouped by expert on the device), then the shared expert
+  MoeSlotsParams slots;
+  slots.ids = expert_ids_.as<int32_t>();
+  slots.n = n;
+  slots.k = k;
+  slots.experts = E;
+  slots.slot_count = slot_count_.as<int32_t>();
+  slots.slot_expert = slot_expert_.as<int32_t>();
+  slots.slot_offset = slot_offset_.as<int32_t>();
+  slots.row_order = row_order_.as<int32_t>();
+  slots.stream = stream_;
+  moe_slots(slots);
+  ++launches_;
+  linear_grouped(d.w1, normed_bf16_.data(), k, expert_gate_.data(), n, GemvOut::F32);
+  linear_grouped(d.w3, normed_bf16_.data(), k, expert_up_.data(), n, GemvOut::F32);
+  gpu::SwigluParams sw;
+  sw.gate = expert_gate_.as<float>();
+  sw.up = expert_up_.as<float>();
+  sw.ld = c.moe_inter;
+  sw.weights = expert_weights_.as<float>();
+  sw.rows = n * k;
+  sw.inter = c.moe_inter;
+  sw.limit = c.swiglu_limit;
+  sw.h = h_.as<uint16_t>();
+  gpu::swiglu(sw, stream_);
+  ++launches_;
+  linear_grouped(d.w2, h_.data(), 1, y_pairs_.data(), n, GemvOut::F32);
+
   const bool shared = d.shared_inter > 0;
   if (shared) {
-    gpu::ExpertParams sp = ep;
-    sp.w13 = d.shared_w13.as<uint16_t>();
-    sp.w2 = d.shared_w2.as<uint16_t>();
-    sp.ids = nullptr;
-    sp.weights = nullptr;
-    sp.k = 1;
-    sp.inter = d.shared_inter;
-    sp.h = h_shared_.as<float>();
-    sp.out = shared_out_.as<float>();
-    gpu::experts_up(sp, stream_);
-    gpu::experts_down(sp, stream_);
-    launches_ += 2;
+    const int si = d.shared_inter;
+    linear(d.shared_w13, normed_bf16_.data(), shared_y13_.as<float>(), n);
+    gpu::SwigluParams ss;
+    ss.gate = shared_y13_.as<float>();
+    ss.up = shared_y13_.as<float>() + si;
+    ss.ld = 2 * si;
+    ss.rows = n;
+    ss.inter = si;
+    ss.limit = c.swiglu_limit;
+    ss.h = h_shared_.as<uint16_t>();
+    gpu::swiglu(ss, stream_);
+    ++launches_;
+    linear(d.shared_w2, h_shared_.data(), shared_out_.data(), n, GemvOut::F32);
   }
-  gpu::hc_post(ffn_out_.as<float>(), shared ? shared_out_.as<float>() : nullptr, post_.as<float>(), comb_.as<float>(),
-               n, hc, D, streams_.as<float>(), stream_);
+  gpu::hc_post(y_pairs_.as<float>(), k, shared ? shared_out_.as<float>() : nullptr, post_.as<float>(),
+               comb_.as<float>(), n, hc, D, streams_.as<float>(), stream_);
   ++launches_;
 }
 

@@ -10,7 +10,9 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <optional>
 
+#include "cuda/gemv.h"
 #include "model/runner.h"
 
 namespace dsv4 {
@@ -22,6 +24,12 @@ struct CudaRunnerOptions {
   // graph and replay it; positions reach the kernels through device memory. DSV4_CUDA_GRAPH=0 in the
   // environment turns it off (A/B timing).
   bool graph_decode = true;
+  // Benchmarks only (dsv4 bench): every linear-layer weight whose Matrix has no data (shape only) is created on
+  // the device with random codes of this format (values ~U(-1/sqrt(k), 1/sqrt(k)) once decoded) instead of being
+  // uploaded. Small fp32 tensors (norms, mHC, router gate, indexer weights_proj, ape, sinks) still come from the
+  // host. The embedding and lm_head are synthetic bf16 when empty.
+  std::optional<GemvWeight> synthetic_format;
+  uint64_t synthetic_seed = 1;
 };
 
 // Throws dsv4::Error when no CUDA device is usable or the model has a shape the kernels do not support.

@@ -57,10 +57,10 @@ Model::Model(ModelConfig config, ModelWeights weights, Numerics numerics)
   inv_freq_compress_ = rope_inv_freq(config_.rope_compress, config_.rope_dim);
 }
 
-Model Model::load(const std::string& dir, Numerics numerics) {
+Model Model::load(const std::string& dir, Numerics numerics, WeightLoad load) {
   ModelConfig config = ModelConfig::from_model_dir(dir);
-  const Checkpoint checkpoint = Checkpoint::open(dir);
-  return Model(config, load_weights(config, checkpoint), numerics);
+  auto checkpoint = std::make_shared<const Checkpoint>(Checkpoint::open(dir));
+  return Model(config, load_weights(config, checkpoint, load), numerics);
 }
 
 void Model::trace(const char* name, int layer, const float* data, int rows, int cols) const {
@@ -436,6 +436,8 @@ void Model::moe(int l, const float* x, const Chunk& chunk, float* out) const {
 }
 
 std::vector<float> Model::forward(SequenceState& state, std::span<const int32_t> tokens, bool last_only) const {
+  DSV4_CHECK(!weights_.storage && weights_.head.has_values(),
+             "the CPU forward needs fp32 weights; this model was loaded for the CUDA runner (packed or shape-only)");
   const ModelConfig& c = config_;
   const int n = int(tokens.size()), D = c.hidden_size, hc = c.hc_mult;
   DSV4_CHECK(n > 0, "forward: no tokens");

@@ -30,7 +30,8 @@ using TraceFn = std::function<void(const std::string& name, int layer, const flo
 class Model {
  public:
   Model(ModelConfig config, ModelWeights weights, Numerics numerics = {});
-  static Model load(const std::string& model_dir, Numerics numerics = {});
+  // WeightLoad::KeepLinearsPacked is for the CUDA runner only: forward() on the CPU needs every value decoded.
+  static Model load(const std::string& model_dir, Numerics numerics = {}, WeightLoad load = WeightLoad::DecodeAll);
 
   const ModelConfig& config() const { return config_; }
   const Numerics& numerics() const { return numerics_; }

@@ -91,7 +91,9 @@ std::vector<std::string> candidate_names(const std::string& official) {
 
 class WeightReader {
  public:
-  explicit WeightReader(const Checkpoint& c) : checkpoint_(c) {}
+  WeightReader(const Checkpoint& c, WeightLoad mode) : checkpoint_(c), mode_(mode) {}
+
+  const Checkpoint& checkpoint() const { return checkpoint_; }
 
   const TensorView* find(const std::string& official) {
     for (const std::string& name : candidate_names(official)) {
@@ -118,8 +120,38 @@ class WeightReader {
   }
 
   Matrix matrix(const std::string& name, int rows, int cols) {
-    Matrix m{rows, cols, decode(require(name), {rows, cols})};
+    Matrix m{rows, cols, decode(require(name), {rows, cols}), std::nullopt};
     return m;
+  }
+
+  // A linear layer's weight: packed when the mode asks for it and the encoding allows, else fp32.
+  Matrix linear(const std::string& name, int rows, int cols) {
+    const TensorView& t = require(name);
+    if (mode_ == WeightLoad::KeepLinearsPacked) {
+      const StoredWeight stored = classify_weight(checkpoint_, t);
+      if (std::optional<PackedWeight> p = pack(stored, {rows, cols}, 0, 0, rows)) return {rows, cols, {}, *p};
+    }
+    return matrix(name, rows, cols);
+  }
+
+  // Rows [row0, row0 + rows) of matrix `index` of a stored tensor of logical shape `shape`, packed; nullopt (the
+  // caller decodes) when the encoding has no packed form. The values are checked here either way.
+  std::optional<PackedWeight> pack(const StoredWeight& stored, const std::vector<int64_t>& shape, int64_t index,
+                                   int64_t row0, int64_t rows) {
+    if (mode_ != WeightLoad::KeepLinearsPacked) return std::nullopt;
+    std::string why;
+    std::optional<PackedWeight> p = packed_view(stored, index, row0, rows, &why);
+    if (!p) {
+      if (refused_.insert(why).second)
+        spdlog::info("weights like \"{}\" are decoded and uploaded as bf16: {}", stored.weight->name, why);
+      return std::nullopt;
+    }
+    if (validated_.insert(stored.weight->name).second) {  // same checks as the decoding path, values dropped
+      for (const TensorView* companion : {stored.scale, stored.scale_2, stored.input_scale})
+        if (companion) used_.insert(companion->name);
+      (void)dequantize(stored, shape);
+    }
+    return p;
   }
   Vector vector(const std::string& name, int n) { return decode(require(name), {n}); }
 
@@ -138,7 +170,8 @@ class WeightReader {
 
  private:
   const Checkpoint& checkpoint_;
-  std::set<std::string> used_;
+  const WeightLoad mode_;
+  std::set<std::string> used_, validated_, refused_;
 };
 
 HyperConnWeights load_hc(WeightReader& r, const std::string& prefix, int n_mix, int n_scale, int width) {
@@ -151,8 +184,8 @@ CompressorWeights load_compressor(WeightReader& r, const std::string& p, int rat
   c.ratio = ratio;
   c.overlap = overlap;
   c.dim = dim;
-  c.wkv = r.matrix(p + "wkv.weight", width, D);
-  c.wgate = r.matrix(p + "wgate.weight", width, D);
+  c.wkv = r.linear(p + "wkv.weight", width, D);
+  c.wgate = r.linear(p + "wgate.weight", width, D);
   c.ape = r.matrix(p + "ape", ratio, width);
   c.norm = r.vector(p + "norm.weight", dim);
   return c;
@@ -165,9 +198,9 @@ std::vector<ExpertWeights> load_experts(WeightReader& r, const std::string& p, c
   if (r.find(p + "ffn.experts.0.w1.weight")) {
     for (int e = 0; e < E; ++e) {
       const std::string q = p + "ffn.experts." + std::to_string(e) + ".";
-      experts[e].w1 = r.matrix(q + "w1.weight", I, D);
-      experts[e].w3 = r.matrix(q + "w3.weight", I, D);
-      experts[e].w2 = r.matrix(q + "w2.weight", D, I);
+      experts[e].w1 = r.linear(q + "w1.weight", I, D);
+      experts[e].w3 = r.linear(q + "w3.weight", I, D);
+      experts[e].w2 = r.linear(q + "w2.weight", D, I);
     }
     return experts;
   }
@@ -176,26 +209,40 @@ std::vector<ExpertWeights> load_experts(WeightReader& r, const std::string& p, c
   const TensorView* down = r.find(hf + "down_proj");
   DSV4_CHECK(gate_up && down, "checkpoint: missing routed experts for {} (neither \"{}ffn.experts.0.w1.weight\" "
              "nor \"{}gate_up_proj\")", p, p, hf);
+  {  // packed slices of the fused tensors, when both allow it for every expert
+    const StoredWeight gu = classify_weight(r.checkpoint(), *gate_up), dn = classify_weight(r.checkpoint(), *down);
+    bool all = true;
+    for (int e = 0; e < E && all; ++e) {
+      auto w1 = r.pack(gu, {E, 2 * I, D}, e, 0, I), w3 = r.pack(gu, {E, 2 * I, D}, e, I, I);
+      auto w2 = r.pack(dn, {E, D, I}, e, 0, D);
+      all = w1 && w3 && w2;
+      if (all) experts[e] = {{I, D, {}, *w1}, {I, D, {}, *w3}, {D, I, {}, *w2}};
+    }
+    if (all) return experts;
+  }
   const std::vector<float> gu = r.decode(*gate_up, {E, 2 * I, D});
   const std::vector<float> dn = r.decode(*down, {E, D, I});
   const int64_t mat = int64_t(I) * D;
   for (int e = 0; e < E; ++e) {
     const float* g = gu.data() + int64_t(e) * 2 * mat;
-    experts[e].w1 = {I, D, std::vector<float>(g, g + mat)};
-    experts[e].w3 = {I, D, std::vector<float>(g + mat, g + 2 * mat)};
-    experts[e].w2 = {D, I, std::vector<float>(dn.data() + int64_t(e) * mat, dn.data() + int64_t(e + 1) * mat)};
+    experts[e].w1 = {I, D, std::vector<float>(g, g + mat), std::nullopt};
+    experts[e].w3 = {I, D, std::vector<float>(g + mat, g + 2 * mat), std::nullopt};
+    experts[e].w2 = {D, I, std::vector<float>(dn.data() + int64_t(e) * mat, dn.data() + int64_t(e + 1) * mat),
+                     std::nullopt};
   }
   return experts;
 }
 
 }  // namespace
 
-ModelWeights load_weights(const ModelConfig& c, const Checkpoint& checkpoint) {
-  WeightReader r(checkpoint);
+ModelWeights load_weights(const ModelConfig& c, std::shared_ptr<const Checkpoint> storage, WeightLoad mode) {
+  DSV4_CHECK(storage, "load_weights: no checkpoint");
+  const Checkpoint& checkpoint = *storage;
+  WeightReader r(checkpoint, mode);
   const int D = c.hidden_size, hc = c.hc_mult, n_mix = (2 + hc) * hc;
   ModelWeights w;
   w.embed = r.matrix("embed.weight", c.vocab_size, D);
-  w.head = r.matrix("head.weight", c.vocab_size, D);
+  w.head = r.linear("head.weight", c.vocab_size, D);
   w.norm = r.vector("norm.weight", D);
   w.hc_head = load_hc(r, "hc_head_", hc, 1, hc * D);
   w.layers.resize(c.n_layers);
@@ -209,19 +256,19 @@ ModelWeights load_weights(const ModelConfig& c, const Checkpoint& checkpoint) {
 
     AttentionWeights& A = L.attn;
     const int H = c.n_heads, hd = c.head_dim;
-    A.wq_a = r.matrix(p + "attn.wq_a.weight", c.q_lora_rank, D);
+    A.wq_a = r.linear(p + "attn.wq_a.weight", c.q_lora_rank, D);
     A.q_norm = r.vector(p + "attn.q_norm.weight", c.q_lora_rank);
-    A.wq_b = r.matrix(p + "attn.wq_b.weight", H * hd, c.q_lora_rank);
-    A.wkv = r.matrix(p + "attn.wkv.weight", hd, D);
+    A.wq_b = r.linear(p + "attn.wq_b.weight", H * hd, c.q_lora_rank);
+    A.wkv = r.linear(p + "attn.wkv.weight", hd, D);
     A.kv_norm = r.vector(p + "attn.kv_norm.weight", hd);
-    A.wo_a = r.matrix(p + "attn.wo_a.weight", c.o_groups * c.o_lora_rank, H * hd / c.o_groups);
-    A.wo_b = r.matrix(p + "attn.wo_b.weight", D, c.o_groups * c.o_lora_rank);
+    A.wo_a = r.linear(p + "attn.wo_a.weight", c.o_groups * c.o_lora_rank, H * hd / c.o_groups);
+    A.wo_b = r.linear(p + "attn.wo_b.weight", D, c.o_groups * c.o_lora_rank);
     A.sink = r.vector(p + "attn.attn_sink", H);
     if (c.has_compressor(l))
       A.compressor = load_compressor(r, p + "attn.compressor.", c.compress_ratio[l], c.is_csa(l), hd, D);
     if (c.is_csa(l)) {
       IndexerWeights I;
-      I.wq_b = r.matrix(p + "attn.indexer.wq_b.weight", c.index_n_heads * c.index_head_dim, c.q_lora_rank);
+      I.wq_b = r.linear(p + "attn.indexer.wq_b.weight", c.index_n_heads * c.index_head_dim, c.q_lora_rank);
       I.weights_proj = r.matrix(p + "attn.indexer.weights_proj.weight", c.index_n_heads, D);
       I.compressor = load_compressor(r, p + "attn.indexer.compressor.", c.compress_ratio[l], true,
                                      c.index_head_dim, D);
@@ -246,12 +293,13 @@ ModelWeights load_weights(const ModelConfig& c, const Checkpoint& checkpoint) {
     M.experts = load_experts(r, p, c);
     if (c.n_shared_experts > 0) {
       const int I = c.moe_inter * c.n_shared_experts;
-      M.shared = ExpertWeights{r.matrix(p + "ffn.shared_experts.w1.weight", I, D),
-                               r.matrix(p + "ffn.shared_experts.w3.weight", I, D),
-                               r.matrix(p + "ffn.shared_experts.w2.weight", D, I)};
+      M.shared = ExpertWeights{r.linear(p + "ffn.shared_experts.w1.weight", I, D),
+                               r.linear(p + "ffn.shared_experts.w3.weight", I, D),
+                               r.linear(p + "ffn.shared_experts.w2.weight", D, I)};
     }
   }
   r.report_unused();
+  if (mode == WeightLoad::KeepLinearsPacked) w.storage = std::move(storage);
   return w;
 }
 

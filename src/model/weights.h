@@ -3,19 +3,25 @@
 // Field names follow the official DeepSeek-V4 tensor names (spec 7.1); shapes are [rows, cols] row-major.
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <vector>
 
 #include "model/config.h"
+#include "quant/stored_weight.h"
 
 namespace dsv4 {
 
 class Checkpoint;
 
+// A weight matrix: fp32 values (data), or for linear layers loaded with WeightLoad::KeepLinearsPacked its
+// checkpoint encoding (packed, data empty), or neither (shape only: synthetic benchmark models).
 struct Matrix {
   int rows = 0, cols = 0;
   std::vector<float> data;
+  std::optional<PackedWeight> packed;
   const float* row(int r) const { return data.data() + int64_t(r) * cols; }
+  bool has_values() const { return !data.empty(); }
 };
 using Vector = std::vector<float>;
 
@@ -74,6 +80,7 @@ struct LayerWeights {
 };
 
 struct ModelWeights {
+  std::shared_ptr<const Checkpoint> storage;  // set when packed views point into it
   Matrix embed;                  // [vocab, D]
   Matrix head;                   // [vocab, D]
   Vector norm;                   // [D]
@@ -84,6 +91,11 @@ struct ModelWeights {
 // Loads and checks every tensor the config implies (official names, with or without a `model.` prefix, or the
 // transformers names). Missing tensors, wrong shapes and unsupported dtypes throw dsv4::Error naming the tensor;
 // tensors the engine does not use are listed in one warning (MTP weights in one info line).
-ModelWeights load_weights(const ModelConfig& config, const Checkpoint& checkpoint);
+// KeepLinearsPacked (the CUDA backend): the linear layers' weights (embedding excluded) stay in their
+// checkpoint encoding as Matrix::packed views when the kernels read that encoding (every value is still checked);
+// the rest, and encodings without a packed form (logged), are decoded to fp32 as with DecodeAll.
+enum class WeightLoad { DecodeAll, KeepLinearsPacked };
+ModelWeights load_weights(const ModelConfig& config, std::shared_ptr<const Checkpoint> checkpoint,
+                          WeightLoad mode = WeightLoad::DecodeAll);
 
 }  // namespace dsv4

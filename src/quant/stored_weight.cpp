@@ -224,6 +224,66 @@ int64_t StoredWeight::bytes() const {
   return n;
 }
 
+std::optional<PackedWeight> packed_view(const StoredWeight& w, int64_t matrix, int64_t row0, int64_t rows,
+                                        std::string* why) {
+  const TensorView& t = *w.weight;
+  const std::vector<int64_t>& shape = w.logical_shape;
+  auto refuse = [&](std::string reason) -> std::optional<PackedWeight> {
+    if (why) *why = std::move(reason);
+    return std::nullopt;
+  };
+  DSV4_CHECK(shape.size() >= 2, "tensor \"{}\": a packed linear weight needs rank >= 2, got {}", t.name,
+             shape_str(shape));
+  const int64_t O = shape[shape.size() - 2], I = shape.back();
+  const int64_t M = product(shape, 0, shape.size() - 2);
+  DSV4_CHECK(matrix >= 0 && matrix < M && row0 >= 0 && rows > 0 && row0 + rows <= O,
+             "tensor \"{}\": rows [{}, {}) of matrix {} are outside its shape {}", t.name, row0, row0 + rows, matrix,
+             shape_str(shape));
+  const int64_t first_row = matrix * O + row0;  // in the flattened [M * O, I] view
+  PackedWeight p;
+  p.format = w.format;
+  switch (w.format) {
+    case WeightFormat::Float:
+      if (t.dtype != DType::BF16) return refuse(fmt::format("{} floats are converted to bf16", dtype_name(t.dtype)));
+      p.w = t.data + first_row * I * 2;
+      p.w_bytes = size_t(rows * I * 2);
+      return p;
+    case WeightFormat::Fp8Tensor: return refuse("per-tensor FP8 scales");
+    case WeightFormat::Fp8Block: {
+      const TensorView& s = *w.scale;
+      if (s.dtype != DType::F8_E8M0 && s.dtype != DType::F32)
+        return refuse(fmt::format("FP8 block scales of dtype {}", dtype_name(s.dtype)));
+      if (row0 % kFp8BlockSize != 0 || (rows % kFp8BlockSize != 0 && row0 + rows != O))
+        return refuse("the rows split a 128-row scale block");
+      if (I % 16 != 0) return refuse("K is not a multiple of 16");
+      const int64_t row_blocks = ceil_div(O, kFp8BlockSize), col_blocks = ceil_div(I, kFp8BlockSize);
+      const size_t elem = s.dtype == DType::F32 ? 4 : 1;
+      p.scale_f32 = s.dtype == DType::F32;
+      p.w = t.data + first_row * I;
+      p.w_bytes = size_t(rows * I);
+      p.scale = s.data + size_t((matrix * row_blocks + row0 / kFp8BlockSize) * col_blocks) * elem;
+      p.scale_bytes = size_t(ceil_div(rows, kFp8BlockSize) * col_blocks) * elem;
+      return p;
+    }
+    case WeightFormat::Mxfp4:
+    case WeightFormat::Nvfp4: {
+      if (I % 32 != 0) return refuse("K is not a multiple of 32");
+      const TensorView& s = *w.scale;
+      const int64_t group = w.format == WeightFormat::Nvfp4 ? kNvfp4GroupSize : kMxfp4GroupSize;
+      p.w = t.data + first_row * (I / 2);
+      p.w_bytes = size_t(rows * (I / 2));
+      p.scale = s.data + first_row * (I / group);
+      p.scale_bytes = size_t(rows * (I / group));
+      if (w.format == WeightFormat::Nvfp4) {
+        const std::vector<float> g = float_scales(*w.scale_2);
+        p.scale_2 = g[g.size() == 1 ? 0 : size_t(matrix)];
+      }
+      return p;
+    }
+  }
+  return refuse("unknown format");
+}
+
 CompanionNames companion_names(const std::string& weight_name) {
   std::vector<std::string> bases;  // stems to which a suffix is appended
   CompanionNames c;

@@ -11,7 +11,9 @@
 // P.input_scale); for a fused tensor "P" without ".weight" (transformers experts): P_scale_inv, P_scale,
 // P_weight_scale (+ P_weight_scale_2 / P_scale_2, P_input_scale). Each also with the "model." prefix toggled.
 #pragma once
+#include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -33,6 +35,28 @@ struct StoredWeight {
   std::vector<int64_t> logical_shape;       // the decoded shape (packed FP4: last dim doubled)
   int64_t bytes() const;                    // weight + every companion tensor
 };
+
+// Rows [row0, row0 + rows) of matrix `matrix` of a stored weight, left in its encoding for a backend that
+// decodes it in its kernels (the CUDA gemv). Views into the checkpoint mapping: the Checkpoint must outlive it.
+//   Float    BF16 bytes [rows, I]
+//   Fp8Block e4m3 [rows, I] + scale [ceil(rows/128), ceil(I/128)] as e8m0 bytes or f32 (scale_f32)
+//   Mxfp4    packed e2m1 [rows, I/2] + e8m0 [rows, I/32]
+//   Nvfp4    packed e2m1 [rows, I/2] + e4m3 [rows, I/16] + scale_2
+struct PackedWeight {
+  WeightFormat format = WeightFormat::Float;
+  const uint8_t* w = nullptr;
+  size_t w_bytes = 0;
+  const uint8_t* scale = nullptr;
+  size_t scale_bytes = 0;
+  bool scale_f32 = false;
+  float scale_2 = 1.0f;
+};
+
+// The packed view of `w` (checked first, like dequantize: call that too for the value checks), or nullopt with
+// `why` set when the encoding has no packed form the kernels read: F32/F16 floats, per-tensor FP8, BF16/F16 FP8
+// block scales, FP4 with K not a multiple of 32, or an FP8 row range that splits a 128-row scale block.
+std::optional<PackedWeight> packed_view(const StoredWeight& w, int64_t matrix, int64_t row0, int64_t rows,
+                                        std::string* why);
 
 // Companion names tried for `weight_name`, in order: {block-scale names}, {second-scale names}, {input-scale}.
 struct CompanionNames {

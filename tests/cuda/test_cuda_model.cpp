@@ -15,6 +15,7 @@
 //   near-tie (margin below twice the largest row difference). The graph-replayed decode must equal the directly
 //   launched one.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -35,6 +36,7 @@
 #include "cuda/runner.h"
 #include "formats/bf16.h"
 #include "model/model.h"
+#include "quant/quantize.h"
 
 namespace fs = std::filesystem;
 
@@ -291,7 +293,7 @@ nlohmann::json tiny_config(const std::string& name) {
 ModelWeights random_weights(const ModelConfig& c, uint32_t seed) {
   std::mt19937 rng(seed);
   auto matrix = [&](int rows, int cols, float scale) {
-    Matrix m{rows, cols, random_vector(size_t(rows) * cols, rng, -scale, scale)};
+    Matrix m{rows, cols, random_vector(size_t(rows) * cols, rng, -scale, scale), std::nullopt};
     return m;
   };
   auto linear = [&](int rows, int cols) { return matrix(rows, cols, std::sqrt(3.0f / cols)); };
@@ -417,18 +419,16 @@ double top2_margin(const float* v, int n) {
   return double(s[0]) - s[1];
 }
 
-void check_model(const std::string& name, Numerics numerics, int prompt_len, int decode_steps, double rel_tol,
-                 double min_fraction) {
-  std::string source;
-  const Model model = tiny_model(name, numerics, &source);
+// The CUDA runner on `model` against the CPU runner on `reference` (the same weights as the GPU holds them).
+CudaRunnerStats compare_runners(const std::string& name, const std::string& source, const Model& model,
+                                const Model& reference, int prompt_len, int decode_steps, double rel_tol,
+                                double min_fraction) {
   const ModelConfig& c = model.config();
+  const Numerics numerics = model.numerics();
   const int V = c.vocab_size, max_context = prompt_len + decode_steps + 8;
-  // Reference: the CPU engine on the weights the GPU holds (linears rounded to bf16), so what remains is the
-  // bf16 rounding of the GEMM inputs and fp32 summation order.
-  const Model reference(c, bf16_linears(model.weights()), numerics);
   std::unique_ptr<SequenceRunner> cpu = make_cpu_runner(reference, max_context);
   std::unique_ptr<SequenceRunner> gpu = make_cuda_runner(model, max_context);  // decode replays a CUDA graph
-  std::unique_ptr<SequenceRunner> plain = make_cuda_runner(model, max_context, {.graph_decode = false});
+  std::unique_ptr<SequenceRunner> plain = make_cuda_runner(model, max_context, {.graph_decode = false, .synthetic_format = std::nullopt});
   EXPECT_EQ(gpu->state_bytes(), cpu->state_bytes());
   std::mt19937 rng(99);
   std::uniform_int_distribution<int32_t> token(2, V - 1);
@@ -524,6 +524,17 @@ void check_model(const std::string& name, Numerics numerics, int prompt_len, int
   // so the bound is on most rows, the max is reported.
   EXPECT_GE(prefill.fraction_within(rel_tol * prefill.max_ref), min_fraction);
   EXPECT_GE(decode.fraction_within(rel_tol * decode.max_ref), min_fraction);
+  return st;
+}
+
+void check_model(const std::string& name, Numerics numerics, int prompt_len, int decode_steps, double rel_tol,
+                 double min_fraction) {
+  std::string source;
+  const Model model = tiny_model(name, numerics, &source);
+  // Reference: the CPU engine on the weights the GPU holds (linears rounded to bf16), so what remains is the
+  // bf16 rounding of the GEMM inputs and fp32 summation order.
+  const Model reference(model.config(), bf16_linears(model.weights()), numerics);
+  compare_runners(name, source, model, reference, prompt_len, decode_steps, rel_tol, min_fraction);
 }
 
 const Numerics kF32{cpu::KvStorage::F32, cpu::IndexerStorage::F32};
@@ -553,6 +564,54 @@ TEST(CudaModel, ModelsTinyCheckpoint) {
     GTEST_SKIP() << "models/tiny is not in this checkout";
   check_model("models/tiny", kF32, 100, 30, 3e-2, 0.9);
   check_model("models/tiny", kDefault, 100, 30, 5e-2, 0.65);
+}
+
+// Quantised checkpoints stay in their encoding on the GPU (Matrix::packed -> gemv's FP8 / MXFP4 / NVFP4 paths and
+// the grouped expert kernel); the CPU reference runs on the exactly dequantised weights. The runner's weight
+// bytes show the encodings were kept (an all-NVFP4 model holds well under half of its bf16 size).
+void check_quantised(const std::string& variant, QuantTarget target, bool all_linears, Numerics numerics) {
+  const fs::path golden = fs::path(DSV4_TEST_DATA) / "golden" / "tiny-flash";
+  if (!fs::exists(golden / "config.json")) GTEST_SKIP() << "no " << golden;
+  const fs::path out = fs::temp_directory_path() / ("dsv4_cuda_quant_" + variant + "_" + std::to_string(getpid()));
+  fs::remove_all(out);
+  QuantizeOptions q;
+  q.model_dir = golden.string();
+  q.out_dir = out.string();
+  q.target = target;
+  q.all_linears = all_linears;
+  quantize_checkpoint(q);
+  const Model packed = Model::load(out.string(), numerics, WeightLoad::KeepLinearsPacked);
+  const Model decoded = Model::load(out.string(), numerics);
+  const Model reference(decoded.config(), bf16_linears(decoded.weights()), numerics);
+  int n_packed = 0, n_linear = 0;
+  for (const LayerWeights& L : packed.weights().layers) {
+    for (const Matrix* m : {&L.attn.wq_a, &L.attn.wq_b, &L.attn.wkv, &L.attn.wo_a, &L.attn.wo_b, &L.ffn.experts[0].w1})
+      n_packed += m->packed.has_value(), ++n_linear;
+  }
+  const CudaRunnerStats st =
+      compare_runners("tiny-flash " + variant, "quantised " + out.string(), packed, reference, 150, 30, 5e-2, 0.65);
+  const CudaRunnerStats bf16 = cuda_runner_stats(*make_cuda_runner(decoded, 64));
+  std::printf("[cuda-quant] %s: %d of %d sampled linears packed; weights on the GPU %.3f MiB vs %.3f MiB as bf16\n",
+              variant.c_str(), n_packed, n_linear, st.weight_bytes / 1048576.0, bf16.weight_bytes / 1048576.0);
+  EXPECT_GT(n_packed, 0);
+  EXPECT_LT(st.weight_bytes, bf16.weight_bytes);
+  if (target == QuantTarget::Nvfp4 && all_linears) {
+    EXPECT_LT(st.weight_bytes, bf16.weight_bytes * 0.6);
+  }
+  fs::remove_all(out);
+}
+
+TEST(CudaModel, QuantisedNvfp4Experts) {
+  DSV4_REQUIRE_CUDA();
+  check_quantised("nvfp4", QuantTarget::Nvfp4, false, kF32);
+}
+TEST(CudaModel, QuantisedNvfp4AllLinears) {
+  DSV4_REQUIRE_CUDA();
+  check_quantised("nvfp4-all", QuantTarget::Nvfp4, true, kDefault);
+}
+TEST(CudaModel, QuantisedDeepSeekFp8Fp4) {
+  DSV4_REQUIRE_CUDA();
+  check_quantised("deepseek", QuantTarget::DeepSeek, false, kF32);
 }
 
 // The CPU engine with fp32 weights vs with bf16-rounded linear weights, prefill of a random prompt: the same

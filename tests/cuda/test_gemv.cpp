@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <numeric>
 #include <random>
 #include <string>
 #include <vector>
@@ -300,6 +301,200 @@ std::vector<Case> all_cases() {
 
 INSTANTIATE_TEST_SUITE_P(AllFormats, GemvTest, ::testing::ValuesIn(all_cases()),
                          [](const ::testing::TestParamInfo<Case>& info) { return case_name(info.param); });
+
+// ---------------------------------------------------------------------------------------------------------
+// Grouped (MoE) gemv and its slot builder, against the same fp64 reference per routed pair.
+
+struct GroupedCase {
+  GemvWeight weight;
+  GemvScale fp8_scale;
+  int tokens, k_pick, experts, n, k;
+  int x_row_div;       // k_pick: x rows are tokens (up projections); 1: x rows are pairs (down projection)
+  bool one_expert;     // every pick goes to expert 3, twice per token: more rows than a tile -> several passes
+};
+
+std::string grouped_name(const GroupedCase& c) {
+  Case base{c.weight, c.fp8_scale, 1, c.n, c.k, GemvOut::F32, 0};
+  std::string s = case_name(base);
+  s = s.substr(0, s.find("_m1_")) + "_t" + std::to_string(c.tokens) + "x" + std::to_string(c.k_pick) + "_E" +
+      std::to_string(c.experts) + "_n" + std::to_string(c.n) + "_k" + std::to_string(c.k) +
+      (c.x_row_div == 1 ? "_pairrows" : "_tokenrows") + (c.one_expert ? "_oneexpert" : "");
+  return s;
+}
+
+class GemvGroupedTest : public ::testing::TestWithParam<GroupedCase> {};
+
+TEST_P(GemvGroupedTest, MatchesFp64ReferencePerPair) {
+  DSV4_REQUIRE_CUDA();
+  const GroupedCase c = GetParam();
+  const uint64_t seed = std::random_device{}() ^ std::hash<std::string>{}(grouped_name(c));
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  std::mt19937_64 rng(seed);
+  const int pairs = c.tokens * c.k_pick, x_rows = c.x_row_div == 1 ? pairs : c.tokens;
+  std::vector<HostProblem> expert;
+  for (int e = 0; e < c.experts; ++e) expert.push_back(make_problem({c.weight, c.fp8_scale, 1, c.n, c.k, GemvOut::F32, 0}, rng));
+  std::vector<uint16_t> x(size_t(x_rows) * c.k);
+  std::uniform_real_distribution<float> val(-2.0f, 2.0f);
+  for (auto& v : x) v = f32_to_bf16(val(rng));
+  std::vector<int32_t> ids(pairs);
+  for (int t = 0; t < c.tokens; ++t) {
+    std::vector<int32_t> perm(c.experts);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    for (int i = 0; i < c.k_pick; ++i) ids[t * c.k_pick + i] = c.one_expert ? 3 : perm[i];
+  }
+
+  const size_t w_stride = size_t(gemv_weight_bytes(c.weight, c.n, c.k));
+  const size_t s_stride = size_t(gemv_scale_bytes(c.weight, c.n, c.k, c.fp8_scale));
+  DeviceBuffer dx(x.size() * 2), dw(w_stride * c.experts), ds(std::max<size_t>(s_stride * c.experts, 16)),
+      ds2(c.experts * 4), dids(pairs * 4), dy(size_t(pairs) * c.n * 4), count(4), slot_expert(c.experts * 4),
+      slot_offset((c.experts + 1) * 4), order(pairs * 4);
+  dx.upload(x.data(), x.size() * 2);
+  std::vector<float> scale_2;
+  for (int e = 0; e < c.experts; ++e) {
+    ASSERT_EQ(expert[e].w.size(), w_stride);
+    dw.upload(expert[e].w.data(), w_stride, e * w_stride);
+    if (s_stride) ds.upload(expert[e].scale.data(), s_stride, e * s_stride);
+    scale_2.push_back(expert[e].scale_2);
+  }
+  ds2.upload(scale_2.data(), scale_2.size() * 4);
+  dids.upload(ids.data(), ids.size() * 4);
+  dy.fill_bytes(0xff);
+
+  MoeSlotsParams sp;
+  sp.ids = dids.as<int32_t>(), sp.n = c.tokens, sp.k = c.k_pick, sp.experts = c.experts;
+  sp.slot_count = count.as<int32_t>(), sp.slot_expert = slot_expert.as<int32_t>();
+  sp.slot_offset = slot_offset.as<int32_t>(), sp.row_order = order.as<int32_t>();
+  moe_slots(sp);
+  GemvGroupedParams g;
+  g.base.m = c.tokens, g.base.n = c.n, g.base.k = c.k;
+  g.base.x = dx.data(), g.base.w = dw.data(), g.base.w_scale = s_stride ? ds.data() : nullptr;
+  g.base.y = dy.data(), g.base.weight = c.weight, g.base.fp8_scale = c.fp8_scale;
+  g.w_expert_stride = w_stride, g.scale_expert_stride = s_stride, g.scale_2 = ds2.as<float>();
+  g.max_slots = std::min(c.experts, pairs);
+  g.slot_count = sp.slot_count, g.slot_expert = sp.slot_expert, g.slot_offset = sp.slot_offset;
+  g.row_order = sp.row_order, g.x_row_div = c.x_row_div;
+  gemv_grouped(g);
+  DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+
+  // Slots: experts ascending, offsets the running counts, pairs of a slot in ascending order.
+  int32_t n_slots = 0;
+  count.download(&n_slots, 4);
+  std::vector<int32_t> se(c.experts), so(c.experts + 1), ro(pairs);
+  slot_expert.download(se.data(), se.size() * 4);
+  slot_offset.download(so.data(), so.size() * 4);
+  order.download(ro.data(), ro.size() * 4);
+  std::vector<int> per_expert(c.experts, 0);
+  for (int32_t id : ids) ++per_expert[id];
+  int want_slots = 0;
+  for (int e = 0; e < c.experts; ++e) want_slots += per_expert[e] > 0;
+  ASSERT_EQ(n_slots, want_slots);
+  EXPECT_EQ(so[0], 0);
+  EXPECT_EQ(so[n_slots], pairs);
+  for (int s = 0; s < n_slots; ++s) {
+    if (s) {
+      EXPECT_LT(se[s - 1], se[s]);
+    }
+    EXPECT_EQ(so[s + 1] - so[s], per_expert[se[s]]);
+    for (int r = so[s]; r < so[s + 1]; ++r) {
+      EXPECT_EQ(ids[ro[r]], se[s]);
+      if (r > so[s]) {
+        EXPECT_LT(ro[r - 1], ro[r]);
+      }
+    }
+  }
+
+  std::vector<float> got(size_t(pairs) * c.n);
+  dy.download(got.data(), got.size() * 4);
+  int bad = 0, unwritten = 0;
+  double worst_ratio = 0;
+  for (int pr = 0; pr < pairs; ++pr) {
+    const HostProblem& h = expert[ids[pr]];
+    const uint16_t* xr = &x[size_t(pr / c.x_row_div) * c.k];
+    for (int ni = 0; ni < c.n; ++ni) {
+      double ref = 0, absum = 0;
+      for (int ki = 0; ki < c.k; ++ki) {
+        const double t = double(bf16_to_f32(xr[ki])) * h.w_deq[size_t(ni) * c.k + ki];
+        ref += t;
+        absum += std::fabs(t);
+      }
+      const float v = got[size_t(pr) * c.n + ni];
+      if (!std::isfinite(v)) {
+        ++unwritten;
+        continue;
+      }
+      const double err = std::fabs(double(v) - ref), allowed = 1e-5 * absum;
+      worst_ratio = std::max(worst_ratio, err / allowed);
+      if (err > allowed && ++bad <= 5)
+        ADD_FAILURE() << "pair " << pr << " (expert " << ids[pr] << ") y[" << ni << "] = " << v << ", reference "
+                      << ref;
+    }
+  }
+  EXPECT_EQ(unwritten, 0);
+  EXPECT_EQ(bad, 0);
+  std::printf("[gemv-grouped] %-64s slots %d  worst err/allowed %.3f\n", grouped_name(c).c_str(), n_slots,
+              worst_ratio);
+}
+
+std::vector<GroupedCase> grouped_cases() {
+  std::vector<GroupedCase> cases;
+  const std::pair<GemvWeight, GemvScale> formats[] = {{GemvWeight::BF16, GemvScale::E8M0},
+                                                      {GemvWeight::FP8_BLOCK, GemvScale::E8M0},
+                                                      {GemvWeight::FP8_BLOCK, GemvScale::F32},
+                                                      {GemvWeight::MXFP4, GemvScale::E8M0},
+                                                      {GemvWeight::NVFP4, GemvScale::E8M0}};
+  for (const auto& [w, s] : formats) {
+    cases.push_back({w, s, 1, 6, 16, 200, 1056, 6, false});    // decode: 6 slots of one row
+    cases.push_back({w, s, 5, 6, 16, 200, 1056, 1, false});    // down projection: x rows are pairs
+    cases.push_back({w, s, 64, 6, 16, 136, 512, 6, false});    // a prefill chunk: up to 64 rows per slot
+    cases.push_back({w, s, 40, 2, 8, 72, 256, 2, true});       // 80 rows on one expert: two passes over W
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(AllFormats, GemvGroupedTest, ::testing::ValuesIn(grouped_cases()),
+                         [](const ::testing::TestParamInfo<GroupedCase>& info) { return grouped_name(info.param); });
+
+// Row ranges and output strides (a fused projection's parts, the grouped output projection's groups): rows
+// [row0, row0 + rows) of a matrix written into columns of a wider y; the columns outside stay poisoned.
+TEST(GemvRows, RowRangeIntoStridedOutput) {
+  DSV4_REQUIRE_CUDA();
+  std::mt19937_64 rng(7);
+  for (const auto& [w, s] : {std::pair{GemvWeight::BF16, GemvScale::E8M0}, {GemvWeight::FP8_BLOCK, GemvScale::E8M0},
+                             {GemvWeight::MXFP4, GemvScale::E8M0}, {GemvWeight::NVFP4, GemvScale::E8M0}}) {
+    const int m = 3, n_full = 300, k = 1056, row0 = 144, rows = 100, ldy = 130;
+    const HostProblem h = make_problem({w, s, m, n_full, k, GemvOut::F32, 0}, rng);
+    DeviceBuffer x(h.x.size() * 2), dw(h.w.size()), ds(std::max<size_t>(h.scale.size(), 16)), y(size_t(m) * ldy * 4);
+    x.upload(h.x.data(), h.x.size() * 2);
+    dw.upload(h.w.data(), h.w.size());
+    if (!h.scale.empty()) ds.upload(h.scale.data(), h.scale.size());
+    y.fill_bytes(0xff);
+    GemvParams p;
+    p.m = m, p.n = rows, p.k = k, p.x = x.data(), p.w = dw.data(), p.w_scale = ds.data();
+    p.w_row0 = row0, p.w_scale_2 = h.scale_2, p.ldy = ldy, p.y = y.as<float>() + 20;
+    p.weight = w, p.fp8_scale = s;
+    gemv(p);
+    DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<float> got(size_t(m) * ldy);
+    y.download(got.data(), got.size() * 4);
+    for (int mi = 0; mi < m; ++mi)
+      for (int col = 0; col < ldy; ++col) {
+        const float v = got[size_t(mi) * ldy + col];
+        if (col < 20 || col >= 20 + rows) {
+          EXPECT_TRUE(std::isnan(v)) << gemv_weight_name(w) << ": column " << col << " outside the range was written";
+          continue;
+        }
+        const int r = row0 + col - 20;
+        double ref = 0, absum = 0;
+        for (int ki = 0; ki < k; ++ki) {
+          const double t = double(bf16_to_f32(h.x[size_t(mi) * k + ki])) * h.w_deq[size_t(r) * k + ki];
+          ref += t;
+          absum += std::fabs(t);
+        }
+        EXPECT_LE(std::fabs(double(v) - ref), 1e-5 * absum) << gemv_weight_name(w) << " row " << r;
+      }
+  }
+}
 
 // ---------------------------------------------------------------------------------------------------------
 // Argument checks (no GPU needed: they throw before any CUDA call).

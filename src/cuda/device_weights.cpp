@@ -1,0 +1,193 @@
+// SPDX-License-Identifier: MIT
+#include "cuda/device_weights.h"
+
+#include <cstring>
+
+#include "core/check.h"
+#include "cuda/cuda_check.h"
+#include "cuda/synthetic.h"
+#include "formats/bf16.h"
+
+namespace dsv4 {
+namespace {
+
+GemvWeight gemv_format(WeightFormat f) {
+  switch (f) {
+    case WeightFormat::Float: return GemvWeight::BF16;
+    case WeightFormat::Fp8Block: return GemvWeight::FP8_BLOCK;
+    case WeightFormat::Mxfp4: return GemvWeight::MXFP4;
+    case WeightFormat::Nvfp4: return GemvWeight::NVFP4;
+    case WeightFormat::Fp8Tensor: break;
+  }
+  DSV4_FAIL("packed weight of format {} has no gemv encoding", format_name(f));
+}
+
+void append(std::vector<uint8_t>& out, const uint8_t* p, size_t n) { out.insert(out.end(), p, p + n); }
+
+DeviceBuffer upload_bytes(const std::vector<uint8_t>& bytes) {
+  DeviceBuffer b(std::max<size_t>(bytes.size(), 16));
+  if (!bytes.empty()) b.upload(bytes.data(), bytes.size());
+  return b;
+}
+
+}  // namespace
+
+GemvParams DeviceLinear::params(const void* x, void* y, int m, GemvOut out, int64_t ldy, int row0, int rows) const {
+  GemvParams p;
+  p.m = m;
+  p.n = rows < 0 ? n - row0 : rows;
+  p.k = k;
+  p.x = x;
+  p.w = w.data();
+  p.w_scale = scale.data();
+  p.w_row0 = row0;
+  p.w_scale_2 = scale_2;
+  p.y = y;
+  p.ldy = ldy;
+  p.weight = format;
+  p.fp8_scale = fp8_scale;
+  p.out = out;
+  return p;
+}
+
+size_t FusedLinear::bytes() const {
+  size_t b = 0;
+  for (const Part& p : parts) b += p.weight.bytes();
+  return b;
+}
+
+size_t DeviceExperts::bytes() const {
+  size_t b = 0;
+  for (const DeviceBuffer* d : {&w, &scale, &scale_2})
+    if (d->data()) b += d->size();
+  return b;
+}
+
+WeightUploader::Encoding WeightUploader::encoding_of(const Matrix& m, std::optional<GemvWeight> synthetic_as) const {
+  Encoding e;
+  if (m.packed) {
+    e.format = gemv_format(m.packed->format);
+    e.fp8_scale = m.packed->scale_f32 ? GemvScale::F32 : GemvScale::E8M0;
+    e.scale_2 = m.packed->scale_2;
+  } else if (!m.has_values()) {
+    const std::optional<GemvWeight> f = synthetic_as ? synthetic_as : synthetic_;
+    DSV4_CHECK(f, "cuda runner: a [{}, {}] weight has no values (shape-only weights need a synthetic format)", m.rows,
+               m.cols);
+    e.format = *f;
+    e.synthetic = true;
+  }
+  return e;
+}
+
+DeviceLinear WeightUploader::upload(const std::vector<const Matrix*>& parts, const Encoding& e) {
+  DeviceLinear d;
+  d.format = e.format;
+  d.fp8_scale = e.fp8_scale;
+  d.scale_2 = e.scale_2;
+  d.k = parts.front()->cols;
+  for (const Matrix* m : parts) d.n += m->rows;
+  if (e.synthetic) {
+    d.w = DeviceBuffer(std::max<int64_t>(gemv_weight_bytes(e.format, d.n, d.k), 16));
+    const int64_t scale_bytes = gemv_scale_bytes(e.format, d.n, d.k);
+    if (scale_bytes) d.scale = DeviceBuffer(scale_bytes);
+    fill_synthetic_weight(e.format, d.w.data(), d.scale.data(), d.n, d.k, seed_++, nullptr);
+    return d;
+  }
+  std::vector<uint8_t> w, scale;
+  for (const Matrix* m : parts) {
+    if (m->packed) {
+      append(w, m->packed->w, m->packed->w_bytes);
+      if (m->packed->scale) append(scale, m->packed->scale, m->packed->scale_bytes);
+    } else {
+      const size_t at = w.size();
+      w.resize(at + m->data.size() * 2);
+      for (size_t i = 0; i < m->data.size(); ++i) {
+        const uint16_t b = f32_to_bf16(m->data[i]);
+        std::memcpy(w.data() + at + 2 * i, &b, 2);
+      }
+    }
+  }
+  d.w = upload_bytes(w);
+  if (!scale.empty()) d.scale = upload_bytes(scale);
+  return d;
+}
+
+DeviceLinear WeightUploader::linear(const Matrix& m, std::optional<GemvWeight> synthetic_as) {
+  return upload({&m}, encoding_of(m, synthetic_as));
+}
+
+FusedLinear WeightUploader::fused(const std::vector<const Matrix*>& parts) {
+  FusedLinear f;
+  f.k = parts.front()->cols;
+  std::vector<const Matrix*> group;
+  Encoding group_enc;
+  int group_rows = 0, group_row0 = 0;
+  auto flush = [&] {
+    if (group.empty()) return;
+    f.parts.push_back({upload(group, group_enc), group_row0});
+    group_row0 += group_rows;
+    group.clear();
+    group_rows = 0;
+  };
+  for (const Matrix* m : parts) {
+    DSV4_CHECK(m->cols == f.k, "cuda runner: fused projection parts have k = {} and {}", f.k, m->cols);
+    const Encoding e = encoding_of(*m);
+    const bool joins = !group.empty() && e.format == group_enc.format && e.fp8_scale == group_enc.fp8_scale &&
+                       e.synthetic == group_enc.synthetic &&
+                       (e.format != GemvWeight::NVFP4 || e.scale_2 == group_enc.scale_2) &&
+                       (e.format != GemvWeight::FP8_BLOCK || group_rows % 128 == 0);  // scale rows stay whole
+    if (!joins) {
+      flush();
+      group_enc = e;
+    }
+    group.push_back(m);
+    group_rows += m->rows;
+    f.n += m->rows;
+  }
+  flush();
+  return f;
+}
+
+DeviceExperts WeightUploader::experts(const std::vector<const Matrix*>& per_expert) {
+  DSV4_CHECK(!per_expert.empty(), "cuda runner: a MoE layer without routed experts");
+  DeviceExperts d;
+  const Encoding e = encoding_of(*per_expert.front());
+  d.format = e.format;
+  d.fp8_scale = e.fp8_scale;
+  d.experts = int(per_expert.size());
+  d.n = per_expert.front()->rows;
+  d.k = per_expert.front()->cols;
+  d.w_stride = size_t(gemv_weight_bytes(d.format, d.n, d.k));
+  d.scale_stride = size_t(gemv_scale_bytes(d.format, d.n, d.k, d.fp8_scale));
+  d.w = DeviceBuffer(std::max<size_t>(d.w_stride * d.experts, 16));
+  if (d.scale_stride) d.scale = DeviceBuffer(d.scale_stride * d.experts);
+  std::vector<float> scale_2(d.experts, 1.0f);
+  for (int x = 0; x < d.experts; ++x) {
+    const Matrix& m = *per_expert[x];
+    const Encoding ex = encoding_of(m);
+    DSV4_CHECK(m.rows == d.n && m.cols == d.k && ex.format == e.format && ex.fp8_scale == e.fp8_scale &&
+                   ex.synthetic == e.synthetic,
+               "cuda runner: routed expert {} is stored as {} [{}, {}], expert 0 as {} [{}, {}]; the grouped expert "
+               "kernel needs one encoding per layer", x, gemv_weight_name(ex.format), m.rows, m.cols,
+               gemv_weight_name(e.format), d.n, d.k);
+    scale_2[x] = ex.scale_2;
+    uint8_t* w_at = d.w.as<uint8_t>() + size_t(x) * d.w_stride;
+    uint8_t* s_at = d.scale_stride ? d.scale.as<uint8_t>() + size_t(x) * d.scale_stride : nullptr;
+    if (e.synthetic) {
+      fill_synthetic_weight(e.format, w_at, s_at, d.n, d.k, seed_++, nullptr);
+      continue;
+    }
+    const DeviceLinear one = upload({&m}, ex);
+    DSV4_CHECK(one.w.size() >= d.w_stride && (!d.scale_stride || one.scale.size() >= d.scale_stride),
+               "cuda runner: routed expert {} has fewer bytes than its shape needs", x);
+    DSV4_CUDA_CHECK(cudaMemcpy(w_at, one.w.data(), d.w_stride, cudaMemcpyDeviceToDevice));
+    if (s_at) DSV4_CUDA_CHECK(cudaMemcpy(s_at, one.scale.data(), d.scale_stride, cudaMemcpyDeviceToDevice));
+  }
+  if (d.format == GemvWeight::NVFP4) {
+    d.scale_2 = DeviceBuffer(scale_2.size() * sizeof(float));
+    d.scale_2.upload(scale_2.data(), scale_2.size() * sizeof(float));
+  }
+  return d;
+}
+
+}  // namespace dsv4
