@@ -393,6 +393,7 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
 }
 
 int run_bench(const BenchArgs& a) {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // progress reaches a redirected log even if the run is cut short
   DSV4_CHECK(cuda_available(), "dsv4 bench: no usable CUDA device");
   const DeviceInfo info = device_info();
   fmt::print("device: {}, {} SMs, {:.1f} GB\n", info.name, info.sm_count, info.global_mem_bytes / 1e9);

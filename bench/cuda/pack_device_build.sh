@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Packs a CPU-machine build for bench/cuda/run_device_session.sh: the dsv4 binary, the CUDA test binary and the
+# shared libraries the device machine lacks, xz-compressed under devrun/ (ignored by git, carried by the tool).
+set -euo pipefail
+BUILD=${1:-build}
+rm -rf devrun/stage && mkdir -p devrun/stage/bin devrun/stage/rt
+cp "$BUILD/src/dsv4" "$BUILD/tests/cuda/dsv4_cuda_tests" devrun/stage/bin/
+[ -x "$BUILD/bench/cuda/dsv4_gemm_bench" ] && cp "$BUILD/bench/cuda/dsv4_gemm_bench" devrun/stage/bin/
+for lib in $(ldd "$BUILD/src/dsv4" "$BUILD/tests/cuda/dsv4_cuda_tests" | awk '/=> \// {print $3}' | sort -u); do
+  case "$(basename "$lib")" in
+    libc.so*|libm.so*|libdl.so*|libpthread.so*|librt.so*|libstdc++.so*|libgcc_s.so*|libcublas*) ;;
+    *) cp -L "$lib" devrun/stage/rt/ ;;
+  esac
+done
+tar -cJf devrun/build.tar.xz -C devrun/stage bin rt
+rm -rf devrun/stage
+ls -la devrun/build.tar.xz

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One device call for the CUDA backend (the device tool runs it in a copy of the repository):
+#   GPU tests -> compute-sanitizer memcheck on a short run -> dsv4 bench (Flash-shaped, NVFP4 + BF16).
+# Expects devrun/build.tar.xz made on the CPU machine by bench/cuda/pack_device_build.sh (binaries + the
+# non-system shared libraries they need). Test binaries have the source path compiled in: /work/main is linked
+# to this copy when it does not exist.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT" /tmp/dsv4
+[ -e /work/main ] || { mkdir -p /work && ln -sfn "$PWD" /work/main; }
+tar -xJf devrun/build.tar.xz -C /tmp/dsv4
+export LD_LIBRARY_PATH="/tmp/dsv4/rt:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
+B=/tmp/dsv4/bin
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader
+T0=$(date +%s)
+timeout ${TEST_TIMEOUT:-240} "$B/dsv4_cuda_tests" ${TEST_FILTER:+--gtest_filter=$TEST_FILTER} > "$OUT/tests.log" 2>&1
+echo "tests exit code: $? ($(( $(date +%s) - T0 )) s)"
+grep -E "^\[  (PASSED|FAILED|SKIPPED) |FAILED  \]|tests ran" "$OUT/tests.log" | head -30
+grep -E "^\[(cuda-model|cuda-quant|gemm)\]" "$OUT/tests.log" | head -60
+grep -E "^\[gemv-grouped\]" "$OUT/tests.log" | awk '{ if ($5 > mx) mx = $5; c++ } END { printf "gemv-grouped cases %d, max err/allowed %.3f\n", c, mx }'
+if [ -z "${NO_MEMCHECK:-}" ] && command -v compute-sanitizer >/dev/null; then
+  T0=$(date +%s)
+  timeout 150 compute-sanitizer --tool memcheck --print-limit 5 "$B/dsv4_cuda_tests" \
+    --gtest_filter="${MEMCHECK_FILTER:-*GemvGrouped*t1x6*:*GemvGrouped*oneexpert*:GemvRows*:CudaModel.QuantisedNvfp4AllLinears}" \
+    > "$OUT/memcheck.log" 2>&1
+  echo "memcheck exit code: $? ($(( $(date +%s) - T0 )) s, $(grep -c 'OK \]' "$OUT/memcheck.log") ok, $(grep -E 'ERROR SUMMARY' "$OUT/memcheck.log" | tail -1))"
+fi
+if [ -z "${NO_BENCH:-}" ]; then
+  T0=$(date +%s)
+  timeout ${BENCH_TIMEOUT:-300} "$B/dsv4" bench ${BENCH_ARGS:-} --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
+  echo "bench exit code: $? ($(( $(date +%s) - T0 )) s)"
+  cat "$OUT/bench.log" | grep -v "^\s*$" | tail -80
+fi
