@@ -14,7 +14,7 @@ using detail::unpack_bf16x8;
 using detail::warp_sum;
 
 constexpr int kMaxHeadDim = 512;
-constexpr int kAttnWarps = 4;
+constexpr int kAttnWarps = 8;  // a decode step has only heads x 1 blocks: more warps per block hide latency
 constexpr int kMaxPerLane = kMaxHeadDim / 32;
 constexpr int kMaxTopK = 16;  // experts per token
 
@@ -58,30 +58,50 @@ __global__ void compressor_kernel(CompressorParams p) {
   }
 }
 
-// One block per query token: a warp per key for the scores, then each score's rank (the number of scores that
-// beat it, ties to the lower index) places it in the top-k list. O(n_visible²) per token: fine for the context
-// lengths tested here; a radix select replaces it for long contexts.
-__global__ void indexer_topk_kernel(IndexerTopkParams p) {
+// The indexer in two launches: scores spread over (query, 32-key slice) blocks, then one block per query ranks
+// them. The ranking is O(n_visible²) per query: a radix select would replace it for very long contexts.
+constexpr int kIndexEntriesPerBlock = 32;  // 8 warps x 4 keys: a decode query spreads over many SMs
+constexpr int kSelectThreads = 1024;
+
+// Scores of keys [blockIdx.y · 32, +32) for query blockIdx.x: a warp per key, the key held in registers (lane i
+// owns elements i + 32·e) while the heads are summed in order.
+__global__ void indexer_scores_kernel(IndexerTopkParams p) {
   extern __shared__ float q[];  // [heads, dim]
   const int t = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
   const int64_t pos = (p.pos_device ? *p.pos_device : p.pos0) + t;
   const int n_visible = int((pos + 1) / p.ratio);
+  const int s0 = blockIdx.y * kIndexEntriesPerBlock;
+  if (s0 >= n_visible) return;  // the whole block: graph replays launch the grid for max_entries
   const float* qt = p.q + t * p.q_token_stride;
   for (int i = threadIdx.x; i < p.heads * p.dim; i += blockDim.x) q[i] = qt[i];
   __syncthreads();
   float* score = p.scores + int64_t(t) * p.max_entries;
-  for (int s = warp; s < n_visible; s += n_warps) {
+  const int per_lane = p.dim / 32;
+  for (int s = s0 + warp; s < min(s0 + kIndexEntriesPerBlock, n_visible); s += n_warps) {
     const float* k = p.keys + int64_t(s) * p.dim;
+    float kr[kMaxPerLane];
+#pragma unroll
+    for (int e = 0; e < kMaxPerLane; ++e) kr[e] = e < per_lane ? k[lane + 32 * e] : 0.0f;
     float acc = 0;
     for (int h = 0; h < p.heads; ++h) {
       float dot = 0;
-      for (int i = lane; i < p.dim; i += 32) dot += q[h * p.dim + i] * k[i];
+#pragma unroll
+      for (int e = 0; e < kMaxPerLane; ++e)
+        if (e < per_lane) dot += q[h * p.dim + lane + 32 * e] * kr[e];
       dot = warp_sum(dot);
       acc += p.w[t * p.heads + h] * p.w_scale * fmaxf(dot, 0.0f);
     }
     if (lane == 0) score[s] = acc;
   }
-  __syncthreads();
+}
+
+// Each score's rank (the number of scores that beat it, ties to the lower index) places it in the top-k list.
+// O(n_visible²) per query over 1024 threads.
+__global__ void indexer_select_kernel(IndexerTopkParams p) {
+  const int t = blockIdx.x;
+  const int64_t pos = (p.pos_device ? *p.pos_device : p.pos0) + t;
+  const int n_visible = int((pos + 1) / p.ratio);
+  const float* score = p.scores + int64_t(t) * p.max_entries;
   for (int s = threadIdx.x; s < n_visible; s += blockDim.x) {
     const float v = score[s];
     int rank = 0;
@@ -248,7 +268,13 @@ void indexer_topk(const IndexerTopkParams& p, cudaStream_t stream) {
   OPS_CHECK(p.ratio > 0 && p.topk > 0, "indexer_topk: ratio %d and topk %d must be positive", p.ratio, p.topk);
   OPS_CHECK(p.heads * p.dim <= 12288, "indexer_topk: heads x dim = %d exceeds 12288 (shared memory)",
             p.heads * p.dim);
-  indexer_topk_kernel<<<p.n, 256, p.heads * p.dim * sizeof(float), stream>>>(p);
+  OPS_CHECK(p.dim % 32 == 0 && p.dim <= kMaxHeadDim, "indexer_topk: dim %d must be a multiple of 32 and <= %d",
+            p.dim, kMaxHeadDim);
+  OPS_CHECK(p.max_entries > 0, "indexer_topk: max_entries %d must be positive", p.max_entries);
+  const dim3 grid(p.n, blocks_for(p.max_entries, kIndexEntriesPerBlock));
+  indexer_scores_kernel<<<grid, 256, p.heads * p.dim * sizeof(float), stream>>>(p);
+  DSV4_CUDA_LAUNCHED();
+  indexer_select_kernel<<<p.n, kSelectThreads, 0, stream>>>(p);
   DSV4_CUDA_LAUNCHED();
 }
 

@@ -95,17 +95,35 @@ __global__ void row_op_kernel(RowOpParams p) {
   }
 }
 
+constexpr int kLinearThreads = 128;
+
+// One block per output y[row, col]: the k-long dot product (k up to hc·D = 16384 for the mHC mixes) spread over
+// 128 threads, 16-byte loads when rows allow, so a decode step's few outputs do not walk k on one warp.
 __global__ void linear_f32_kernel(LinearF32Params p) {
-  const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
-  const int lane = threadIdx.x & 31;
-  if (warp >= int64_t(p.m) * p.n) return;
-  const int row = int(warp / p.n), col = int(warp % p.n);
+  __shared__ float partial[kLinearThreads / 32];
+  const int64_t out = blockIdx.x;
+  const int row = int(out / p.n), col = int(out % p.n);
   const float* x = p.x + int64_t(row) * p.k;
   const float* w = p.w + int64_t(col) * p.k;
   float acc = 0;
-  for (int i = lane; i < p.k; i += 32) acc += x[i] * w[i];
+  if (p.k % 4 == 0 && (reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(w)) % 16 == 0) {
+    const float4* x4 = reinterpret_cast<const float4*>(x);
+    const float4* w4 = reinterpret_cast<const float4*>(w);
+    for (int i = threadIdx.x; i < p.k / 4; i += blockDim.x) {
+      const float4 a = x4[i], b = w4[i];
+      acc += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
+    }
+  } else {
+    for (int i = threadIdx.x; i < p.k; i += blockDim.x) acc += x[i] * w[i];
+  }
   acc = detail::warp_sum(acc);
-  if (lane == 0) p.y[int64_t(row) * p.n + col] = acc * p.scale;
+  if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = acc;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float total = 0;
+    for (int i = 0; i < kLinearThreads / 32; ++i) total += partial[i];
+    p.y[out] = total * p.scale;
+  }
 }
 
 __global__ void embed_kernel(const uint16_t* embed, const int32_t* tokens, int n, int D, int hc, float* streams) {
@@ -144,38 +162,41 @@ __global__ void hc_pre_kernel(HcPreParams p) {
   const int t = blockIdx.x, hc = p.hc, D = p.D, n_mix = (2 + hc) * hc;
   const float* xs = p.streams + int64_t(t) * hc * D;
   const float rs = stream_rms_scale(xs, hc * D, p.eps);
-  if (threadIdx.x == 0) {  // hc <= 8: a few hundred flops, sequential like the reference
-    const float* m = p.mix + int64_t(t) * n_mix;
-    float C[kMaxHc * kMaxHc];
+  // Warp 0: thread j owns row j of the softmax, then rows / columns alternate in the Sinkhorn iterations; each
+  // row or column is summed in index order by one thread, so the results equal the sequential reference's.
+  __shared__ float C[kMaxHc * kMaxHc];
+  const float* m = p.mix + int64_t(t) * n_mix;
+  const int tid = threadIdx.x;
+  if (tid < hc) {
+    pre[tid] = sigmoid(m[tid] * rs * p.scale[0] + p.base[tid]) + p.hc_eps;
+    p.post[t * hc + tid] = 2.0f * sigmoid(m[hc + tid] * rs * p.scale[1] + p.base[hc + tid]);
+    float* row = C + tid * hc;
+    float mx = -INFINITY;
     for (int k = 0; k < hc; ++k) {
-      pre[k] = sigmoid(m[k] * rs * p.scale[0] + p.base[k]) + p.hc_eps;
-      p.post[t * hc + k] = 2.0f * sigmoid(m[hc + k] * rs * p.scale[1] + p.base[hc + k]);
+      row[k] = m[2 * hc + tid * hc + k] * rs * p.scale[2] + p.base[2 * hc + tid * hc + k];
+      mx = fmaxf(mx, row[k]);
     }
-    for (int j = 0; j < hc; ++j) {
-      float* row = C + j * hc;
-      float mx = -INFINITY;
-      for (int k = 0; k < hc; ++k) {
-        row[k] = m[2 * hc + j * hc + k] * rs * p.scale[2] + p.base[2 * hc + j * hc + k];
-        mx = fmaxf(mx, row[k]);
-      }
-      float sum = 0;
-      for (int k = 0; k < hc; ++k) sum += (row[k] = expf(row[k] - mx));
-      for (int k = 0; k < hc; ++k) row[k] = row[k] / sum + p.hc_eps;
-    }
+    float sum = 0;
+    for (int k = 0; k < hc; ++k) sum += (row[k] = expf(row[k] - mx));
+    for (int k = 0; k < hc; ++k) row[k] = row[k] / sum + p.hc_eps;
+  }
+  if (tid < 32) {
+    __syncwarp();
     for (int it = 0; it < p.sinkhorn_iters; ++it) {
-      if (it > 0)
-        for (int j = 0; j < hc; ++j) {
-          float sum = 0;
-          for (int k = 0; k < hc; ++k) sum += C[j * hc + k];
-          for (int k = 0; k < hc; ++k) C[j * hc + k] /= sum + p.hc_eps;
-        }
-      for (int k = 0; k < hc; ++k) {
+      if (it > 0 && tid < hc) {
         float sum = 0;
-        for (int j = 0; j < hc; ++j) sum += C[j * hc + k];
-        for (int j = 0; j < hc; ++j) C[j * hc + k] /= sum + p.hc_eps;
+        for (int k = 0; k < hc; ++k) sum += C[tid * hc + k];
+        for (int k = 0; k < hc; ++k) C[tid * hc + k] /= sum + p.hc_eps;
       }
+      __syncwarp();
+      if (tid < hc) {
+        float sum = 0;
+        for (int j = 0; j < hc; ++j) sum += C[j * hc + tid];
+        for (int j = 0; j < hc; ++j) C[j * hc + tid] /= sum + p.hc_eps;
+      }
+      __syncwarp();
     }
-    for (int i = 0; i < hc * hc; ++i) p.comb[int64_t(t) * hc * hc + i] = C[i];
+    for (int i = tid; i < hc * hc; i += 32) p.comb[int64_t(t) * hc * hc + i] = C[i];
   }
   __syncthreads();
   collapse_and_norm(xs, pre, hc, D, p.norm_weight, p.eps, collapsed);
@@ -255,9 +276,10 @@ void row_op(const RowOpParams& p, cudaStream_t stream) {
 }
 
 void linear_f32(const LinearF32Params& p, cudaStream_t stream) {
-  const int64_t warps = int64_t(p.m) * p.n;
-  if (warps == 0) return;
-  linear_f32_kernel<<<blocks_for(warps * 32, 256), 256, 0, stream>>>(p);
+  const int64_t outputs = int64_t(p.m) * p.n;
+  if (outputs == 0) return;
+  OPS_CHECK(outputs <= 0x7fffffff, "linear_f32: %lld outputs exceed one grid", (long long)outputs);
+  linear_f32_kernel<<<int(outputs), kLinearThreads, 0, stream>>>(p);
   DSV4_CUDA_LAUNCHED();
 }
 

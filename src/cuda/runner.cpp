@@ -638,7 +638,7 @@ void CudaRunner::attention_block(int l, int n, int64_t pos0, const int64_t* pos_
     ip.pos0 = pos0;
     ip.pos_device = pos_device;
     gpu::indexer_topk(ip, stream_);
-    ++launches_;
+    launches_ += 2;  // scores, then selection
   }
 
   // 3.7 / 3.8 attention, then the window ring takes this chunk's last positions.
