@@ -25,16 +25,6 @@ namespace {
                 cublasLtGetStatusString(dsv4_lt_status_), #expr);                                            \
   } while (0)
 
-int k_multiple(GemvWeight w) {
-  switch (w) {
-    case GemvWeight::BF16: return 8;
-    case GemvWeight::FP8_BLOCK: return 16;
-    case GemvWeight::MXFP4:
-    case GemvWeight::NVFP4: return 32;
-  }
-  return 1;
-}
-
 bool aligned(const void* p, uintptr_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
 
 // The largest power of two (16 .. 256) dividing the address: cuBLASLt's heuristic assumes 256-byte aligned
@@ -48,8 +38,8 @@ int alignment_class(const void* p) {
 void check_weight(const char* fn, const WeightDesc& w) {
   const char* fmt_name = gemv_weight_name(w.weight);
   DSV4_CHECK(w.n >= 0 && w.k > 0, "{} ({}): expected n >= 0 and k > 0, got n = {}, k = {}", fn, fmt_name, w.n, w.k);
-  DSV4_CHECK(w.k % k_multiple(w.weight) == 0, "{} ({}): k = {} must be a multiple of {}", fn, fmt_name, w.k,
-             k_multiple(w.weight));
+  DSV4_CHECK(w.k % gemv_k_multiple(w.weight) == 0, "{} ({}): k = {} must be a multiple of {}", fn, fmt_name, w.k,
+             gemv_k_multiple(w.weight));
   if (w.n == 0) return;
   DSV4_CHECK(w.w, "{} ({}): w must be a device pointer", fn, fmt_name);
   DSV4_CHECK(w.weight == GemvWeight::BF16 || w.w_scale, "{} ({}): w_scale is required", fn, fmt_name);

@@ -13,7 +13,12 @@
 namespace dsv4 {
 namespace {
 
-int k_multiple(GemvWeight w) {
+
+bool aligned(const void* p, uintptr_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
+
+}  // namespace
+
+int gemv_k_multiple(GemvWeight w) {
   switch (w) {
     case GemvWeight::BF16: return 8;
     case GemvWeight::FP8_BLOCK: return 16;
@@ -22,10 +27,6 @@ int k_multiple(GemvWeight w) {
   }
   return 1;
 }
-
-bool aligned(const void* p, uintptr_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
-
-}  // namespace
 
 const char* gemv_weight_name(GemvWeight w) {
   switch (w) {
@@ -80,8 +81,8 @@ bool check_gemv_params(const GemvParams& p, const char* what) {
   const char* fmt_name = gemv_weight_name(p.weight);
   DSV4_CHECK(p.m >= 0 && p.m <= kGemvMaxM, "{}: m = {} is outside [0, {}]", what, p.m, kGemvMaxM);
   DSV4_CHECK(p.n >= 0 && p.k > 0, "{}: expected n >= 0 and k > 0, got n = {}, k = {}", what, p.n, p.k);
-  DSV4_CHECK(p.k % k_multiple(p.weight) == 0, "{} ({}): k = {} must be a multiple of {}", what, fmt_name, p.k,
-             k_multiple(p.weight));
+  DSV4_CHECK(p.k % gemv_k_multiple(p.weight) == 0, "{} ({}): k = {} must be a multiple of {}", what, fmt_name, p.k,
+             gemv_k_multiple(p.weight));
   DSV4_CHECK(p.w_row0 >= 0 && (p.weight != GemvWeight::FP8_BLOCK || p.w_row0 % 16 == 0),
              "{}: w_row0 = {} must be >= 0 (and a multiple of 16 for fp8_block)", what, p.w_row0);
   DSV4_CHECK(p.ldy == 0 || p.ldy >= p.n, "{}: ldy = {} is smaller than n = {}", what, p.ldy, p.n);

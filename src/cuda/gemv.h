@@ -94,6 +94,9 @@ int gemv_default_split_k(const GemvParams& p, int sm_count);
 
 const char* gemv_weight_name(GemvWeight w);
 
+// The k every call with weights `w` must be a multiple of (8 BF16, 16 FP8_BLOCK, 32 MXFP4 / NVFP4).
+int gemv_k_multiple(GemvWeight w);
+
 // Bytes of an [n, k] weight in `w`'s layout above, and of its scale tensor (FP8_BLOCK with e8m0 scales; 0 for
 // BF16).
 int64_t gemv_weight_bytes(GemvWeight w, int64_t n, int64_t k);
