@@ -9,6 +9,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "run_cli.h"
 #include "io/npy.h"
 #include "model/session.h"
 
@@ -17,20 +18,8 @@ using namespace dsv4;
 
 namespace {
 
-struct RunResult {
-  int exit_code;
-  std::string out;
-};
-
-RunResult run(const std::string& args) {
-  const std::string cmd = std::string(DSV4_BINARY) + " " + args + " 2>&1";
-  FILE* pipe = popen(cmd.c_str(), "r");
-  std::string out;
-  std::array<char, 4096> buf;
-  while (size_t n = fread(buf.data(), 1, buf.size(), pipe)) out.append(buf.data(), n);
-  const int status = pclose(pipe);
-  return {WEXITSTATUS(status), out};
-}
+using dsv4::testing::RunResult;
+RunResult run(const std::string& args) { return dsv4::testing::run_dsv4(args); }
 
 const std::string kTiny = std::string(DSV4_SOURCE_DIR) + "/models/tiny";
 

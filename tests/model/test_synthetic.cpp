@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "run_cli.h"
 #include "core/check.h"
 #include "model/model.h"
 #include "model/runner.h"
@@ -74,20 +75,8 @@ std::vector<float> all_values(const ModelWeights& w) {
   return v;
 }
 
-struct RunResult {
-  int exit_code;
-  std::string out;
-};
-
-RunResult run_dsv4(const std::string& args) {
-  const std::string cmd = std::string(DSV4_BINARY) + " " + args + " 2>&1";
-  FILE* pipe = popen(cmd.c_str(), "r");
-  std::string out;
-  std::array<char, 4096> buf;
-  while (size_t n = fread(buf.data(), 1, buf.size(), pipe)) out.append(buf.data(), n);
-  const int status = pclose(pipe);
-  return {WEXITSTATUS(status), out};
-}
+using dsv4::testing::RunResult;
+using dsv4::testing::run_dsv4;
 
 }  // namespace
 
