@@ -24,6 +24,21 @@ GemvWeight gemv_format(WeightFormat f) {
 
 void append(std::vector<uint8_t>& out, const uint8_t* p, size_t n) { out.insert(out.end(), p, p + n); }
 
+// Appends m's device bytes: its packed weight and scale as stored, or its fp32 values rounded to bf16.
+void append_encoded(const Matrix& m, std::vector<uint8_t>& w, std::vector<uint8_t>& scale) {
+  if (m.packed) {
+    append(w, m.packed->w, m.packed->w_bytes);
+    if (m.packed->scale) append(scale, m.packed->scale, m.packed->scale_bytes);
+    return;
+  }
+  const size_t at = w.size();
+  w.resize(at + m.data.size() * 2);
+  for (size_t i = 0; i < m.data.size(); ++i) {
+    const uint16_t b = f32_to_bf16(m.data[i]);
+    std::memcpy(w.data() + at + 2 * i, &b, 2);
+  }
+}
+
 DeviceBuffer upload_bytes(const std::vector<uint8_t>& bytes) {
   DeviceBuffer b(std::max<size_t>(bytes.size(), 16));
   if (!bytes.empty()) b.upload(bytes.data(), bytes.size());
@@ -94,19 +109,7 @@ DeviceLinear WeightUploader::upload(const std::vector<const Matrix*>& parts, con
     return d;
   }
   std::vector<uint8_t> w, scale;
-  for (const Matrix* m : parts) {
-    if (m->packed) {
-      append(w, m->packed->w, m->packed->w_bytes);
-      if (m->packed->scale) append(scale, m->packed->scale, m->packed->scale_bytes);
-    } else {
-      const size_t at = w.size();
-      w.resize(at + m->data.size() * 2);
-      for (size_t i = 0; i < m->data.size(); ++i) {
-        const uint16_t b = f32_to_bf16(m->data[i]);
-        std::memcpy(w.data() + at + 2 * i, &b, 2);
-      }
-    }
-  }
+  for (const Matrix* m : parts) append_encoded(*m, w, scale);
   d.w = upload_bytes(w);
   if (!scale.empty()) d.scale = upload_bytes(scale);
   return d;
@@ -177,11 +180,13 @@ DeviceExperts WeightUploader::experts(const std::vector<const Matrix*>& per_expe
       fill_synthetic_weight(e.format, w_at, s_at, d.n, d.k, seed_++, nullptr);
       continue;
     }
-    const DeviceLinear one = upload({&m}, ex);
-    DSV4_CHECK(one.w.size() >= d.w_stride && (!d.scale_stride || one.scale.size() >= d.scale_stride),
-               "cuda runner: routed expert {} has fewer bytes than its shape needs", x);
-    DSV4_CUDA_CHECK(cudaMemcpy(w_at, one.w.data(), d.w_stride, cudaMemcpyDeviceToDevice));
-    if (s_at) DSV4_CUDA_CHECK(cudaMemcpy(s_at, one.scale.data(), d.scale_stride, cudaMemcpyDeviceToDevice));
+    std::vector<uint8_t> w, scale;
+    append_encoded(m, w, scale);
+    DSV4_CHECK(w.size() == d.w_stride && scale.size() == d.scale_stride,
+               "cuda runner: routed expert {} has {} + {} bytes, its shape needs {} + {}", x, w.size(), scale.size(),
+               d.w_stride, d.scale_stride);
+    d.w.upload(w.data(), w.size(), size_t(x) * d.w_stride);
+    if (s_at) d.scale.upload(scale.data(), scale.size(), size_t(x) * d.scale_stride);
   }
   if (d.format == GemvWeight::NVFP4) {
     d.scale_2 = DeviceBuffer(scale_2.size() * sizeof(float));

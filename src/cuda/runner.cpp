@@ -27,9 +27,7 @@
 #include "cuda/device.h"
 #include "cuda/device_weights.h"
 #include "cuda/gemv.h"
-#include "cuda/synthetic.h"
 #include "cuda/ops.h"
-#include "formats/bf16.h"
 #include "model/model.h"
 
 namespace dsv4 {
@@ -190,8 +188,8 @@ class CudaRunner final : public SequenceRunner {
   bool upload_pending_ = false;
 
   // weights
-  DeviceBuffer embed_, final_norm_, inv_freq_main_, inv_freq_compress_;
-  DeviceLinear head_;
+  DeviceBuffer final_norm_, inv_freq_main_, inv_freq_compress_;
+  DeviceLinear embed_, head_;
   std::optional<HcDevice> hc_head_;
   std::vector<LayerDevice> layers_;
 
@@ -228,17 +226,10 @@ CudaRunner::CudaRunner(const Model& model, int max_context, CudaRunnerOptions op
 
   window_slots_ = std::min(c.window, max_context);
   WeightUploader uploader(options.synthetic_format, options.synthetic_seed);
-  if (W.embed.has_values()) {
-    std::vector<uint16_t> host(W.embed.data.size());
-    for (size_t i = 0; i < host.size(); ++i) host[i] = f32_to_bf16(W.embed.data[i]);
-    embed_ = DeviceBuffer(host.size() * sizeof(uint16_t));
-    embed_.upload(host.data(), host.size() * sizeof(uint16_t));
-  } else {
-    DSV4_CHECK(options.synthetic_format, "cuda runner: the embedding has no values");
-    embed_ = DeviceBuffer(size_t(c.vocab_size) * D * sizeof(uint16_t));
-    fill_synthetic_weight(GemvWeight::BF16, embed_.data(), nullptr, c.vocab_size, D, options.synthetic_seed ^ 0xe,
-                          nullptr);
-  }
+  // The embedding is a gather from a bf16 table: the uploader's bf16 rows (of fp32 values, or synthetic codes).
+  embed_ = uploader.linear(W.embed, GemvWeight::BF16);
+  DSV4_CHECK(embed_.format == GemvWeight::BF16 && embed_.n == c.vocab_size && embed_.k == D,
+             "cuda runner: the embedding must be a bf16 [{}, {}] table", c.vocab_size, D);
   head_ = uploader.linear(W.head, GemvWeight::BF16);
   final_norm_ = upload_f32(W.norm);
   hc_head_.emplace(W.hc_head);
@@ -341,7 +332,7 @@ CudaRunner::CudaRunner(const Model& model, int max_context, CudaRunnerOptions op
       max_shared = std::max(max_shared, d.shared_inter);
     }
   }
-  stats_.weight_bytes += bytes_of(embed_) + head_.bytes();
+  stats_.weight_bytes += embed_.bytes() + head_.bytes();
   for (const LayerDevice& d : layers_) {
     stats_.weight_bytes += d.w_x.bytes() + d.w_q.bytes() + d.wo_a.bytes() + d.wo_b.bytes() + d.w1.bytes() +
                            d.w3.bytes() + d.w2.bytes() + d.shared_w13.bytes() + d.shared_w2.bytes();
@@ -489,7 +480,7 @@ void CudaRunner::enqueue_chunk(int n, int64_t pos0, const int64_t* pos_device, R
     DSV4_CUDA_CHECK(cudaMemcpyAsync(pos_.data(), host_pos_, sizeof(int64_t), cudaMemcpyHostToDevice, stream_));
   else
     DSV4_CUDA_CHECK(cudaEventRecord(tokens_uploaded_, stream_));
-  gpu::embed_tokens(embed_.as<uint16_t>(), tokens_.as<int32_t>(), n, D, hc, streams_.as<float>(), stream_);
+  gpu::embed_tokens(embed_.w.as<uint16_t>(), tokens_.as<int32_t>(), n, D, hc, streams_.as<float>(), stream_);
   ++launches_;
   for (int l = 0; l < c.n_layers; ++l) {
     attention_block(l, n, pos0, pos_device);
