@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/bandwidth.h"
 #include "cuda/device.h"
 #include "cuda/gemv.h"
 
@@ -39,18 +40,6 @@ __device__ uint32_t hash32(uint64_t i, uint32_t seed) {
 __global__ void fill_words(uint32_t* p, size_t n_words, uint32_t seed, uint32_t and_mask, uint32_t or_mask) {
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n_words; i += size_t(gridDim.x) * blockDim.x)
     p[i] = (hash32(i, seed) & and_mask) | or_mask;
-}
-
-// A plain 16-byte copy kernel (4 independent loads per thread per step): the copy ceiling for kernels that read
-// with ordinary loads; cudaMemcpy's D2D path is measured too and can differ.
-__global__ void copy_kernel(const uint4* __restrict__ src, uint4* __restrict__ dst, size_t n) {
-  const size_t stride = size_t(gridDim.x) * blockDim.x;
-  size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x;
-  for (; i + 3 * stride < n; i += 4 * stride) {
-    const uint4 a = src[i], b = src[i + stride], c = src[i + 2 * stride], d = src[i + 3 * stride];
-    dst[i] = a, dst[i + stride] = b, dst[i + 2 * stride] = c, dst[i + 3 * stride] = d;
-  }
-  for (; i < n; i += stride) dst[i] = src[i];
 }
 
 void fill(void* p, size_t bytes, uint32_t seed, uint32_t and_mask, uint32_t or_mask) {
@@ -179,7 +168,7 @@ int main(int argc, char** argv) {
     const double memcpy_bw = 2.0 * double(big_src.size()) / t_big;  // bytes read + written
     const double t_kernel = time_steps(
         [&](cudaStream_t s, int) {
-          copy_kernel<<<info.sm_count * 8, 256, 0, s>>>(big_src.as<uint4>(), big_dst.as<uint4>(), big_src.size() / 16);
+          launch_copy_kernel(big_src.data(), big_dst.data(), big_src.size(), s);  // the copy ceiling of plain loads
         },
         5);
     const double kernel_bw = 2.0 * double(big_src.size()) / t_kernel;

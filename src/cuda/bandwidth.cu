@@ -11,7 +11,7 @@
 namespace dsv4 {
 namespace {
 
-// Four independent 16-byte loads in flight per thread and step, then a tail loop (same kernel as
+// Four independent 16-byte loads in flight per thread and step, then a tail loop (also timed by
 // bench/cuda/gemv_bench.cu, whose numbers docs/perf.md quotes).
 __global__ void copy_uint4(const uint4* __restrict__ src, uint4* __restrict__ dst, size_t n) {
   const size_t stride = size_t(gridDim.x) * blockDim.x;
@@ -46,17 +46,21 @@ struct EventPair {
 
 }  // namespace
 
+void launch_copy_kernel(const void* src, void* dst, size_t bytes, cudaStream_t stream) {
+  OPS_CHECK(bytes % 16 == 0 && (reinterpret_cast<uintptr_t>(src) | reinterpret_cast<uintptr_t>(dst)) % 16 == 0,
+            "launch_copy_kernel: %zu bytes and both pointers must be 16-byte multiples", bytes);
+  copy_uint4<<<current_sm_count() * 8, 256, 0, stream>>>(static_cast<const uint4*>(src), static_cast<uint4*>(dst),
+                                                         bytes / 16);
+  DSV4_CUDA_LAUNCHED();
+}
+
 double measure_copy_bandwidth_gbs(size_t bytes, int reps) {
   OPS_CHECK(bytes >= 16 && reps > 0, "measure_copy_bandwidth_gbs: bytes %zu, reps %d", bytes, reps);
   const size_t n = bytes / sizeof(uint4);
   DeviceBuffer src(n * sizeof(uint4)), dst(n * sizeof(uint4));
   src.fill_bytes(0x3c);  // any value; the pages must exist before timing
   dst.fill_bytes(0);
-  const int blocks = current_sm_count() * 8, threads = 256;
-  auto launch = [&] {
-    copy_uint4<<<blocks, threads>>>(src.as<uint4>(), dst.as<uint4>(), n);
-    DSV4_CUDA_LAUNCHED();
-  };
+  auto launch = [&] { launch_copy_kernel(src.data(), dst.data(), n * sizeof(uint4), nullptr); };
   // Warm-up: ~0.3 s of copies at H200 speed (4 TB/s), so the clocks are up before timing.
   const double warmup_copies = 0.3 * 4e12 / (2.0 * double(n * sizeof(uint4)));
   for (int i = 0; i < 2 * reps || i < warmup_copies; ++i) launch();
