@@ -112,8 +112,8 @@ void gemv_grouped(const GemvGroupedParams& g) {
   if (!check_gemv_params(g.base, "gemv_grouped") || g.max_slots == 0) return;
   DSV4_CHECK(g.max_slots > 0 && g.max_slots <= 65535, "gemv_grouped: max_slots = {} is outside [0, 65535]",
              g.max_slots);
-  DSV4_CHECK(g.slot_count && g.slot_expert && g.slot_offset && g.row_order,
-             "gemv_grouped: slot_count, slot_expert, slot_offset and row_order must be device pointers");
+  DSV4_CHECK(g.slots.count && g.slots.expert && g.slots.offset && g.slots.row_order,
+             "gemv_grouped: slots.count, expert, offset and row_order must be device pointers");
   DSV4_CHECK(g.x_row_div > 0, "gemv_grouped: x_row_div = {} must be positive", g.x_row_div);
   DSV4_CHECK(g.w_expert_stride % 16 == 0, "gemv_grouped: w_expert_stride = {} must keep 16-byte alignment",
              g.w_expert_stride);
@@ -131,7 +131,7 @@ void gemv_grouped(const GemvGroupedParams& g) {
 void moe_slots(const MoeSlotsParams& p) {
   DSV4_CHECK(p.n >= 0 && p.k > 0 && p.experts > 0 && p.experts <= 4096 && p.n * p.k <= 4096,
              "moe_slots: n = {}, k = {}, experts = {} (experts and n*k must be in [1, 4096])", p.n, p.k, p.experts);
-  DSV4_CHECK(p.ids && p.slot_count && p.slot_expert && p.slot_offset && p.row_order,
+  DSV4_CHECK(p.ids && p.slots.count && p.slots.expert && p.slots.offset && p.slots.row_order,
              "moe_slots: every pointer must be a device pointer");
   DSV4_CUDA_CHECK(detail::moe_slots_launch(p));
 }

@@ -304,15 +304,15 @@ __global__ void moe_slots_kernel(MoeSlotsParams p) {
     for (int e = 0; e < p.experts; ++e) {
       start[e] = offset;
       if (count[e]) {
-        p.slot_expert[slots] = e;
-        p.slot_offset[slots] = offset;
+        p.slots.expert[slots] = e;
+        p.slots.offset[slots] = offset;
         ++slots;
       }
       offset += count[e];
     }
-    p.slot_offset[slots] = offset;
-    *p.slot_count = slots;
-    for (int i = 0; i < pairs; ++i) p.row_order[start[p.ids[i]]++] = i;  // stable: ascending pair index
+    p.slots.offset[slots] = offset;
+    *p.slots.count = slots;
+    for (int i = 0; i < pairs; ++i) p.slots.row_order[start[p.ids[i]]++] = i;  // stable: ascending pair index
   }
 }
 
@@ -326,10 +326,10 @@ cudaError_t gemv_grouped_launch(const GemvGroupedParams& g, int split_k) {
   a.scale_stride = g.scale_expert_stride;
   a.scale_2 = g.base.weight == GemvWeight::NVFP4 ? g.scale_2 : nullptr;
   a.nvfp4_factor = dq::kNvfp4OutputFactor;
-  a.slot_count = g.slot_count;
-  a.slot_expert = g.slot_expert;
-  a.slot_offset = g.slot_offset;
-  a.row_order = g.row_order;
+  a.slot_count = g.slots.count;
+  a.slot_expert = g.slots.expert;
+  a.slot_offset = g.slots.offset;
+  a.row_order = g.slots.row_order;
   a.x_row_div = g.x_row_div;
   return launch<true>(g.base, a, g.max_slots);
 }

@@ -53,38 +53,42 @@ struct GemvParams {
 
 void gemv(const GemvParams& p);
 
+// Routed (token, pick) pairs grouped by expert: written by moe_slots, read by gemv_grouped (device arrays).
+//   count [1] active slots; expert [max_slots] the expert of each slot, ascending; offset [max_slots + 1] where
+//   each slot's pairs start in row_order; row_order [pairs] the pair indices t·k + i, sorted by slot.
+struct MoeSlots {
+  int32_t* count = nullptr;
+  int32_t* expert = nullptr;
+  int32_t* offset = nullptr;
+  int32_t* row_order = nullptr;
+};
+
 // Grouped (MoE) skinny GEMM over rows routed to experts on the device, so no host round trip decides which
 // experts run:
-//   for each active slot s < *slot_count, expert e = slot_expert[s], and each pair r in
-//   row_order[slot_offset[s] .. slot_offset[s+1]):   y[r, :] = x[r / x_row_div, :] · W_eᵀ
+//   for each active slot s < *slots.count, expert e = slots.expert[s], and each pair r in
+//   slots.row_order[slots.offset[s] .. slots.offset[s+1]):   y[r, :] = x[r / x_row_div, :] · W_eᵀ
 // W_e = the format of `base` at base.w + e·w_expert_stride bytes (scale: base.w_scale + e·scale_expert_stride),
 // NVFP4 global scale scale_2[e] (nullptr: base.w_scale_2 for every expert). base.m is the most rows any slot
 // holds (<= 64, the kernel's tile width; a host-known bound such as the chunk's token count), base.n / base.k the
-// shape of one expert, base.x [rows, k] bf16, base.y [pairs, ldy]. Slots past *slot_count exit at once; the grid
+// shape of one expert, base.x [rows, k] bf16, base.y [pairs, ldy]. Slots past *slots.count exit at once; the grid
 // has max_slots of them, so the launch shape does not depend on the routing (graph capture).
 struct GemvGroupedParams {
   GemvParams base;
   size_t w_expert_stride = 0, scale_expert_stride = 0;  // bytes
   const float* scale_2 = nullptr;                       // device [E]
   int max_slots = 0;
-  const int32_t* slot_count = nullptr;   // device [1]
-  const int32_t* slot_expert = nullptr;  // device [max_slots]
-  const int32_t* slot_offset = nullptr;  // device [max_slots + 1]
-  const int32_t* row_order = nullptr;    // device [pairs]
+  MoeSlots slots;
   int x_row_div = 1;
 };
 void gemv_grouped(const GemvGroupedParams& p);
 
 // Builds the slot arrays of gemv_grouped from the router's picks ids [n, k] (expert ids in [0, experts)):
 // pairs t·k + i sorted by expert, ascending, stable; one slot per expert with at least one pair.
-// slot_expert / slot_offset need min(experts, n·k) (+1) entries. experts <= 4096, n·k <= 4096.
+// slots.expert / slots.offset need min(experts, n·k) (+1) entries. experts <= 4096, n·k <= 4096.
 struct MoeSlotsParams {
   const int32_t* ids = nullptr;
   int n = 0, k = 0, experts = 0;
-  int32_t* slot_count = nullptr;
-  int32_t* slot_expert = nullptr;
-  int32_t* slot_offset = nullptr;
-  int32_t* row_order = nullptr;
+  MoeSlots slots;
   cudaStream_t stream = nullptr;
 };
 void moe_slots(const MoeSlotsParams& p);

@@ -159,10 +159,7 @@ class CudaRunner final : public SequenceRunner {
     g.scale_expert_stride = w.scale_stride;
     g.scale_2 = w.scale_2.data() ? w.scale_2.as<float>() : nullptr;
     g.max_slots = max_slots_;
-    g.slot_count = slot_count_.as<int32_t>();
-    g.slot_expert = slot_expert_.as<int32_t>();
-    g.slot_offset = slot_offset_.as<int32_t>();
-    g.row_order = row_order_.as<int32_t>();
+    g.slots = slots_;
     g.x_row_div = x_row_div;
     gemv_grouped(g);
     ++launches_;
@@ -198,6 +195,7 @@ class CudaRunner final : public SequenceRunner {
       index_w_, scores_, selected_, o_grouped_, z_grouped_, z_, attn_out_, router_logits_, expert_ids_,
       expert_weights_, slot_count_, slot_expert_, slot_offset_, row_order_, expert_gate_, expert_up_, h_, y_pairs_,
       shared_y13_, h_shared_, shared_out_, head_in_, logits_;
+  MoeSlots slots_;     // views of slot_count_ .. row_order_
   int max_slots_ = 1;  // grouped-gemv grid: min(experts, picks of a full chunk)
   int max_entries_ = 1;  // largest compressed-entry count of any layer (scores scratch row length)
   int32_t* host_tokens_ = nullptr;  // pinned
@@ -366,6 +364,8 @@ CudaRunner::CudaRunner(const Model& model, int max_context, CudaRunnerOptions op
   slot_expert_ = zeros(max_slots_ * sizeof(int32_t));
   slot_offset_ = zeros((max_slots_ + 1) * sizeof(int32_t));
   row_order_ = zeros(C * k * sizeof(int32_t));
+  slots_ = {slot_count_.as<int32_t>(), slot_expert_.as<int32_t>(), slot_offset_.as<int32_t>(),
+            row_order_.as<int32_t>()};
   expert_gate_ = zeros(C * k * max_inter * f);
   expert_up_ = zeros(C * k * max_inter * f);
   h_ = zeros(C * k * max_inter * b16);
@@ -714,10 +714,7 @@ void CudaRunner::ffn_block(int l, int n) {
   slots.n = n;
   slots.k = k;
   slots.experts = E;
-  slots.slot_count = slot_count_.as<int32_t>();
-  slots.slot_expert = slot_expert_.as<int32_t>();
-  slots.slot_offset = slot_offset_.as<int32_t>();
-  slots.row_order = row_order_.as<int32_t>();
+  slots.slots = slots_;
   slots.stream = stream_;
   moe_slots(slots);
   ++launches_;

@@ -363,8 +363,7 @@ TEST_P(GemvGroupedTest, MatchesFp64ReferencePerPair) {
 
   MoeSlotsParams sp;
   sp.ids = dids.as<int32_t>(), sp.n = c.tokens, sp.k = c.k_pick, sp.experts = c.experts;
-  sp.slot_count = count.as<int32_t>(), sp.slot_expert = slot_expert.as<int32_t>();
-  sp.slot_offset = slot_offset.as<int32_t>(), sp.row_order = order.as<int32_t>();
+  sp.slots = {count.as<int32_t>(), slot_expert.as<int32_t>(), slot_offset.as<int32_t>(), order.as<int32_t>()};
   moe_slots(sp);
   GemvGroupedParams g;
   g.base.m = c.tokens, g.base.n = c.n, g.base.k = c.k;
@@ -372,8 +371,7 @@ TEST_P(GemvGroupedTest, MatchesFp64ReferencePerPair) {
   g.base.y = dy.data(), g.base.weight = c.weight, g.base.fp8_scale = c.fp8_scale;
   g.w_expert_stride = w_stride, g.scale_expert_stride = s_stride, g.scale_2 = ds2.as<float>();
   g.max_slots = std::min(c.experts, pairs);
-  g.slot_count = sp.slot_count, g.slot_expert = sp.slot_expert, g.slot_offset = sp.slot_offset;
-  g.row_order = sp.row_order, g.x_row_div = c.x_row_div;
+  g.slots = sp.slots, g.x_row_div = c.x_row_div;
   gemv_grouped(g);
   DSV4_CUDA_CHECK(cudaDeviceSynchronize());
 
