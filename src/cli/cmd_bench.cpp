@@ -64,6 +64,7 @@ struct BenchArgs {
   uint64_t seed = 1;
   std::string json_path;
   bool plan_only = false;
+  bool profile = false;  // one more decode step with an event after every launch site
 };
 
 // ---- accounting -------------------------------------------------------------------------------------------
@@ -236,7 +237,7 @@ void validate(BenchArgs& a) {
   DSV4_CHECK(a.decode_context >= 0, "dsv4 bench: --decode-context {} must be >= 0", a.decode_context);
   DSV4_CHECK(a.decode_steps > 0, "dsv4 bench: --decode-steps {} must be positive", a.decode_steps);
   const int needed = std::max(*std::max_element(a.prefill.begin(), a.prefill.end()),
-                              a.decode_context + kDecodeWarmupSteps + a.decode_steps);
+                              a.decode_context + kDecodeWarmupSteps + a.decode_steps + (a.profile ? 1 : 0));
   if (a.max_context == 0) a.max_context = needed;
   DSV4_CHECK(a.max_context >= needed, "dsv4 bench: --max-context {} is below the {} tokens the runs need",
              a.max_context, needed);
@@ -315,6 +316,42 @@ size_t device_used_bytes() {
   return total_bytes - free_bytes;
 }
 
+// One more decode step with direct launches and an event after every launch site: GPU time per site summed
+// over the layers, largest first, against the graph step's time.
+json profile_decode_step(SequenceRunner& runner, int32_t token, double graph_ms) {
+  const std::vector<LaunchTiming> timings = cuda_runner_profile_step(runner, token);
+  struct Site {
+    std::string name;
+    int launches = 0, kernels = 0;
+    double us = 0, max_us = 0;
+  };
+  std::vector<Site> sites;
+  double total_us = 0;
+  for (const LaunchTiming& t : timings) {
+    auto it = std::find_if(sites.begin(), sites.end(), [&](const Site& s) { return s.name == t.site; });
+    if (it == sites.end()) it = sites.insert(sites.end(), Site{t.site});
+    ++it->launches;
+    it->kernels += t.kernels;
+    it->us += t.us;
+    it->max_us = std::max(it->max_us, t.us);
+    total_us += t.us;
+  }
+  std::sort(sites.begin(), sites.end(), [](const Site& x, const Site& y) { return x.us > y.us; });
+  fmt::print("\nprofile of one decode step (direct launches, an event after each launch site): {:.3f} ms of GPU "
+             "time in {} launch sites; the graph step above took {:.3f} ms\n",
+             total_us / 1e3, timings.size(), graph_ms);
+  fmt::print("  {:<44} {:>8} {:>8} {:>10} {:>9} {:>9} {:>7}\n", "site", "launches", "kernels", "total us",
+             "mean us", "max us", "share");
+  json out = {{"total_us", total_us}, {"graph_step_ms", graph_ms}, {"sites", json::array()}};
+  for (const Site& s : sites) {
+    fmt::print("  {:<44} {:>8} {:>8} {:>10.1f} {:>9.2f} {:>9.2f} {:>7.3f}\n", s.name, s.launches, s.kernels, s.us,
+               s.us / s.launches, s.max_us, s.us / total_us);
+    out["sites"].push_back({{"site", s.name}, {"launches", s.launches}, {"kernels", s.kernels}, {"total_us", s.us},
+                            {"max_us", s.max_us}});
+  }
+  return out;
+}
+
 json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double bandwidth_gbs) {
   const ModelConfig& c = model.config();
   const double bandwidth = bandwidth_gbs * 1e9;
@@ -389,6 +426,7 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
                       {"roofline_tok_s", roofline}, {"fraction_of_roofline", tok_s / roofline}};
   report["decode_batch_8"] = "not measured: the CUDA runner runs one sequence";
   report["decode_batch_32"] = "not measured: the CUDA runner runs one sequence";
+  if (a.profile) report["decode_profile"] = profile_decode_step(*runner, token[0], 1e3 * seconds / a.decode_steps);
   return report;
 }
 
@@ -442,6 +480,8 @@ void add_bench_command(CLI::App& app, Handler& handler) {
                   "Tokens of state preallocated (default: the longest prompt or decode context + steps)");
   cmd->add_option("--seed", args->seed, "Seed of the weights and token ids")->capture_default_str();
   cmd->add_option("--json", args->json_path, "Also write every number to this JSON file");
+  cmd->add_flag("--profile", args->profile,
+                "After the timed decode steps, time every launch site of one more step (events, no graph)");
   cmd->add_flag("--plan-only", args->plan_only,
                 "Print the bytes / FLOPs accounting only (no GPU needed)");
   cmd->callback([&handler, args] {

@@ -23,6 +23,14 @@ __global__ void copy_uint4(const uint4* __restrict__ src, uint4* __restrict__ ds
   for (; i < n; i += stride) dst[i] = src[i];
 }
 
+__global__ void delay_kernel(uint64_t ns) {
+  uint64_t start, now;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+  do {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+  } while (now - start < ns);
+}
+
 void check(cudaError_t err, const char* what) {
   if (err == cudaSuccess) return;
   char message[256];
@@ -51,6 +59,11 @@ void launch_copy_kernel(const void* src, void* dst, size_t bytes, cudaStream_t s
             "launch_copy_kernel: %zu bytes and both pointers must be 16-byte multiples", bytes);
   copy_uint4<<<current_sm_count() * 8, 256, 0, stream>>>(static_cast<const uint4*>(src), static_cast<uint4*>(dst),
                                                          bytes / 16);
+  DSV4_CUDA_LAUNCHED();
+}
+
+void launch_delay_kernel(double microseconds, cudaStream_t stream) {
+  delay_kernel<<<1, 1, 0, stream>>>(uint64_t(microseconds * 1e3));
   DSV4_CUDA_LAUNCHED();
 }
 

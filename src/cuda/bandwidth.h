@@ -17,4 +17,8 @@ double measure_copy_bandwidth_gbs(size_t bytes = size_t(2) << 30, int reps = 10)
 // (a multiple of 16; both pointers 16-byte aligned) from src to dst on `stream` with sm_count x 8 blocks.
 void launch_copy_kernel(const void* src, void* dst, size_t bytes, cudaStream_t stream);
 
+// One thread that spins for `microseconds` of GPU time (%globaltimer): holds a stream back while the host
+// queues work behind it, so event timings of that work do not include host launch time.
+void launch_delay_kernel(double microseconds, cudaStream_t stream);
+
 }  // namespace dsv4

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "core/check.h"
+#include "cuda/bandwidth.h"
 #include "cuda/cuda_check.h"
 #include "cuda/device.h"
 #include "cuda/device_weights.h"
@@ -112,6 +113,7 @@ class CudaRunner final : public SequenceRunner {
   void reset() override;
   size_t state_bytes() const override { return state_bytes_; }
   CudaRunnerStats stats() const { return stats_; }
+  std::vector<LaunchTiming> profile_step(int32_t token);
 
  private:
   enum class Rows { None, Last, All };  // logits rows a chunk returns
@@ -121,28 +123,31 @@ class CudaRunner final : public SequenceRunner {
   void enqueue_chunk(int n, int64_t pos0, const int64_t* pos_device, Rows rows);
   void attention_block(int l, int n, int64_t pos0, const int64_t* pos_device);
   void ffn_block(int l, int n);
-  void row_op(const RowOpParams& p) {
+  // Counts the kernels of one launch site; when profiling, an event after it times the site.
+  void launched(const char* site, int kernels = 1);
+  void row_op(const char* site, const RowOpParams& p) {
     gpu::row_op(p, stream_);
-    ++launches_;
+    launched(site);
   }
   // y[m, :] = x[m, k] · Wᵀ with bf16 x (gemv: m <= 64 by construction of the chunk size).
-  void linear(const DeviceLinear& w, const void* x, void* y, int m, GemvOut out, int row0 = 0, int rows = -1) {
+  void linear(const char* site, const DeviceLinear& w, const void* x, void* y, int m, GemvOut out, int row0 = 0,
+              int rows = -1) {
     GemvParams p = w.params(x, y, m, out, 0, row0, rows);
     p.stream = stream_;
     gemv(p);
-    ++launches_;
+    launched(site);
   }
   // Every part of a fused projection into its columns of y [m, f.n] (fp32).
-  void linear(const FusedLinear& f, const void* x, float* y, int m) {
+  void linear(const char* site, const FusedLinear& f, const void* x, float* y, int m) {
     for (const FusedLinear::Part& part : f.parts) {
       GemvParams p = part.weight.params(x, y + part.row0, m, GemvOut::F32, f.n);
       p.stream = stream_;
       gemv(p);
-      ++launches_;
+      launched(site);
     }
   }
   // y[pair, :] = x[pair / x_row_div, :] · W_eᵀ for the routed pairs of the moe_slots arrays.
-  void linear_grouped(const DeviceExperts& w, const void* x, int x_row_div, void* y, int max_rows, GemvOut out) {
+  void linear_grouped(const char* site, const DeviceExperts& w, const void* x, int x_row_div, void* y, int max_rows, GemvOut out) {
     GemvGroupedParams g;
     g.base.m = max_rows;
     g.base.n = w.n;
@@ -162,11 +167,12 @@ class CudaRunner final : public SequenceRunner {
     g.slots = slots_;
     g.x_row_div = x_row_div;
     gemv_grouped(g);
-    ++launches_;
+    launched(site);
   }
-  void linear_f32(const float* x, const DeviceBuffer& w, float* y, int m, int rows, int k, float scale = 1.0f) {
+  void linear_f32(const char* site, const float* x, const DeviceBuffer& w, float* y, int m, int rows, int k,
+                  float scale = 1.0f) {
     gpu::linear_f32({x, w.as<float>(), y, m, rows, k, scale}, stream_);
-    ++launches_;
+    launched(site);
   }
 
   const Model& model_;
@@ -202,6 +208,16 @@ class CudaRunner final : public SequenceRunner {
   int64_t* host_pos_ = nullptr;     // pinned, the decode graph's position
   DeviceBuffer pos_;                // int64 position read by the decode graph's kernels
   float* host_logits_ = nullptr;    // pinned [kCudaMaxChunk, vocab]
+
+  // profile_step: an event after every launch site of one eager step (events_[0] marks its start)
+  struct SiteMark {
+    const char* site;
+    int layer, kernels;
+  };
+  bool profiling_ = false;
+  int current_layer_ = -1;
+  std::vector<SiteMark> marks_;
+  std::vector<cudaEvent_t> events_;
 };
 
 CudaRunner::CudaRunner(const Model& model, int max_context, CudaRunnerOptions options)
@@ -397,6 +413,7 @@ CudaRunner::~CudaRunner() {
   if (host_pos_) cudaFreeHost(host_pos_);
   if (host_logits_) cudaFreeHost(host_logits_);
   if (tokens_uploaded_) cudaEventDestroy(tokens_uploaded_);
+  for (cudaEvent_t e : events_) cudaEventDestroy(e);
   if (stream_) cudaStreamDestroy(stream_);
 }
 
@@ -481,22 +498,70 @@ void CudaRunner::enqueue_chunk(int n, int64_t pos0, const int64_t* pos_device, R
   else
     DSV4_CUDA_CHECK(cudaEventRecord(tokens_uploaded_, stream_));
   gpu::embed_tokens(embed_.w.as<uint16_t>(), tokens_.as<int32_t>(), n, D, hc, streams_.as<float>(), stream_);
-  ++launches_;
+  launched("embed");
   for (int l = 0; l < c.n_layers; ++l) {
+    current_layer_ = l;
     attention_block(l, n, pos0, pos_device);
     ffn_block(l, n);
   }
+  current_layer_ = -1;
   if (wanted == Rows::None) return;
   // 5: final collapse, norm, head for the rows asked for
   const int first = wanted == Rows::Last ? n - 1 : 0, rows = n - first;
   const float* streams = streams_.as<float>() + size_t(first) * hc * D;
-  linear_f32(streams, hc_head_->fn, mix_.as<float>(), rows, hc, hc * D);
+  linear_f32("head: mHC mix", streams, hc_head_->fn, mix_.as<float>(), rows, hc, hc * D);
   gpu::hc_head_norm(streams, mix_.as<float>(), hc_head_->base.as<float>(), hc_head_->scale.as<float>(),
                     final_norm_.as<float>(), rows, hc, D, c.hc_eps, c.rms_norm_eps, head_in_.as<uint16_t>(), stream_);
-  ++launches_;
-  linear(head_, head_in_.data(), logits_.data(), rows, GemvOut::F32);
+  launched("head: mHC collapse + norm");
+  linear("head: lm_head", head_, head_in_.data(), logits_.data(), rows, GemvOut::F32);
   DSV4_CUDA_CHECK(cudaMemcpyAsync(host_logits_, logits_.data(), size_t(rows) * V * sizeof(float),
                                   cudaMemcpyDeviceToHost, stream_));
+}
+
+void CudaRunner::launched(const char* site, int kernels) {
+  launches_ += kernels;
+  if (!profiling_) return;
+  const size_t index = marks_.size() + 1;
+  if (index == events_.size()) {
+    cudaEvent_t e = nullptr;
+    DSV4_CUDA_CHECK(cudaEventCreate(&e));
+    events_.push_back(e);
+  }
+  DSV4_CUDA_CHECK(cudaEventRecord(events_[index], stream_));
+  marks_.push_back({site, current_layer_, kernels});
+}
+
+std::vector<LaunchTiming> CudaRunner::profile_step(int32_t token) {
+  if (events_.empty()) {
+    cudaEvent_t e = nullptr;
+    DSV4_CUDA_CHECK(cudaEventCreate(&e));
+    events_.push_back(e);
+  }
+  marks_.clear();
+  const bool graph = options_.graph_decode;
+  options_.graph_decode = false;
+  profiling_ = true;
+  try {
+    // The GPU waits while the host queues the step, so host launch time does not show up between events.
+    launch_delay_kernel(20000.0, stream_);
+    DSV4_CUDA_CHECK(cudaEventRecord(events_[0], stream_));
+    forward(std::span<const int32_t>(&token, 1), true);
+  } catch (...) {
+    profiling_ = false;
+    options_.graph_decode = graph;
+    throw;
+  }
+  profiling_ = false;
+  options_.graph_decode = graph;
+  DSV4_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  std::vector<LaunchTiming> timings;
+  timings.reserve(marks_.size());
+  for (size_t i = 0; i < marks_.size(); ++i) {
+    float ms = 0;
+    DSV4_CUDA_CHECK(cudaEventElapsedTime(&ms, events_[i], events_[i + 1]));
+    timings.push_back({marks_[i].site, marks_[i].layer, marks_[i].kernels, 1e3 * double(ms)});
+  }
+  return timings;
 }
 
 void CudaRunner::attention_block(int l, int n, int64_t pos0, const int64_t* pos_device) {
@@ -508,15 +573,15 @@ void CudaRunner::attention_block(int l, int n, int64_t pos0, const int64_t* pos_
   float* y_q = y_q_.as<float>();
 
   // 2.3 mHC pre + attn_norm
-  linear_f32(streams_.as<float>(), d.hc_attn.fn, mix_.as<float>(), n, n_mix, hc * D);
+  linear_f32("attn: mHC mix", streams_.as<float>(), d.hc_attn.fn, mix_.as<float>(), n, n_mix, hc * D);
   gpu::hc_pre({streams_.as<float>(), mix_.as<float>(), d.hc_attn.base.as<float>(), d.hc_attn.scale.as<float>(),
                d.attn_norm.as<float>(), n, hc, D, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps, post_.as<float>(),
                comb_.as<float>(), normed_.as<float>(), normed_bf16_.as<uint16_t>()},
               stream_);
-  ++launches_;
+  launched("attn: hc_pre + norm");
 
   // 3.2 / 3.3 / 3.5 input projections in one GEMM, then q_norm and the q projections in another.
-  linear(d.w_x, normed_bf16_.data(), y_x, n);
+  linear("attn: gemv x-side [wq_a|wkv|compressors]", d.w_x, normed_bf16_.data(), y_x, n);
   RowOpParams qn;
   qn.x = y_x;
   qn.x_token_stride = d.n_x;
@@ -526,8 +591,8 @@ void CudaRunner::attention_block(int l, int n, int64_t pos0, const int64_t* pos_
   qn.norm = true;
   qn.weight = d.q_norm.as<float>();
   qn.eps = c.rms_norm_eps;
-  row_op(qn);
-  linear(d.w_q, qr_bf16_.data(), y_q, n);
+  row_op("attn: q_norm", qn);
+  linear("attn: gemv q-side [wq_b|indexer wq_b]", d.w_q, qr_bf16_.data(), y_q, n);
 
   RowOpParams q;  // per-head norm (no weight) + RoPE, in place
   q.x = q.y = y_q;
@@ -542,7 +607,7 @@ void CudaRunner::attention_block(int l, int n, int64_t pos0, const int64_t* pos_
   q.inv_freq = d.inv_freq;
   q.pos0 = pos0;
   q.pos_device = pos_device;
-  row_op(q);
+  row_op("attn: q norm + rope", q);
 
   const RowRound kv_round = numerics_.kv == cpu::KvStorage::FP8    ? RowRound::KvFp8
                             : numerics_.kv == cpu::KvStorage::BF16 ? RowRound::Bf16
@@ -565,14 +630,14 @@ void CudaRunner::attention_block(int l, int n, int64_t pos0, const int64_t* pos_
   kv.pos0 = pos0;
   kv.round = kv_round;
   kv.pos_device = pos_device;
-  row_op(kv);
+  row_op("attn: kv norm + rope + round", kv);
 
   // 3.5 compressors; the entries completed in this chunk (blocks pos0/r .. (pos0+n)/r - 1) are finished after.
-  auto advance = [&](CompressorDevice& cd, int off_kv, int off_gate, float* entries, RowRound round) {
+  auto advance = [&](const char* site, const char* finish_site, CompressorDevice& cd, int off_kv, int off_gate, float* entries, RowRound round) {
     gpu::compressor_advance({y_x + off_kv, y_x + off_gate, d.n_x, cd.ape.as<float>(), cd.state_kv.as<float>(),
                              cd.state_score.as<float>(), entries, cd.ratio, cd.dim, n, cd.overlap, pos0, pos_device},
                             stream_);
-    ++launches_;
+    launched(site);
     const int64_t b_first = pos_device ? 0 : pos0 / r, b_end = pos_device ? 1 : (pos0 + n) / r;
     if (b_end == b_first) return;
     RowOpParams fin;
@@ -590,14 +655,14 @@ void CudaRunner::attention_block(int l, int n, int64_t pos0, const int64_t* pos_
     fin.pos0 = b_first * r;
     fin.pos_step = r;
     fin.round = round;
-    row_op(fin);
+    row_op(finish_site, fin);
   };
-  if (d.compressor) advance(*d.compressor, d.off_ckv, d.off_cgate, d.compressed.as<float>(), kv_round);
+  if (d.compressor) advance("attn: compressor", "attn: compressor entry", *d.compressor, d.off_ckv, d.off_cgate, d.compressed.as<float>(), kv_round);
 
   // 3.6 lightning indexer
   const int nh = c.index_n_heads, ihd = c.index_head_dim;
   if (d.indexer) {
-    advance(*d.index_compressor, d.off_ikv, d.off_igate, d.index_keys.as<float>(), index_round);
+    advance("indexer: compressor", "indexer: compressor entry", *d.index_compressor, d.off_ikv, d.off_igate, d.index_keys.as<float>(), index_round);
     RowOpParams qi;  // RoPE + rounding, no norm
     qi.x = qi.y = y_q + d.off_iq;
     qi.x_token_stride = qi.y_token_stride = d.n_q;
@@ -610,8 +675,8 @@ void CudaRunner::attention_block(int l, int n, int64_t pos0, const int64_t* pos_
     qi.pos0 = pos0;
     qi.round = index_round;
     qi.pos_device = pos_device;
-    row_op(qi);
-    linear_f32(normed_.as<float>(), d.index_wproj, index_w_.as<float>(), n, nh, D);
+    row_op("indexer: q rope + round", qi);
+    linear_f32("indexer: weights_proj", normed_.as<float>(), d.index_wproj, index_w_.as<float>(), n, nh, D);
     gpu::IndexerTopkParams ip;
     ip.q = y_q + d.off_iq;
     ip.q_token_stride = d.n_q;
@@ -629,7 +694,7 @@ void CudaRunner::attention_block(int l, int n, int64_t pos0, const int64_t* pos_
     ip.pos0 = pos0;
     ip.pos_device = pos_device;
     gpu::indexer_topk(ip, stream_);
-    launches_ += 2;  // scores, then selection
+    launched("indexer: scores + top-k", 2);
   }
 
   // 3.7 / 3.8 attention, then the window ring takes this chunk's last positions.
@@ -656,25 +721,25 @@ void CudaRunner::attention_block(int l, int n, int64_t pos0, const int64_t* pos_
   ap.out = o_grouped_.as<uint16_t>();
   ap.pos_device = pos_device;
   gpu::attention(ap, stream_);
-  ++launches_;
+  launched("attn: attention");
   gpu::window_store(kv_chunk_.as<float>(), n, hd, pos0, pos_device, d.window.as<float>(), window_slots_, stream_);
-  ++launches_;
+  launched("attn: window store");
 
   // 3.9 grouped low-rank output projection: group g's heads through wo_a rows g·o_lora.., then wo_b.
   const int G = c.o_groups, ol = c.o_lora_rank, gw = H * hd / G;
   uint16_t* z_out = n == 1 ? z_.as<uint16_t>() : z_grouped_.as<uint16_t>();  // one token: [G, 1, ol] = [1, G·ol]
   for (int g = 0; g < G; ++g)
-    linear(d.wo_a, o_grouped_.as<uint16_t>() + size_t(g) * n * gw, z_out + size_t(g) * n * ol, n, GemvOut::BF16,
+    linear("attn: gemv wo_a (per group)", d.wo_a, o_grouped_.as<uint16_t>() + size_t(g) * n * gw, z_out + size_t(g) * n * ol, n, GemvOut::BF16,
            g * ol, ol);
   if (n > 1) {
     gpu::ungroup_bf16(z_grouped_.as<uint16_t>(), G, n, ol, z_.as<uint16_t>(), stream_);
-    ++launches_;
+    launched("attn: ungroup");
   }
-  linear(d.wo_b, z_.data(), attn_out_.data(), n, GemvOut::F32);
+  linear("attn: gemv wo_b", d.wo_b, z_.data(), attn_out_.data(), n, GemvOut::F32);
 
   gpu::hc_post(attn_out_.as<float>(), 1, nullptr, post_.as<float>(), comb_.as<float>(), n, hc, D, streams_.as<float>(),
                stream_);
-  ++launches_;
+  launched("attn: hc_post");
 }
 
 void CudaRunner::ffn_block(int l, int n) {
@@ -683,15 +748,15 @@ void CudaRunner::ffn_block(int l, int n) {
   const int D = c.hidden_size, hc = c.hc_mult, n_mix = (2 + hc) * hc, E = c.n_routed_experts;
   const int k = c.n_experts_per_tok;
 
-  linear_f32(streams_.as<float>(), d.hc_ffn.fn, mix_.as<float>(), n, n_mix, hc * D);
+  linear_f32("ffn: mHC mix", streams_.as<float>(), d.hc_ffn.fn, mix_.as<float>(), n, n_mix, hc * D);
   gpu::hc_pre({streams_.as<float>(), mix_.as<float>(), d.hc_ffn.base.as<float>(), d.hc_ffn.scale.as<float>(),
                d.ffn_norm.as<float>(), n, hc, D, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps, post_.as<float>(),
                comb_.as<float>(), normed_.as<float>(), normed_bf16_.as<uint16_t>()},
               stream_);
-  ++launches_;
+  launched("ffn: hc_pre + norm");
 
   // 4.1 router (fp32)
-  linear_f32(normed_.as<float>(), d.gate, router_logits_.as<float>(), n, E, D);
+  linear_f32("ffn: router gate", normed_.as<float>(), d.gate, router_logits_.as<float>(), n, E, D);
   gpu::RouterParams rp;
   rp.logits = router_logits_.as<float>();
   rp.bias = d.hash || !d.gate_bias.data() ? nullptr : d.gate_bias.as<float>();
@@ -706,7 +771,7 @@ void CudaRunner::ffn_block(int l, int n) {
   rp.ids = expert_ids_.as<int32_t>();
   rp.weights = expert_weights_.as<float>();
   gpu::router(rp, stream_);
-  ++launches_;
+  launched("ffn: router");
 
   // 4.2 routed experts (only the picked ones, grouped by expert on the device), then the shared expert
   MoeSlotsParams slots;
@@ -717,9 +782,9 @@ void CudaRunner::ffn_block(int l, int n) {
   slots.slots = slots_;
   slots.stream = stream_;
   moe_slots(slots);
-  ++launches_;
-  linear_grouped(d.w1, normed_bf16_.data(), k, expert_gate_.data(), n, GemvOut::F32);
-  linear_grouped(d.w3, normed_bf16_.data(), k, expert_up_.data(), n, GemvOut::F32);
+  launched("ffn: moe_slots");
+  linear_grouped("ffn: grouped gemv w1", d.w1, normed_bf16_.data(), k, expert_gate_.data(), n, GemvOut::F32);
+  linear_grouped("ffn: grouped gemv w3", d.w3, normed_bf16_.data(), k, expert_up_.data(), n, GemvOut::F32);
   gpu::SwigluParams sw;
   sw.gate = expert_gate_.as<float>();
   sw.up = expert_up_.as<float>();
@@ -730,13 +795,13 @@ void CudaRunner::ffn_block(int l, int n) {
   sw.limit = c.swiglu_limit;
   sw.h = h_.as<uint16_t>();
   gpu::swiglu(sw, stream_);
-  ++launches_;
-  linear_grouped(d.w2, h_.data(), 1, y_pairs_.data(), n, GemvOut::F32);
+  launched("ffn: swiglu");
+  linear_grouped("ffn: grouped gemv w2", d.w2, h_.data(), 1, y_pairs_.data(), n, GemvOut::F32);
 
   const bool shared = d.shared_inter > 0;
   if (shared) {
     const int si = d.shared_inter;
-    linear(d.shared_w13, normed_bf16_.data(), shared_y13_.as<float>(), n);
+    linear("ffn: gemv shared [w1|w3]", d.shared_w13, normed_bf16_.data(), shared_y13_.as<float>(), n);
     gpu::SwigluParams ss;
     ss.gate = shared_y13_.as<float>();
     ss.up = shared_y13_.as<float>() + si;
@@ -746,12 +811,12 @@ void CudaRunner::ffn_block(int l, int n) {
     ss.limit = c.swiglu_limit;
     ss.h = h_shared_.as<uint16_t>();
     gpu::swiglu(ss, stream_);
-    ++launches_;
-    linear(d.shared_w2, h_shared_.data(), shared_out_.data(), n, GemvOut::F32);
+    launched("ffn: shared swiglu");
+    linear("ffn: gemv shared w2", d.shared_w2, h_shared_.data(), shared_out_.data(), n, GemvOut::F32);
   }
   gpu::hc_post(y_pairs_.as<float>(), k, shared ? shared_out_.as<float>() : nullptr, post_.as<float>(),
                comb_.as<float>(), n, hc, D, streams_.as<float>(), stream_);
-  ++launches_;
+  launched("ffn: hc_post");
 }
 
 }  // namespace
@@ -759,6 +824,12 @@ void CudaRunner::ffn_block(int l, int n) {
 std::unique_ptr<SequenceRunner> make_cuda_runner(const Model& model, int max_context, CudaRunnerOptions options) {
   if (const char* env = std::getenv("DSV4_CUDA_GRAPH"); env && std::string(env) == "0") options.graph_decode = false;
   return std::make_unique<CudaRunner>(model, max_context, options);
+}
+
+std::vector<LaunchTiming> cuda_runner_profile_step(SequenceRunner& runner, int32_t token) {
+  auto* cuda = dynamic_cast<CudaRunner*>(&runner);
+  DSV4_CHECK(cuda, "cuda_runner_profile_step: not a CUDA runner");
+  return cuda->profile_step(token);
 }
 
 CudaRunnerStats cuda_runner_stats(const SequenceRunner& runner) {

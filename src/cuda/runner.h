@@ -11,6 +11,8 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <string>
+#include <vector>
 
 #include "cuda/gemv.h"
 #include "model/runner.h"
@@ -43,5 +45,17 @@ struct CudaRunnerStats {
 };
 // Stats of a runner made by make_cuda_runner (throws for other runners).
 CudaRunnerStats cuda_runner_stats(const SequenceRunner& runner);
+
+// One launch site of a profiled decode step: `kernels` kernels enqueued together, `us` the GPU time from the
+// previous site's end to this one's (CUDA events; the launch gap is included, host launch time is not).
+struct LaunchTiming {
+  std::string site;  // e.g. "attn: attention", "ffn: grouped gemv w1"
+  int layer = -1;    // -1 outside the layers (embedding, head)
+  int kernels = 1;
+  double us = 0;
+};
+// Decodes `token` as the next position with direct launches (no graph) and an event after every launch site,
+// for dsv4 bench --profile. Advances the sequence like forward({token}, true). Throws for non-CUDA runners.
+std::vector<LaunchTiming> cuda_runner_profile_step(SequenceRunner& runner, int32_t token);
 
 }  // namespace dsv4

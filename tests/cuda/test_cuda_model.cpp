@@ -32,6 +32,7 @@
 #include "core/check.h"
 #include "cpu/ops.h"
 #include "cuda/device.h"
+#include "cuda_test_util.h"
 #include "cuda/ops.h"
 #include "cuda/runner.h"
 #include "formats/bf16.h"
@@ -43,50 +44,7 @@ namespace fs = std::filesystem;
 namespace dsv4 {
 namespace {
 
-#define DSV4_REQUIRE_CUDA() \
-  if (!cuda_available()) GTEST_SKIP() << "no CUDA driver or device"
-
-// ---------------------------------------------------------------------------------------------------------
-// Device helpers
-
-template <typename T>
-DeviceBuffer to_device(const std::vector<T>& v) {
-  DeviceBuffer b(std::max<size_t>(v.size(), 1) * sizeof(T));
-  b.upload(v.data(), v.size() * sizeof(T));
-  return b;
-}
-
-template <typename T>
-std::vector<T> to_host(const DeviceBuffer& b, size_t n) {
-  std::vector<T> v(n);
-  b.download(v.data(), n * sizeof(T));
-  return v;
-}
-
-DeviceBuffer nan_buffer(size_t floats) {
-  DeviceBuffer b(floats * sizeof(float));
-  b.fill_bytes(0xff);  // NaN in every float: an element the kernel does not write fails the comparison
-  return b;
-}
-
-std::vector<float> random_vector(size_t n, std::mt19937& rng, float lo = -1.0f, float hi = 1.0f) {
-  std::uniform_real_distribution<float> u(lo, hi);
-  std::vector<float> v(n);
-  for (float& x : v) x = u(rng);
-  return v;
-}
-
-// Elements whose |got - want| exceeds rel·max(1, |want|); NaN counts.
-int count_mismatches(const std::vector<float>& got, const std::vector<float>& want, double rel) {
-  int bad = 0;
-  for (size_t i = 0; i < want.size(); ++i) {
-    const double d = std::fabs(double(got[i]) - want[i]);
-    if (!(d <= rel * std::max(1.0, std::fabs(double(want[i]))))) ++bad;
-  }
-  return bad;
-}
-
-void sync() { ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess); }
+using namespace cuda_test;
 
 // ---------------------------------------------------------------------------------------------------------
 // row_op against cpu::rms_norm / rope_interleaved / round_kv / round_indexer
