@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: MIT
 // Helpers shared by the GPU tests: host <-> device copies, poisoned outputs, random inputs, mismatch counts.
 #pragma once
+#include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
