@@ -193,7 +193,7 @@ int main(int argc, char** argv) {
         "| format | shape (n x k) | m | split | us / step | weight GB/s | vs 1 GiB copy | vs same-size copy | best split "
         "(frac) |\n|---|---|---|---|---|---|---|---|---|\n";
     std::printf("%-9s %-13s %3s %5s %10s %9s %8s %8s  %s\n", "format", "shape", "m", "split", "us/step", "GB/s",
-                "vs copy", "vs same", "best split");
+                "vs copy", "vs same", "best split (frac), register-load path at the auto split (frac)");
     for (const Shape& sh : shapes) {
       for (const Format& f : formats) {
         const bool lm_head = sh.n == 129280;
@@ -239,27 +239,32 @@ int main(int argc, char** argv) {
           const int auto_split = gemv_default_split_k(p, info.sm_count);
           double t_auto = 0, t_best = 1e30;
           int best_split = 0;
-          for (int split : {1, 2, 4, 8}) {
-            const double t = time_steps(
+          auto time_split = [&](int split, GemvLoads loads) {
+            return time_steps(
                 [&](cudaStream_t s, int step) {
                   for (int e = 0; e < sh.count; ++e) {
                     const int set = (step * sh.count + e) % n_sets;
                     GemvParams q = p;
                     q.w = sets.as<char>() + size_t(set) * stride;
                     q.w_scale = sb ? sets.as<char>() + size_t(set) * stride + round_up(wb, 256) : nullptr;
-                    q.split_k = split, q.stream = s;
+                    q.split_k = split, q.stream = s, q.loads = loads;
                     gemv(q);
                   }
                 },
                 steps);
+          };
+          for (int split : {1, 2, 4, 8}) {
+            const double t = time_split(split, GemvLoads::Auto);
             if (split == auto_split) t_auto = t;
             if (t < t_best) t_best = t, best_split = split;
           }
+          // m <= 8 runs the async-copy ring by default: the register-load path at the same split, for comparison.
+          const double t_regs = m <= 8 ? time_split(auto_split, GemvLoads::Registers) : 0.0;
           const double bw = double(step_bytes) / t_auto;
           char line[512];
-          std::snprintf(line, sizeof line, "%-9s %-13s %3d %5d %10.2f %9.0f %8.3f %8.3f  %d (%.3f)\n", f.name, sh.name, m,
-                        auto_split, t_auto * 1e6, bw / 1e9, bw / copy_bw, bw / same_bw, best_split,
-                        double(step_bytes) / t_best / copy_bw);
+          std::snprintf(line, sizeof line, "%-9s %-13s %3d %5d %10.2f %9.0f %8.3f %8.3f  %d (%.3f)  reg-loads %.3f\n",
+                        f.name, sh.name, m, auto_split, t_auto * 1e6, bw / 1e9, bw / copy_bw, bw / same_bw, best_split,
+                        double(step_bytes) / t_best / copy_bw, t_regs > 0 ? double(step_bytes) / t_regs / copy_bw : 0.0);
           std::fputs(line, stdout);
           std::fflush(stdout);
           std::snprintf(line, sizeof line, "| %s | %s | %d | %d | %.2f | %.0f | %.3f | %.3f | %d (%.3f) |\n", f.name,

@@ -108,6 +108,22 @@ void gemv(const GemvParams& p) {
   DSV4_CUDA_CHECK(detail::gemv_launch(p, split));
 }
 
+void gemv_batched(const GemvBatchedParams& b) {
+  if (!check_gemv_params(b.base, "gemv_batched") || b.batch == 0) return;
+  DSV4_CHECK(b.batch > 0 && b.batch <= 65535, "gemv_batched: batch = {} is outside [0, 65535]", b.batch);
+  DSV4_CHECK(b.base.weight != GemvWeight::FP8_BLOCK || b.base.n % 16 == 0,
+             "gemv_batched (fp8_block): n = {} must be a multiple of 16 (each batch starts a 16-row tile)", b.base.n);
+  DSV4_CHECK(b.x_batch_stride >= 0 && b.x_batch_stride % 8 == 0,
+             "gemv_batched: x_batch_stride = {} must be >= 0 and keep x 16-byte aligned (a multiple of 8)",
+             b.x_batch_stride);
+  DSV4_CHECK(b.y_batch_stride >= 0, "gemv_batched: y_batch_stride = {} must be >= 0", b.y_batch_stride);
+  // The split is chosen for all batches' rows together: they share the grid.
+  GemvParams whole = b.base;
+  whole.n = b.base.n * b.batch;
+  const int split = b.base.split_k ? b.base.split_k : gemv_default_split_k(whole, current_sm_count());
+  DSV4_CUDA_CHECK(detail::gemv_batched_launch(b, split));
+}
+
 void gemv_grouped(const GemvGroupedParams& g) {
   if (!check_gemv_params(g.base, "gemv_grouped") || g.max_slots == 0) return;
   DSV4_CHECK(g.max_slots > 0 && g.max_slots <= 65535, "gemv_grouped: max_slots = {} is outside [0, 65535]",
@@ -122,6 +138,9 @@ void gemv_grouped(const GemvGroupedParams& g) {
   DSV4_CHECK(g.base.weight != GemvWeight::FP8_BLOCK || g.base.fp8_scale != GemvScale::F32 ||
                  g.scale_expert_stride % 4 == 0,
              "gemv_grouped (fp8_block): f32 scale_expert_stride = {} must be a multiple of 4", g.scale_expert_stride);
+  if (g.second.w)
+    DSV4_CHECK(g.second.y && aligned(g.second.w, 16) && (g.base.weight == GemvWeight::BF16 || g.second.w_scale),
+               "gemv_grouped: the second projection needs y, 16-byte aligned w and (unless bf16) w_scale");
   // The split is chosen for one expert's shape with the active slots as extra blocks: decode's few slots want
   // the full split, like a plain gemv of that shape.
   const int split = g.base.split_k ? g.base.split_k : gemv_default_split_k(g.base, current_sm_count());

@@ -31,6 +31,9 @@ namespace dsv4 {
 enum class GemvWeight { BF16, FP8_BLOCK, MXFP4, NVFP4 };
 enum class GemvScale { E8M0, F32 };  // element type of the FP8_BLOCK scale tensor
 enum class GemvOut { F32, BF16 };
+// How m <= 8 launches stream the weights: through per-thread cp.async rings in shared memory (Auto, AsyncCopy) or
+// with loads into registers, kUnroll chunks at a time (Registers; the only path for m > 8). Benchmarks compare.
+enum class GemvLoads { Auto, AsyncCopy, Registers };
 
 constexpr int kGemvMaxM = 64;
 
@@ -48,10 +51,22 @@ struct GemvParams {
   GemvScale fp8_scale = GemvScale::E8M0;
   GemvOut out = GemvOut::F32;
   int split_k = 0;  // warps sharing one 16-row tile (1, 2, 4 or 8); 0 = chosen from the shape (benchmarks set it)
+  GemvLoads loads = GemvLoads::Auto;
   cudaStream_t stream = nullptr;
 };
 
 void gemv(const GemvParams& p);
+
+// `batch` gemvs of the same shape in one launch (the grouped low-rank output projection, batch = o_groups):
+//   for b < batch:  y[b·y_batch_stride + i·ldy + j] = Σ_kk x[b·x_batch_stride + i·k + kk] · W[w_row0 + b·n + j, kk]
+// Batch b takes the next n rows of the matrix at base.w, its own x rows and its own output columns; strides in
+// elements (of x / of the output type). Everything else as for gemv(); FP8_BLOCK needs n % 16 == 0.
+struct GemvBatchedParams {
+  GemvParams base;
+  int batch = 1;
+  int64_t x_batch_stride = 0, y_batch_stride = 0;
+};
+void gemv_batched(const GemvBatchedParams& p);
 
 // Routed (token, pick) pairs grouped by expert: written by moe_slots, read by gemv_grouped (device arrays).
 //   count [1] active slots; expert [max_slots] the expert of each slot, ascending; offset [max_slots + 1] where
@@ -72,6 +87,8 @@ struct MoeSlots {
 // holds (<= 64, the kernel's tile width; a host-known bound such as the chunk's token count), base.n / base.k the
 // shape of one expert, base.x [rows, k] bf16, base.y [pairs, ldy]. Slots past *slots.count exit at once; the grid
 // has max_slots of them, so the launch shape does not depend on the routing (graph capture).
+// second.w set: a second projection of the same x and routing in the same launch (the experts' w1 and w3), with
+// base's shape, format and strides, its own weights, scales and output.
 struct GemvGroupedParams {
   GemvParams base;
   size_t w_expert_stride = 0, scale_expert_stride = 0;  // bytes
@@ -79,6 +96,12 @@ struct GemvGroupedParams {
   int max_slots = 0;
   MoeSlots slots;
   int x_row_div = 1;
+  struct Second {
+    const void* w = nullptr;
+    const void* w_scale = nullptr;
+    const float* scale_2 = nullptr;
+    void* y = nullptr;
+  } second;
 };
 void gemv_grouped(const GemvGroupedParams& p);
 

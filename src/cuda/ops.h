@@ -7,6 +7,7 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
 
 namespace dsv4::gpu {
@@ -142,6 +143,9 @@ void indexer_topk(const IndexerTopkParams& p, cudaStream_t stream);
 //   o = Σ_j softmax_j(q·k_j·scale | sink_h) k_j, then inverse RoPE at p on the last rope_dim dims.
 // Output bf16, grouped for the output projection: head h of token t goes to out[g][t][(h % hpg)·dim + i] with
 // hpg = heads / groups, g = h / hpg  (layout [groups, n, hpg·dim]). dim <= 512, dim % 32 == 0.
+// Few tokens (decode): the keys of each (token, head) are split over attention_splits(p) blocks whose partials go
+// to `scratch` (attention_scratch_floats(p) floats), then merged in a second launch. The split count depends
+// only on host-known fields (n, heads, window, ratio, topk or max_entries), so graph replays keep their shape.
 struct AttentionParams {
   const float* q = nullptr;  // q[t * q_token_stride + h * dim + i]
   int64_t q_token_stride = 0;
@@ -160,8 +164,12 @@ struct AttentionParams {
   float scale = 1.0f;
   uint16_t* out = nullptr;
   const int64_t* pos_device = nullptr;  // when set, pos0 is read here (graph replay)
+  int max_entries = 0;        // capacity of `compressed` (bounds the keys when selected == nullptr)
+  float* scratch = nullptr;   // split partials, see above
 };
 void attention(const AttentionParams& p, cudaStream_t stream);
+int attention_splits(const AttentionParams& p);
+size_t attention_scratch_floats(const AttentionParams& p);
 
 // 3.4 window ring: window[(pos0 + t) % slots] = kv_chunk[t] for the last min(n, slots) rows of the chunk
 // (pos0 read from pos_device when that is set).

@@ -4,8 +4,8 @@
 //   attention: mix (fp32 linear) -> hc_pre+norm -> gemv [wq_a|wkv|compressor wkv,wgate|indexer wkv,wgate]
 //              -> q_norm -> gemv [wq_b|indexer wq_b] -> q norm+rope -> kv norm+rope+round -> compressors (+ entry
 //              norm/rope/round when a block completes) -> indexer q rope+round -> weights_proj -> scores+top-k
-//              -> attention -> window ring -> G x gemv wo_a -> gemv wo_b -> hc_post
-//   ffn:       mix -> hc_pre+norm -> gate (fp32 linear) -> router -> moe_slots -> grouped gemv w1, w3 -> swiglu
+//              -> attention -> window ring -> gemv wo_a (batched over the groups) -> gemv wo_b -> hc_post
+//   ffn:       mix -> hc_pre+norm -> gate (fp32 linear) -> router -> moe_slots -> grouped gemv [w1, w3] -> swiglu
 //              -> grouped gemv w2 -> shared [w1|w3] gemv -> swiglu -> shared w2 gemv -> hc_post (sums the picks)
 // Linear weights stay in their checkpoint encoding (device_weights.h); the fused projections are launched as
 // one gemv per run of parts sharing an encoding.
@@ -147,7 +147,9 @@ class CudaRunner final : public SequenceRunner {
     }
   }
   // y[pair, :] = x[pair / x_row_div, :] · W_eᵀ for the routed pairs of the moe_slots arrays.
-  void linear_grouped(const char* site, const DeviceExperts& w, const void* x, int x_row_div, void* y, int max_rows, GemvOut out) {
+  // second / y_second: another projection of the same x and routing in the same launch (w3 next to w1).
+  void linear_grouped(const char* site, const DeviceExperts& w, const void* x, int x_row_div, void* y, int max_rows,
+                      GemvOut out, const DeviceExperts* second = nullptr, void* y_second = nullptr) {
     GemvGroupedParams g;
     g.base.m = max_rows;
     g.base.n = w.n;
@@ -166,6 +168,15 @@ class CudaRunner final : public SequenceRunner {
     g.max_slots = max_slots_;
     g.slots = slots_;
     g.x_row_div = x_row_div;
+    if (second) {
+      DSV4_CHECK(second->format == w.format && second->fp8_scale == w.fp8_scale && second->n == w.n &&
+                     second->k == w.k && second->w_stride == w.w_stride && second->scale_stride == w.scale_stride,
+                 "cuda runner: experts' w1 and w3 differ in encoding or shape");
+      g.second.w = second->w.data();
+      g.second.w_scale = second->scale.data();
+      g.second.scale_2 = second->scale_2.data() ? second->scale_2.as<float>() : nullptr;
+      g.second.y = y_second;
+    }
     gemv_grouped(g);
     launched(site);
   }
@@ -198,9 +209,9 @@ class CudaRunner final : public SequenceRunner {
 
   // workspaces, sized for kCudaMaxChunk tokens
   DeviceBuffer tokens_, streams_, mix_, post_, comb_, normed_, normed_bf16_, y_x_, qr_bf16_, y_q_, kv_chunk_,
-      index_w_, scores_, selected_, o_grouped_, z_grouped_, z_, attn_out_, router_logits_, expert_ids_,
+      index_w_, scores_, selected_, o_grouped_, z_, attn_out_, router_logits_, expert_ids_,
       expert_weights_, slot_count_, slot_expert_, slot_offset_, row_order_, expert_gate_, expert_up_, h_, y_pairs_,
-      shared_y13_, h_shared_, shared_out_, head_in_, logits_;
+      shared_y13_, h_shared_, shared_out_, head_in_, logits_, attention_scratch_;
   MoeSlots slots_;     // views of slot_count_ .. row_order_
   int max_slots_ = 1;  // grouped-gemv grid: min(experts, picks of a full chunk)
   int max_entries_ = 1;  // largest compressed-entry count of any layer (scores scratch row length)
@@ -369,7 +380,6 @@ CudaRunner::CudaRunner(const Model& model, int max_context, CudaRunnerOptions op
   scores_ = zeros(C * max_entries_ * f);
   selected_ = zeros(C * std::max(c.index_topk, 1) * sizeof(int32_t));
   o_grouped_ = zeros(C * H * hd * b16);
-  z_grouped_ = zeros(C * c.o_groups * c.o_lora_rank * b16);
   z_ = zeros(C * c.o_groups * c.o_lora_rank * b16);
   attn_out_ = zeros(C * D * f);
   router_logits_ = zeros(C * c.n_routed_experts * f);
@@ -391,11 +401,26 @@ CudaRunner::CudaRunner(const Model& model, int max_context, CudaRunnerOptions op
   shared_out_ = zeros(C * D * f);
   head_in_ = zeros(C * D * b16);
   logits_ = zeros(C * c.vocab_size * f);
+  size_t attention_scratch = 0;  // split-key partials of the chunks with few tokens (decode)
+  for (const LayerDevice& d : layers_)
+    for (int n = 1; n <= kCudaMaxChunk; ++n) {
+      gpu::AttentionParams ap;
+      ap.n = n;
+      ap.heads = H;
+      ap.dim = hd;
+      ap.window = c.window;
+      ap.ratio = d.ratio;
+      ap.selected = d.indexer ? selected_.as<int32_t>() : nullptr;
+      ap.topk = c.index_topk;
+      ap.max_entries = d.ratio ? max_context / d.ratio : 0;
+      attention_scratch = std::max(attention_scratch, gpu::attention_scratch_floats(ap));
+    }
+  attention_scratch_ = zeros(attention_scratch * f);
   for (const DeviceBuffer* b : {&tokens_, &streams_, &mix_, &post_, &comb_, &normed_, &normed_bf16_, &y_x_,
                                 &qr_bf16_, &y_q_, &kv_chunk_, &index_w_, &scores_, &selected_, &o_grouped_,
-                                &z_grouped_, &z_, &attn_out_, &router_logits_, &expert_ids_, &expert_weights_,
+                                &z_, &attn_out_, &router_logits_, &expert_ids_, &expert_weights_,
                                 &slot_count_, &slot_expert_, &slot_offset_, &row_order_, &expert_gate_, &expert_up_,
-                                &h_, &y_pairs_, &shared_y13_, &h_shared_, &shared_out_, &head_in_, &logits_})
+                                &h_, &y_pairs_, &shared_y13_, &h_shared_, &shared_out_, &head_in_, &logits_, &attention_scratch_})
     stats_.workspace_bytes += b->size();
   pos_ = zeros(sizeof(int64_t));
   DSV4_CUDA_CHECK(cudaMallocHost(&host_tokens_, C * sizeof(int32_t)));
@@ -720,21 +745,24 @@ void CudaRunner::attention_block(int l, int n, int64_t pos0, const int64_t* pos_
   ap.scale = 1.0f / std::sqrt(float(hd));
   ap.out = o_grouped_.as<uint16_t>();
   ap.pos_device = pos_device;
+  ap.max_entries = r ? max_context_ / r : 0;
+  ap.scratch = attention_scratch_.as<float>();
   gpu::attention(ap, stream_);
   launched("attn: attention");
   gpu::window_store(kv_chunk_.as<float>(), n, hd, pos0, pos_device, d.window.as<float>(), window_slots_, stream_);
   launched("attn: window store");
 
-  // 3.9 grouped low-rank output projection: group g's heads through wo_a rows g·o_lora.., then wo_b.
+  // 3.9 grouped low-rank output projection: group g's heads [G, n, gw] through wo_a rows g·o_lora.. (one
+  // batched launch), written token-major as z [n, G·o_lora], then wo_b.
   const int G = c.o_groups, ol = c.o_lora_rank, gw = H * hd / G;
-  uint16_t* z_out = n == 1 ? z_.as<uint16_t>() : z_grouped_.as<uint16_t>();  // one token: [G, 1, ol] = [1, G·ol]
-  for (int g = 0; g < G; ++g)
-    linear("attn: gemv wo_a (per group)", d.wo_a, o_grouped_.as<uint16_t>() + size_t(g) * n * gw, z_out + size_t(g) * n * ol, n, GemvOut::BF16,
-           g * ol, ol);
-  if (n > 1) {
-    gpu::ungroup_bf16(z_grouped_.as<uint16_t>(), G, n, ol, z_.as<uint16_t>(), stream_);
-    launched("attn: ungroup");
-  }
+  GemvBatchedParams wo_a;
+  wo_a.base = d.wo_a.params(o_grouped_.data(), z_.data(), n, GemvOut::BF16, int64_t(G) * ol, 0, ol);
+  wo_a.base.stream = stream_;
+  wo_a.batch = G;
+  wo_a.x_batch_stride = int64_t(n) * gw;
+  wo_a.y_batch_stride = ol;
+  gemv_batched(wo_a);
+  launched("attn: gemv wo_a (batched over groups)");
   linear("attn: gemv wo_b", d.wo_b, z_.data(), attn_out_.data(), n, GemvOut::F32);
 
   gpu::hc_post(attn_out_.as<float>(), 1, nullptr, post_.as<float>(), comb_.as<float>(), n, hc, D, streams_.as<float>(),
@@ -783,8 +811,8 @@ void CudaRunner::ffn_block(int l, int n) {
   slots.stream = stream_;
   moe_slots(slots);
   launched("ffn: moe_slots");
-  linear_grouped("ffn: grouped gemv w1", d.w1, normed_bf16_.data(), k, expert_gate_.data(), n, GemvOut::F32);
-  linear_grouped("ffn: grouped gemv w3", d.w3, normed_bf16_.data(), k, expert_up_.data(), n, GemvOut::F32);
+  linear_grouped("ffn: grouped gemv w1 + w3", d.w1, normed_bf16_.data(), k, expert_gate_.data(), n, GemvOut::F32,
+                 &d.w3, expert_up_.data());
   gpu::SwigluParams sw;
   sw.gate = expert_gate_.as<float>();
   sw.up = expert_up_.as<float>();

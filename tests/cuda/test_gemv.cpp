@@ -93,6 +93,7 @@ struct Case {
   int m, n, k;
   GemvOut out;
   int split_k;  // 0 = heuristic
+  GemvLoads loads = GemvLoads::Auto;  // m <= 8: Auto = the async-copy ring
 };
 
 std::string case_name(const Case& c) {
@@ -101,6 +102,7 @@ std::string case_name(const Case& c) {
   s += "_m" + std::to_string(c.m) + "_n" + std::to_string(c.n) + "_k" + std::to_string(c.k);
   s += c.out == GemvOut::F32 ? "_outf32" : "_outbf16";
   s += c.split_k ? "_split" + std::to_string(c.split_k) : "_auto";
+  if (c.loads == GemvLoads::Registers) s += "_regloads";
   return s;
 }
 
@@ -221,7 +223,7 @@ TEST_P(GemvTest, MatchesFp64Reference) {
   p.m = c.m, p.n = c.n, p.k = c.k;
   p.x = x.data(), p.w = w.data(), p.w_scale = h.scale.empty() ? nullptr : scale.data();
   p.w_scale_2 = h.scale_2, p.y = y.data();
-  p.weight = c.weight, p.fp8_scale = c.fp8_scale, p.out = c.out, p.split_k = c.split_k;
+  p.weight = c.weight, p.fp8_scale = c.fp8_scale, p.out = c.out, p.split_k = c.split_k, p.loads = c.loads;
   gemv(p);
   DSV4_CUDA_CHECK(cudaDeviceSynchronize());
 
@@ -295,6 +297,11 @@ std::vector<Case> all_cases() {
     }
     for (int split : {1, 2, 4, 8}) cases.push_back({f.w, f.s, 8, 301, f.k_wide, GemvOut::F32, split});
     for (int m : {1, 64}) cases.push_back({f.w, f.s, m, 34000, f.k_tall, GemvOut::F32, 0});  // many tiles: split 1
+    for (int m : {1, 8}) {  // the register-load path that m <= 8 launches can still choose
+      cases.push_back({f.w, f.s, m, 301, f.k_wide, GemvOut::F32, 0, GemvLoads::Registers});
+      cases.push_back({f.w, f.s, m, 45, f.k_deep, GemvOut::BF16, 0, GemvLoads::Registers});
+    }
+    for (int split : {1, 8}) cases.push_back({f.w, f.s, 3, 301, f.k_deep, GemvOut::F32, split});  // long async rings
   }
   return cases;
 }
@@ -311,6 +318,7 @@ struct GroupedCase {
   int tokens, k_pick, experts, n, k;
   int x_row_div;       // k_pick: x rows are tokens (up projections); 1: x rows are pairs (down projection)
   bool one_expert;     // every pick goes to expert 3, twice per token: more rows than a tile -> several passes
+  bool second = false; // a second projection in the same launch (w3 next to w1)
 };
 
 std::string grouped_name(const GroupedCase& c) {
@@ -318,7 +326,8 @@ std::string grouped_name(const GroupedCase& c) {
   std::string s = case_name(base);
   s = s.substr(0, s.find("_m1_")) + "_t" + std::to_string(c.tokens) + "x" + std::to_string(c.k_pick) + "_E" +
       std::to_string(c.experts) + "_n" + std::to_string(c.n) + "_k" + std::to_string(c.k) +
-      (c.x_row_div == 1 ? "_pairrows" : "_tokenrows") + (c.one_expert ? "_oneexpert" : "");
+      (c.x_row_div == 1 ? "_pairrows" : "_tokenrows") + (c.one_expert ? "_oneexpert" : "") +
+      (c.second ? "_second" : "");
   return s;
 }
 
@@ -331,8 +340,10 @@ TEST_P(GemvGroupedTest, MatchesFp64ReferencePerPair) {
   SCOPED_TRACE("seed " + std::to_string(seed));
   std::mt19937_64 rng(seed);
   const int pairs = c.tokens * c.k_pick, x_rows = c.x_row_div == 1 ? pairs : c.tokens;
-  std::vector<HostProblem> expert;
-  for (int e = 0; e < c.experts; ++e) expert.push_back(make_problem({c.weight, c.fp8_scale, 1, c.n, c.k, GemvOut::F32, 0}, rng));
+  const int projections = c.second ? 2 : 1;
+  std::vector<HostProblem> expert;  // [projection · experts + e]
+  for (int e = 0; e < projections * c.experts; ++e)
+    expert.push_back(make_problem({c.weight, c.fp8_scale, 1, c.n, c.k, GemvOut::F32, 0}, rng));
   std::vector<uint16_t> x(size_t(x_rows) * c.k);
   std::uniform_real_distribution<float> val(-2.0f, 2.0f);
   for (auto& v : x) v = f32_to_bf16(val(rng));
@@ -346,12 +357,13 @@ TEST_P(GemvGroupedTest, MatchesFp64ReferencePerPair) {
 
   const size_t w_stride = size_t(gemv_weight_bytes(c.weight, c.n, c.k));
   const size_t s_stride = size_t(gemv_scale_bytes(c.weight, c.n, c.k, c.fp8_scale));
-  DeviceBuffer dx(x.size() * 2), dw(w_stride * c.experts), ds(std::max<size_t>(s_stride * c.experts, 16)),
-      ds2(c.experts * 4), dids(pairs * 4), dy(size_t(pairs) * c.n * 4), count(4), slot_expert(c.experts * 4),
-      slot_offset((c.experts + 1) * 4), order(pairs * 4);
+  const int E = c.experts;
+  DeviceBuffer dx(x.size() * 2), dw(w_stride * E * projections), ds(std::max<size_t>(s_stride * E * projections, 16)),
+      ds2(E * projections * 4), dids(pairs * 4), dy(size_t(pairs) * c.n * 4 * projections), count(4),
+      slot_expert(E * 4), slot_offset((E + 1) * 4), order(pairs * 4);
   dx.upload(x.data(), x.size() * 2);
   std::vector<float> scale_2;
-  for (int e = 0; e < c.experts; ++e) {
+  for (int e = 0; e < projections * E; ++e) {
     ASSERT_EQ(expert[e].w.size(), w_stride);
     dw.upload(expert[e].w.data(), w_stride, e * w_stride);
     if (s_stride) ds.upload(expert[e].scale.data(), s_stride, e * s_stride);
@@ -372,6 +384,12 @@ TEST_P(GemvGroupedTest, MatchesFp64ReferencePerPair) {
   g.w_expert_stride = w_stride, g.scale_expert_stride = s_stride, g.scale_2 = ds2.as<float>();
   g.max_slots = std::min(c.experts, pairs);
   g.slots = sp.slots, g.x_row_div = c.x_row_div;
+  if (c.second) {  // the second projection's experts follow the first's in every buffer
+    g.second.w = static_cast<const char*>(dw.data()) + w_stride * E;
+    g.second.w_scale = s_stride ? static_cast<const char*>(ds.data()) + s_stride * E : nullptr;
+    g.second.scale_2 = ds2.as<float>() + E;
+    g.second.y = dy.as<float>() + size_t(pairs) * c.n;
+  }
   gemv_grouped(g);
   DSV4_CUDA_CHECK(cudaDeviceSynchronize());
 
@@ -402,12 +420,13 @@ TEST_P(GemvGroupedTest, MatchesFp64ReferencePerPair) {
     }
   }
 
-  std::vector<float> got(size_t(pairs) * c.n);
+  std::vector<float> got(size_t(pairs) * c.n * projections);
   dy.download(got.data(), got.size() * 4);
   int bad = 0, unwritten = 0;
   double worst_ratio = 0;
-  for (int pr = 0; pr < pairs; ++pr) {
-    const HostProblem& h = expert[ids[pr]];
+  for (int row = 0; row < pairs * projections; ++row) {
+    const int pr = row % pairs, proj = row / pairs;
+    const HostProblem& h = expert[proj * E + ids[pr]];
     const uint16_t* xr = &x[size_t(pr / c.x_row_div) * c.k];
     for (int ni = 0; ni < c.n; ++ni) {
       double ref = 0, absum = 0;
@@ -416,7 +435,7 @@ TEST_P(GemvGroupedTest, MatchesFp64ReferencePerPair) {
         ref += t;
         absum += std::fabs(t);
       }
-      const float v = got[size_t(pr) * c.n + ni];
+      const float v = got[size_t(row) * c.n + ni];
       if (!std::isfinite(v)) {
         ++unwritten;
         continue;
@@ -424,8 +443,8 @@ TEST_P(GemvGroupedTest, MatchesFp64ReferencePerPair) {
       const double err = std::fabs(double(v) - ref), allowed = 1e-5 * absum;
       worst_ratio = std::max(worst_ratio, err / allowed);
       if (err > allowed && ++bad <= 5)
-        ADD_FAILURE() << "pair " << pr << " (expert " << ids[pr] << ") y[" << ni << "] = " << v << ", reference "
-                      << ref;
+        ADD_FAILURE() << "projection " << proj << " pair " << pr << " (expert " << ids[pr] << ") y[" << ni
+                      << "] = " << v << ", reference " << ref;
     }
   }
   EXPECT_EQ(unwritten, 0);
@@ -446,6 +465,8 @@ std::vector<GroupedCase> grouped_cases() {
     cases.push_back({w, s, 5, 6, 16, 200, 1056, 1, false});    // down projection: x rows are pairs
     cases.push_back({w, s, 64, 6, 16, 136, 512, 6, false});    // a prefill chunk: up to 64 rows per slot
     cases.push_back({w, s, 40, 2, 8, 72, 256, 2, true});       // 80 rows on one expert: two passes over W
+    cases.push_back({w, s, 1, 6, 16, 200, 1056, 6, false, true});   // w1 + w3 of a decode step
+    cases.push_back({w, s, 64, 6, 16, 136, 512, 6, false, true});   // w1 + w3 of a prefill chunk
   }
   return cases;
 }
@@ -492,6 +513,53 @@ TEST(GemvRows, RowRangeIntoStridedOutput) {
         EXPECT_LE(std::fabs(double(v) - ref), 1e-5 * absum) << gemv_weight_name(w) << " row " << r;
       }
   }
+}
+
+// Batched launches (the grouped output projection): batch b multiplies its own x rows by the next n rows of the
+// matrix and writes its own columns of a token-major y [m, batch · n]; the padding column stays poisoned.
+TEST(GemvBatched, GroupsIntoTokenMajorOutput) {
+  DSV4_REQUIRE_CUDA();
+  std::mt19937_64 rng(11);
+  for (const auto& [w, s] : {std::pair{GemvWeight::BF16, GemvScale::E8M0}, {GemvWeight::FP8_BLOCK, GemvScale::E8M0},
+                             {GemvWeight::FP8_BLOCK, GemvScale::F32}, {GemvWeight::MXFP4, GemvScale::E8M0},
+                             {GemvWeight::NVFP4, GemvScale::E8M0}})
+    for (int m : {1, 3, 64}) {
+      const int batch = 8, n = 48, k = 1056, ldy = batch * n + 1;
+      const HostProblem h = make_problem({w, s, m * batch, batch * n, k, GemvOut::F32, 0}, rng);  // x [batch, m, k]
+      DeviceBuffer x(h.x.size() * 2), dw(h.w.size()), ds(std::max<size_t>(h.scale.size(), 16)),
+          y(size_t(m) * ldy * 4);
+      x.upload(h.x.data(), h.x.size() * 2);
+      dw.upload(h.w.data(), h.w.size());
+      if (!h.scale.empty()) ds.upload(h.scale.data(), h.scale.size());
+      y.fill_bytes(0xff);
+      GemvBatchedParams b;
+      b.base.m = m, b.base.n = n, b.base.k = k, b.base.x = x.data(), b.base.w = dw.data(), b.base.w_scale = ds.data();
+      b.base.w_scale_2 = h.scale_2, b.base.ldy = ldy, b.base.y = y.data();
+      b.base.weight = w, b.base.fp8_scale = s;
+      b.batch = batch, b.x_batch_stride = int64_t(m) * k, b.y_batch_stride = n;
+      gemv_batched(b);
+      DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+      std::vector<float> got(size_t(m) * ldy);
+      y.download(got.data(), got.size() * 4);
+      int bad = 0;
+      for (int mi = 0; mi < m; ++mi) {
+        EXPECT_TRUE(std::isnan(got[size_t(mi) * ldy + ldy - 1])) << "padding column written";
+        for (int col = 0; col < batch * n; ++col) {
+          const int g = col / n, r = col;  // batch g, weight row g·n + (col % n) = col
+          double ref = 0, absum = 0;
+          for (int ki = 0; ki < k; ++ki) {
+            const double t = double(bf16_to_f32(h.x[(size_t(g) * m + mi) * k + ki])) * h.w_deq[size_t(r) * k + ki];
+            ref += t;
+            absum += std::fabs(t);
+          }
+          const float v = got[size_t(mi) * ldy + col];
+          if (!(std::fabs(double(v) - ref) <= 1e-5 * absum) && ++bad <= 5)
+            ADD_FAILURE() << gemv_weight_name(w) << " m " << m << " y[" << mi << ", " << col << "] = " << v
+                          << ", reference " << ref;
+        }
+      }
+      EXPECT_EQ(bad, 0) << gemv_weight_name(w) << " m " << m;
+    }
 }
 
 // ---------------------------------------------------------------------------------------------------------

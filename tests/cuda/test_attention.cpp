@@ -1,0 +1,185 @@
+// SPDX-License-Identifier: MIT
+// gpu::attention against an fp64 reference of ops.h's contract: window keys from this chunk and from the ring,
+// compressed entries (the indexer's picks or all of them), the sink in the denominator, inverse RoPE on the
+// output, the grouped bf16 layout. Decode shapes take the split-key path (partials + merge), prefill shapes the
+// single-block one; the output is poisoned first, so an unwritten element fails.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cuda/ops.h"
+#include "cuda_test_util.h"
+#include "formats/bf16.h"
+#include "model/model.h"
+
+namespace dsv4 {
+namespace {
+
+using namespace cuda_test;
+
+struct AttnCase {
+  std::string name;
+  int n, heads, groups, dim, rope_dim, window, ratio, topk;  // topk 0: attend every compressed entry
+  int64_t pos0;
+  int max_entries;
+  bool graph_position = false;  // position read from device memory
+};
+
+void check_attention(const AttnCase& c) {
+  SCOPED_TRACE(c.name);
+  std::mt19937 rng(std::hash<std::string>{}(c.name));
+  const int slots = c.window, last = int(c.pos0) + c.n - 1;
+  const bool indexed = c.ratio && c.topk > 0;
+  RopeConfig rope;
+  rope.theta = 160000;
+  rope.yarn = true;
+  rope.factor = 16;
+  rope.original_max_position = 4096;
+  const std::vector<float> inv_freq = rope_inv_freq(rope, c.rope_dim);
+  const std::vector<float> q = random_vector(size_t(c.n) * c.heads * c.dim, rng, -2.0f, 2.0f);
+  const std::vector<float> chunk = random_vector(size_t(c.n) * c.dim, rng);
+  const std::vector<float> ring = random_vector(size_t(slots) * c.dim, rng);
+  const std::vector<float> comp = random_vector(size_t(std::max(c.max_entries, 1)) * c.dim, rng);
+  const std::vector<float> sink = random_vector(c.heads, rng, -2.0f, 2.0f);
+  std::vector<int32_t> selected(size_t(c.n) * std::max(c.topk, 1), -1);
+  for (int t = 0; t < c.n && indexed; ++t) {
+    const int visible = int((c.pos0 + t + 1) / c.ratio);
+    std::vector<int32_t> all(visible);
+    std::iota(all.begin(), all.end(), 0);
+    std::shuffle(all.begin(), all.end(), rng);
+    for (int i = 0; i < std::min(visible, c.topk); ++i) selected[size_t(t) * c.topk + i] = all[i];
+  }
+  ASSERT_LE(last / std::max(c.ratio, 1), c.max_entries) << "test setup: too few compressed entries";
+
+  DeviceBuffer dq = to_device(q), dchunk = to_device(chunk), dring = to_device(ring), dcomp = to_device(comp),
+               dsink = to_device(sink), dsel = to_device(selected), dfreq = to_device(inv_freq);
+  const int hpg = c.heads / c.groups, width = hpg * c.dim;
+  DeviceBuffer out(size_t(c.n) * c.heads * c.dim * sizeof(uint16_t));
+  out.fill_bytes(0xff);  // bf16 NaN
+  gpu::AttentionParams p;
+  p.q = dq.as<float>();
+  p.q_token_stride = int64_t(c.heads) * c.dim;
+  p.kv_chunk = dchunk.as<float>();
+  p.window_ring = dring.as<float>();
+  p.window_slots = slots;
+  p.window = c.window;
+  p.compressed = c.ratio ? dcomp.as<float>() : nullptr;
+  p.ratio = c.ratio;
+  p.selected = indexed ? dsel.as<int32_t>() : nullptr;
+  p.topk = c.topk;
+  p.sink = dsink.as<float>();
+  p.inv_freq = dfreq.as<float>();
+  p.rope_dim = c.rope_dim;
+  p.n = c.n;
+  p.heads = c.heads;
+  p.dim = c.dim;
+  p.groups = c.groups;
+  p.pos0 = c.graph_position ? -12345 : c.pos0;  // must be ignored when the position comes from the device
+  p.scale = 1.0f / std::sqrt(float(c.dim));
+  p.out = out.as<uint16_t>();
+  p.max_entries = c.max_entries;
+  const std::vector<int64_t> pos_host = {c.pos0};
+  DeviceBuffer dpos = to_device(pos_host);
+  if (c.graph_position) p.pos_device = dpos.as<int64_t>();
+  DeviceBuffer scratch(std::max<size_t>(gpu::attention_scratch_floats(p), 1) * sizeof(float));
+  p.scratch = scratch.as<float>();
+  gpu::attention(p, nullptr);
+  sync();
+  const std::vector<uint16_t> got = to_host<uint16_t>(out, size_t(c.n) * c.heads * c.dim);
+  std::printf("[attention] %-28s splits %d\n", c.name.c_str(), gpu::attention_splits(p));
+
+  int bad = 0;
+  double worst = 0;
+  for (int t = 0; t < c.n; ++t) {
+    const int64_t pos = c.pos0 + t, first = std::max<int64_t>(0, pos - c.window + 1);
+    std::vector<const float*> keys;
+    for (int64_t s = first; s <= pos; ++s)
+      keys.push_back(s >= c.pos0 ? &chunk[size_t(s - c.pos0) * c.dim] : &ring[size_t(s % slots) * c.dim]);
+    if (c.ratio) {
+      const int visible = int((pos + 1) / c.ratio);
+      if (indexed)
+        for (int i = 0; i < std::min(visible, c.topk); ++i) keys.push_back(&comp[size_t(selected[size_t(t) * c.topk + i]) * c.dim]);
+      else
+        for (int e = 0; e < visible; ++e) keys.push_back(&comp[size_t(e) * c.dim]);
+    }
+    for (int h = 0; h < c.heads; ++h) {
+      const float* qv = &q[(size_t(t) * c.heads + h) * c.dim];
+      std::vector<double> logit(keys.size());
+      double mx = sink[h];
+      for (size_t j = 0; j < keys.size(); ++j) {
+        double dot = 0;
+        for (int i = 0; i < c.dim; ++i) dot += double(qv[i]) * keys[j][i];
+        logit[j] = dot / std::sqrt(double(c.dim));
+        mx = std::max(mx, logit[j]);
+      }
+      double denom = std::exp(sink[h] - mx);
+      std::vector<double> o(c.dim, 0.0);
+      for (size_t j = 0; j < keys.size(); ++j) {
+        const double w = std::exp(logit[j] - mx);
+        denom += w;
+        for (int i = 0; i < c.dim; ++i) o[i] += w * keys[j][i];
+      }
+      for (double& v : o) v /= denom;
+      for (int i = 0; i < c.rope_dim / 2; ++i) {  // inverse RoPE at pos
+        const double angle = double(float(pos) * inv_freq[i]);
+        const double cs = std::cos(angle), sn = -std::sin(angle);
+        double& a = o[c.dim - c.rope_dim + 2 * i];
+        double& b = o[c.dim - c.rope_dim + 2 * i + 1];
+        const double a0 = a, b0 = b;
+        a = a0 * cs - b0 * sn;
+        b = a0 * sn + b0 * cs;
+      }
+      const int g = h / hpg;
+      const uint16_t* row = &got[(size_t(g) * c.n + t) * width + size_t(h % hpg) * c.dim];
+      for (int i = 0; i < c.dim; ++i) {
+        const double v = bf16_to_f32(row[i]), err = std::fabs(v - o[i]), allowed = 4e-3 * std::fabs(o[i]) + 2e-5;
+        worst = std::max(worst, err / allowed);
+        if (!(err <= allowed) && ++bad <= 5)
+          ADD_FAILURE() << "token " << t << " head " << h << " dim " << i << ": got " << v << ", want " << o[i];
+      }
+    }
+  }
+  EXPECT_EQ(bad, 0);
+  std::printf("[attention] %-28s worst err/allowed %.3f\n", c.name.c_str(), worst);
+}
+
+TEST(CudaAttention, DecodeCsaSplitKeys) {
+  DSV4_REQUIRE_CUDA();
+  check_attention({"decode_csa", 1, 64, 8, 512, 64, 128, 4, 512, 8210, 2100});
+}
+
+TEST(CudaAttention, DecodeCsaGraphPosition) {
+  DSV4_REQUIRE_CUDA();
+  check_attention({"decode_csa_pos_device", 1, 64, 8, 512, 64, 128, 4, 512, 8210, 2100, true});
+}
+
+TEST(CudaAttention, DecodeHcaAllEntries) {
+  DSV4_REQUIRE_CUDA();
+  check_attention({"decode_hca", 1, 64, 8, 512, 64, 128, 128, 0, 8210, 80});
+}
+
+TEST(CudaAttention, DecodeSlidingWindowFromRing) {
+  DSV4_REQUIRE_CUDA();
+  check_attention({"decode_sliding_ring", 1, 64, 8, 512, 64, 128, 0, 0, 300, 0});
+  check_attention({"decode_sliding_short", 1, 64, 8, 512, 64, 128, 0, 0, 50, 0});
+}
+
+TEST(CudaAttention, FewTokensSplitKeysOddShapes) {
+  DSV4_REQUIRE_CUDA();
+  check_attention({"three_tokens_csa_dim96", 3, 8, 2, 96, 32, 32, 4, 200, 1000, 260});
+  check_attention({"two_tokens_fewer_entries_than_topk", 2, 4, 1, 64, 16, 16, 4, 300, 500, 130});
+}
+
+TEST(CudaAttention, PrefillChunkOneBlockPerHead) {
+  DSV4_REQUIRE_CUDA();
+  check_attention({"prefill_csa", 64, 16, 4, 512, 64, 128, 4, 512, 2000, 600});
+  check_attention({"prefill_hca_start", 64, 16, 4, 512, 64, 128, 128, 0, 0, 8});
+}
+
+}  // namespace
+}  // namespace dsv4
