@@ -151,6 +151,18 @@ FusedLinear WeightUploader::fused(const std::vector<const Matrix*>& parts) {
   return f;
 }
 
+bool WeightUploader::groupable(const std::vector<const Matrix*>& matrices) const {
+  if (matrices.empty()) return false;
+  const Encoding e = encoding_of(*matrices.front());
+  for (const Matrix* m : matrices) {
+    const Encoding x = encoding_of(*m);
+    if (m->rows != matrices.front()->rows || m->cols != matrices.front()->cols || x.format != e.format ||
+        x.fp8_scale != e.fp8_scale || x.synthetic != e.synthetic)
+      return false;
+  }
+  return true;
+}
+
 DeviceExperts WeightUploader::experts(const std::vector<const Matrix*>& per_expert) {
   DSV4_CHECK(!per_expert.empty(), "cuda runner: a MoE layer without routed experts");
   DeviceExperts d;

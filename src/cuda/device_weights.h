@@ -58,6 +58,8 @@ class WeightUploader {
   DeviceLinear linear(const Matrix& m, std::optional<GemvWeight> synthetic_as = std::nullopt);
   FusedLinear fused(const std::vector<const Matrix*>& parts);
   DeviceExperts experts(const std::vector<const Matrix*>& per_expert);
+  // Whether experts() takes these matrices: one shape and one encoding (format, FP8 scale type, synthetic).
+  bool groupable(const std::vector<const Matrix*>& matrices) const;
 
  private:
   struct Encoding {

@@ -148,10 +148,15 @@ void gemv_grouped(const GemvGroupedParams& g) {
 }
 
 void moe_slots(const MoeSlotsParams& p) {
-  DSV4_CHECK(p.n >= 0 && p.k > 0 && p.experts > 0 && p.experts <= 4096 && p.n * p.k <= 4096,
-             "moe_slots: n = {}, k = {}, experts = {} (experts and n*k must be in [1, 4096])", p.n, p.k, p.experts);
+  const int pairs = p.n * (p.k + (p.shared_expert >= 0 ? 1 : 0));
+  DSV4_CHECK(p.n >= 0 && p.k > 0 && p.experts > 0 && p.experts <= 4096 && pairs <= 4096,
+             "moe_slots: n = {}, k = {}, experts = {} (experts and pairs must be in [1, 4096])", p.n, p.k, p.experts);
+  DSV4_CHECK(p.shared_expert < p.experts, "moe_slots: shared_expert {} is not one of the {} experts", p.shared_expert,
+             p.experts);
   DSV4_CHECK(p.ids && p.slots.count && p.slots.expert && p.slots.offset && p.slots.row_order,
              "moe_slots: every pointer must be a device pointer");
+  DSV4_CHECK(p.shared_expert < 0 || (p.weights && p.pair_weights),
+             "moe_slots: a shared expert needs weights and pair_weights");
   DSV4_CUDA_CHECK(detail::moe_slots_launch(p));
 }
 

@@ -433,14 +433,25 @@ KernelArgs plain_args(const GemvParams& p, int split_k) {
   return a;
 }
 
-// One block of moe_slots: counting sort of the n·k picks by expert (experts and picks <= 4096).
+// One block of moe_slots: counting sort of the pairs by expert (experts and pairs <= 4096).
 __global__ void moe_slots_kernel(MoeSlotsParams p) {
   __shared__ int count[4096];
   __shared__ int start[4096];
-  const int pairs = p.n * p.k;
+  const bool with_shared = p.shared_expert >= 0;
+  const int per_token = p.k + (with_shared ? 1 : 0), pairs = p.n * per_token;
+  auto expert_of = [&](int i) {
+    const int t = i / per_token, j = i % per_token;
+    return j == p.k ? p.shared_expert : p.ids[t * p.k + j];
+  };
   for (int e = threadIdx.x; e < p.experts; e += blockDim.x) count[e] = 0;
   __syncthreads();
-  for (int i = threadIdx.x; i < pairs; i += blockDim.x) atomicAdd(&count[p.ids[i]], 1);
+  for (int i = threadIdx.x; i < pairs; i += blockDim.x) {
+    atomicAdd(&count[expert_of(i)], 1);
+    if (with_shared) {
+      const int t = i / per_token, j = i % per_token;
+      p.pair_weights[i] = j == p.k ? 1.0f : p.weights[t * p.k + j];
+    }
+  }
   __syncthreads();
   if (threadIdx.x == 0) {  // serial scan: E <= a few hundred in practice
     int offset = 0, slots = 0;
@@ -455,7 +466,7 @@ __global__ void moe_slots_kernel(MoeSlotsParams p) {
     }
     p.slots.offset[slots] = offset;
     *p.slots.count = slots;
-    for (int i = 0; i < pairs; ++i) p.slots.row_order[start[p.ids[i]]++] = i;  // stable: ascending pair index
+    for (int i = 0; i < pairs; ++i) p.slots.row_order[start[expert_of(i)]++] = i;  // stable: ascending pair index
   }
 }
 

@@ -106,11 +106,18 @@ struct GemvGroupedParams {
 void gemv_grouped(const GemvGroupedParams& p);
 
 // Builds the slot arrays of gemv_grouped from the router's picks ids [n, k] (expert ids in [0, experts)):
-// pairs t·k + i sorted by expert, ascending, stable; one slot per expert with at least one pair.
-// slots.expert / slots.offset need min(experts, n·k) (+1) entries. experts <= 4096, n·k <= 4096.
+// pairs sorted by expert, ascending, stable; one slot per expert with at least one pair.
+//   shared_expert < 0: pairs t·k + i are the picks.
+//   shared_expert >= 0 (the shared expert stored as one more expert of the grouped weights): every token gets a
+//   (k+1)-th pair t·(k+1) + k on that expert, picks are t·(k+1) + i, and pair_weights [n·(k+1)] receives the
+//   routing weights [n, k] with 1 for the shared pairs (the SwiGLU's per-pair factor).
+// slots.expert / slots.offset need min(experts, pairs) (+1) entries. experts <= 4096, pairs <= 4096.
 struct MoeSlotsParams {
   const int32_t* ids = nullptr;
   int n = 0, k = 0, experts = 0;
+  int shared_expert = -1;
+  const float* weights = nullptr;  // [n, k], read when shared_expert >= 0
+  float* pair_weights = nullptr;   // [n, k + 1], written when shared_expert >= 0
   MoeSlots slots;
   cudaStream_t stream = nullptr;
 };

@@ -30,6 +30,7 @@
 #include "cuda/gemv.h"
 #include "cuda/ops.h"
 #include "model/model.h"
+#include "spdlog/spdlog.h"
 
 namespace dsv4 {
 namespace {
@@ -90,6 +91,9 @@ struct LayerDevice {
   // MoE
   DeviceBuffer gate, gate_bias, tid2eid;
   DeviceExperts w1, w3, w2;
+  // The shared expert: expert E of w1 / w3 / w2 when it has their shape and encoding (one more pair per token
+  // in the grouped launches), else its own gemvs.
+  bool shared_grouped = false;
   FusedLinear shared_w13;  // [w1 | w3] of the shared expert
   DeviceLinear shared_w2;
   int shared_inter = 0;
@@ -211,7 +215,7 @@ class CudaRunner final : public SequenceRunner {
   DeviceBuffer tokens_, streams_, mix_, post_, comb_, normed_, normed_bf16_, y_x_, qr_bf16_, y_q_, kv_chunk_,
       index_w_, scores_, selected_, o_grouped_, z_, attn_out_, router_logits_, expert_ids_,
       expert_weights_, slot_count_, slot_expert_, slot_offset_, row_order_, expert_gate_, expert_up_, h_, y_pairs_,
-      shared_y13_, h_shared_, shared_out_, head_in_, logits_, attention_scratch_;
+      shared_y13_, h_shared_, shared_out_, head_in_, logits_, attention_scratch_, pair_weights_;
   MoeSlots slots_;     // views of slot_count_ .. row_order_
   int max_slots_ = 1;  // grouped-gemv grid: min(experts, picks of a full chunk)
   int max_entries_ = 1;  // largest compressed-entry count of any layer (scores scratch row length)
@@ -261,7 +265,7 @@ CudaRunner::CudaRunner(const Model& model, int max_context, CudaRunnerOptions op
   inv_freq_main_ = upload_f32(rope_inv_freq(c.rope_main, rd));
   inv_freq_compress_ = upload_f32(rope_inv_freq(c.rope_compress, rd));
 
-  int max_n_x = 0, max_n_q = 0, max_inter = 1, max_shared = 1;
+  int max_n_x = 0, max_n_q = 0, max_inter = 1, max_shared = 1, shared_grouped_layers = 0;
   layers_.reserve(c.n_layers);
   for (int l = 0; l < c.n_layers; ++l) {
     const LayerWeights& L = W.layers[l];
@@ -344,19 +348,36 @@ CudaRunner::CudaRunner(const Model& model, int max_context, CudaRunnerOptions op
       w3.push_back(&e.w3);
       w2.push_back(&e.w2);
     }
-    d.w1 = uploader.experts(w1);
-    d.w3 = uploader.experts(w3);
-    d.w2 = uploader.experts(w2);
-    max_inter = std::max(max_inter, c.moe_inter);
     if (M.shared) {
       d.shared_inter = M.shared->w1.rows;
       DSV4_CHECK(d.shared_inter % 8 == 0, "cuda runner: shared expert width {} must be a multiple of 8",
                  d.shared_inter);
-      d.shared_w13 = uploader.fused({&M.shared->w1, &M.shared->w3});
-      d.shared_w2 = uploader.linear(M.shared->w2);
-      max_shared = std::max(max_shared, d.shared_inter);
+      auto with_shared = [](std::vector<const Matrix*> v, const Matrix& m) {
+        v.push_back(&m);
+        return v;
+      };
+      d.shared_grouped = uploader.groupable(with_shared(w1, M.shared->w1)) &&
+                         uploader.groupable(with_shared(w3, M.shared->w3)) &&
+                         uploader.groupable(with_shared(w2, M.shared->w2));
+      if (d.shared_grouped) {
+        w1.push_back(&M.shared->w1);
+        w3.push_back(&M.shared->w3);
+        w2.push_back(&M.shared->w2);
+        ++shared_grouped_layers;
+      } else {
+        d.shared_w13 = uploader.fused({&M.shared->w1, &M.shared->w3});
+        d.shared_w2 = uploader.linear(M.shared->w2);
+        max_shared = std::max(max_shared, d.shared_inter);
+      }
     }
+    d.w1 = uploader.experts(w1);
+    d.w3 = uploader.experts(w3);
+    d.w2 = uploader.experts(w2);
+    max_inter = std::max(max_inter, c.moe_inter);
   }
+  if (shared_grouped_layers)
+    spdlog::info("cuda runner: the shared expert runs as one more grouped expert in {} of {} layers (same shape and "
+                 "encoding as the routed ones)", shared_grouped_layers, c.n_layers);
   stats_.weight_bytes += embed_.bytes() + head_.bytes();
   for (const LayerDevice& d : layers_) {
     stats_.weight_bytes += d.w_x.bytes() + d.w_q.bytes() + d.wo_a.bytes() + d.wo_b.bytes() + d.w1.bytes() +
@@ -364,7 +385,7 @@ CudaRunner::CudaRunner(const Model& model, int max_context, CudaRunnerOptions op
     for (const DeviceBuffer* b : {&d.gate, &d.index_wproj}) stats_.weight_bytes += bytes_of(*b);
   }
   const size_t C = kCudaMaxChunk, f = sizeof(float), b16 = sizeof(uint16_t);
-  const int n_mix = (2 + hc) * hc, k = c.n_experts_per_tok;
+  const int n_mix = (2 + hc) * hc, k = c.n_experts_per_tok, pairs = k + 1;  // + the shared expert's pair
   tokens_ = zeros(C * sizeof(int32_t));
   streams_ = zeros(C * hc * D * f);
   mix_ = zeros(C * n_mix * f);
@@ -385,17 +406,18 @@ CudaRunner::CudaRunner(const Model& model, int max_context, CudaRunnerOptions op
   router_logits_ = zeros(C * c.n_routed_experts * f);
   expert_ids_ = zeros(C * k * sizeof(int32_t));
   expert_weights_ = zeros(C * k * f);
-  max_slots_ = std::max(1, std::min<int>(c.n_routed_experts, int(C) * k));
+  max_slots_ = std::max(1, std::min<int>(c.n_routed_experts + 1, int(C) * pairs));
   slot_count_ = zeros(sizeof(int32_t));
   slot_expert_ = zeros(max_slots_ * sizeof(int32_t));
   slot_offset_ = zeros((max_slots_ + 1) * sizeof(int32_t));
-  row_order_ = zeros(C * k * sizeof(int32_t));
+  row_order_ = zeros(C * pairs * sizeof(int32_t));
+  pair_weights_ = zeros(C * pairs * f);
   slots_ = {slot_count_.as<int32_t>(), slot_expert_.as<int32_t>(), slot_offset_.as<int32_t>(),
             row_order_.as<int32_t>()};
-  expert_gate_ = zeros(C * k * max_inter * f);
-  expert_up_ = zeros(C * k * max_inter * f);
-  h_ = zeros(C * k * max_inter * b16);
-  y_pairs_ = zeros(C * k * D * f);
+  expert_gate_ = zeros(C * pairs * max_inter * f);
+  expert_up_ = zeros(C * pairs * max_inter * f);
+  h_ = zeros(C * pairs * max_inter * b16);
+  y_pairs_ = zeros(C * pairs * D * f);
   shared_y13_ = zeros(C * 2 * max_shared * f);
   h_shared_ = zeros(C * max_shared * b16);
   shared_out_ = zeros(C * D * f);
@@ -420,7 +442,7 @@ CudaRunner::CudaRunner(const Model& model, int max_context, CudaRunnerOptions op
                                 &qr_bf16_, &y_q_, &kv_chunk_, &index_w_, &scores_, &selected_, &o_grouped_,
                                 &z_, &attn_out_, &router_logits_, &expert_ids_, &expert_weights_,
                                 &slot_count_, &slot_expert_, &slot_offset_, &row_order_, &expert_gate_, &expert_up_,
-                                &h_, &y_pairs_, &shared_y13_, &h_shared_, &shared_out_, &head_in_, &logits_, &attention_scratch_})
+                                &h_, &y_pairs_, &shared_y13_, &h_shared_, &shared_out_, &head_in_, &logits_, &attention_scratch_, &pair_weights_})
     stats_.workspace_bytes += b->size();
   pos_ = zeros(sizeof(int64_t));
   DSV4_CUDA_CHECK(cudaMallocHost(&host_tokens_, C * sizeof(int32_t)));
@@ -801,24 +823,32 @@ void CudaRunner::ffn_block(int l, int n) {
   gpu::router(rp, stream_);
   launched("ffn: router");
 
-  // 4.2 routed experts (only the picked ones, grouped by expert on the device), then the shared expert
+  // 4.2 routed experts (only the picked ones, grouped by expert on the device), then the shared expert: as pair k
+  // of every token on expert E when it is grouped with them (so the sum over pairs below adds it last, like the
+  // reference), else through its own gemvs.
+  const int pairs = d.shared_grouped ? k + 1 : k;
   MoeSlotsParams slots;
   slots.ids = expert_ids_.as<int32_t>();
   slots.n = n;
   slots.k = k;
-  slots.experts = E;
+  slots.experts = d.w1.experts;
   slots.slots = slots_;
   slots.stream = stream_;
+  if (d.shared_grouped) {
+    slots.shared_expert = E;
+    slots.weights = expert_weights_.as<float>();
+    slots.pair_weights = pair_weights_.as<float>();
+  }
   moe_slots(slots);
   launched("ffn: moe_slots");
-  linear_grouped("ffn: grouped gemv w1 + w3", d.w1, normed_bf16_.data(), k, expert_gate_.data(), n, GemvOut::F32,
+  linear_grouped("ffn: grouped gemv w1 + w3", d.w1, normed_bf16_.data(), pairs, expert_gate_.data(), n, GemvOut::F32,
                  &d.w3, expert_up_.data());
   gpu::SwigluParams sw;
   sw.gate = expert_gate_.as<float>();
   sw.up = expert_up_.as<float>();
   sw.ld = c.moe_inter;
-  sw.weights = expert_weights_.as<float>();
-  sw.rows = n * k;
+  sw.weights = d.shared_grouped ? pair_weights_.as<float>() : expert_weights_.as<float>();
+  sw.rows = n * pairs;
   sw.inter = c.moe_inter;
   sw.limit = c.swiglu_limit;
   sw.h = h_.as<uint16_t>();
@@ -826,7 +856,7 @@ void CudaRunner::ffn_block(int l, int n) {
   launched("ffn: swiglu");
   linear_grouped("ffn: grouped gemv w2", d.w2, h_.data(), 1, y_pairs_.data(), n, GemvOut::F32);
 
-  const bool shared = d.shared_inter > 0;
+  const bool shared = d.shared_inter > 0 && !d.shared_grouped;
   if (shared) {
     const int si = d.shared_inter;
     linear("ffn: gemv shared [w1|w3]", d.shared_w13, normed_bf16_.data(), shared_y13_.as<float>(), n);
@@ -842,7 +872,7 @@ void CudaRunner::ffn_block(int l, int n) {
     launched("ffn: shared swiglu");
     linear("ffn: gemv shared w2", d.shared_w2, h_shared_.data(), shared_out_.data(), n, GemvOut::F32);
   }
-  gpu::hc_post(y_pairs_.as<float>(), k, shared ? shared_out_.as<float>() : nullptr, post_.as<float>(),
+  gpu::hc_post(y_pairs_.as<float>(), pairs, shared ? shared_out_.as<float>() : nullptr, post_.as<float>(),
                comb_.as<float>(), n, hc, D, streams_.as<float>(), stream_);
   launched("ffn: hc_post");
 }

@@ -515,6 +515,55 @@ TEST(GemvRows, RowRangeIntoStridedOutput) {
   }
 }
 
+// The shared expert as one more grouped expert: pair t·(k+1) + k of every token goes to it with weight 1, the
+// picks keep their order and weights.
+TEST(MoeSlots, SharedExpertPairs) {
+  DSV4_REQUIRE_CUDA();
+  const int n = 5, k = 6, routed = 16, shared = routed, per_token = k + 1, pairs = n * per_token;
+  std::mt19937_64 rng(3);
+  std::vector<int32_t> ids(n * k);
+  std::vector<float> weights(n * k);
+  for (int t = 0; t < n; ++t) {
+    std::vector<int32_t> perm(routed);
+    std::iota(perm.begin(), perm.end(), 0);
+    std::shuffle(perm.begin(), perm.end(), rng);
+    for (int i = 0; i < k; ++i) ids[t * k + i] = perm[i], weights[t * k + i] = 0.1f * float(t * k + i + 1);
+  }
+  DeviceBuffer dids(ids.size() * 4), dw(weights.size() * 4), dpw(pairs * 4), count(4), se((routed + 1) * 4),
+      so((routed + 2) * 4), order(pairs * 4);
+  dids.upload(ids.data(), ids.size() * 4);
+  dw.upload(weights.data(), weights.size() * 4);
+  dpw.fill_bytes(0xff);
+  MoeSlotsParams sp;
+  sp.ids = dids.as<int32_t>(), sp.n = n, sp.k = k, sp.experts = routed + 1, sp.shared_expert = shared;
+  sp.weights = dw.as<float>(), sp.pair_weights = dpw.as<float>();
+  sp.slots = {count.as<int32_t>(), se.as<int32_t>(), so.as<int32_t>(), order.as<int32_t>()};
+  moe_slots(sp);
+  DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+  int32_t n_slots = 0;
+  count.download(&n_slots, 4);
+  std::vector<int32_t> h_se(routed + 1), h_so(routed + 2), h_order(pairs);
+  std::vector<float> h_pw(pairs);
+  se.download(h_se.data(), h_se.size() * 4);
+  so.download(h_so.data(), h_so.size() * 4);
+  order.download(h_order.data(), h_order.size() * 4);
+  dpw.download(h_pw.data(), h_pw.size() * 4);
+  ASSERT_GE(n_slots, 2);
+  EXPECT_EQ(h_se[n_slots - 1], shared) << "the shared expert is the last (highest) slot";
+  EXPECT_EQ(h_so[n_slots] - h_so[n_slots - 1], n) << "one shared pair per token";
+  for (int r = h_so[n_slots - 1]; r < h_so[n_slots]; ++r) EXPECT_EQ(h_order[r] % per_token, k);
+  EXPECT_EQ(h_so[n_slots], pairs);
+  for (int s = 0; s + 1 < n_slots; ++s)
+    for (int r = h_so[s]; r < h_so[s + 1]; ++r) {
+      const int pair = h_order[r], t = pair / per_token, i = pair % per_token;
+      ASSERT_LT(i, k);
+      EXPECT_EQ(ids[t * k + i], h_se[s]);
+    }
+  for (int t = 0; t < n; ++t)
+    for (int i = 0; i <= k; ++i)
+      EXPECT_EQ(h_pw[t * per_token + i], i == k ? 1.0f : weights[t * k + i]) << "token " << t << " pair " << i;
+}
+
 // Batched launches (the grouped output projection): batch b multiplies its own x rows by the next n rows of the
 // matrix and writes its own columns of a token-major y [m, batch · n]; the padding column stays poisoned.
 TEST(GemvBatched, GroupsIntoTokenMajorOutput) {
