@@ -12,6 +12,7 @@
 #include <exception>
 #include <functional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "cuda/bandwidth.h"
@@ -193,7 +194,7 @@ int main(int argc, char** argv) {
         "| format | shape (n x k) | m | split | us / step | weight GB/s | vs 1 GiB copy | vs same-size copy | best split "
         "(frac) |\n|---|---|---|---|---|---|---|---|---|\n";
     std::printf("%-9s %-13s %3s %5s %10s %9s %8s %8s  %s\n", "format", "shape", "m", "split", "us/step", "GB/s",
-                "vs copy", "vs same", "best split (frac), register-load path at the auto split (frac)");
+                "vs copy", "vs same", "best split (frac), 3 and 4 blocks/SM variants at the auto split (frac)");
     for (const Shape& sh : shapes) {
       for (const Format& f : formats) {
         const bool lm_head = sh.n == 129280;
@@ -239,7 +240,7 @@ int main(int argc, char** argv) {
           const int auto_split = gemv_default_split_k(p, info.sm_count);
           double t_auto = 0, t_best = 1e30;
           int best_split = 0;
-          auto time_split = [&](int split, GemvLoads loads) {
+          auto time_split = [&](int split, int min_blocks) {
             return time_steps(
                 [&](cudaStream_t s, int step) {
                   for (int e = 0; e < sh.count; ++e) {
@@ -247,24 +248,25 @@ int main(int argc, char** argv) {
                     GemvParams q = p;
                     q.w = sets.as<char>() + size_t(set) * stride;
                     q.w_scale = sb ? sets.as<char>() + size_t(set) * stride + round_up(wb, 256) : nullptr;
-                    q.split_k = split, q.stream = s, q.loads = loads;
+                    q.split_k = split, q.stream = s, q.min_blocks = min_blocks;
                     gemv(q);
                   }
                 },
                 steps);
           };
           for (int split : {1, 2, 4, 8}) {
-            const double t = time_split(split, GemvLoads::Auto);
+            const double t = time_split(split, 0);
             if (split == auto_split) t_auto = t;
             if (t < t_best) t_best = t, best_split = split;
           }
-          // m <= 8 runs the async-copy ring by default: the register-load path at the same split, for comparison.
-          const double t_regs = m <= 8 ? time_split(auto_split, GemvLoads::Registers) : 0.0;
+          // m <= 8: the kernel variants for 3 and 4 resident blocks per SM at the same split (default 2).
+          const double t_b3 = m <= 8 ? time_split(auto_split, 3) : 0.0, t_b4 = m <= 8 ? time_split(auto_split, 4) : 0.0;
           const double bw = double(step_bytes) / t_auto;
           char line[512];
-          std::snprintf(line, sizeof line, "%-9s %-13s %3d %5d %10.2f %9.0f %8.3f %8.3f  %d (%.3f)  reg-loads %.3f\n",
+          std::snprintf(line, sizeof line, "%-9s %-13s %3d %5d %10.2f %9.0f %8.3f %8.3f  %d (%.3f)  3/SM %.3f  4/SM %.3f\n",
                         f.name, sh.name, m, auto_split, t_auto * 1e6, bw / 1e9, bw / copy_bw, bw / same_bw, best_split,
-                        double(step_bytes) / t_best / copy_bw, t_regs > 0 ? double(step_bytes) / t_regs / copy_bw : 0.0);
+                        double(step_bytes) / t_best / copy_bw, t_b3 > 0 ? double(step_bytes) / t_b3 / copy_bw : 0.0,
+                        t_b4 > 0 ? double(step_bytes) / t_b4 / copy_bw : 0.0);
           std::fputs(line, stdout);
           std::fflush(stdout);
           std::snprintf(line, sizeof line, "| %s | %s | %d | %d | %.2f | %.0f | %.3f | %.3f | %d (%.3f) |\n", f.name,
@@ -274,6 +276,61 @@ int main(int argc, char** argv) {
         }
       }
     }
+    // Grouped decode shapes: one token's 7 pairs (6 routed + shared) on 33 experts of one layer, w1 with w3 as the
+    // second projection, then w2; the steps rotate over slot sets so the experts do not stay in L2.
+    std::printf("\ngrouped decode (7 of 33 experts, one launch per projection set; frac of copy bandwidth):\n");
+    for (const Format& f : {formats[0], formats[3], formats[4]}) {
+      for (const auto& [name, n, k, second] : {std::tuple{"w1+w3 2048x4096", 2048, 4096, true},
+                                              std::tuple{"w2 4096x2048", 4096, 2048, false}}) {
+        const int E = 33, picks = 7, sets = 24;
+        const size_t wb = weight_bytes(f, n, k), sb = scale_bytes(f, n, k);
+        DeviceBuffer w(wb * E * 2), sc(std::max<size_t>(sb * E * 2, 16)), s2(E * 2 * 4), ids(sets * picks * 4),
+            count(sets * 4), expert(sets * E * 4), offset(sets * (E + 1) * 4), order(sets * picks * 4);
+        fill(w.data(), w.size(), 11, f.w == GemvWeight::BF16 ? 0x807F807Fu : ~0u, f.w == GemvWeight::BF16 ? 0x3C003C00u : 0);
+        check(cudaMemset(sc.data(), f.w == GemvWeight::NVFP4 ? 0x38 : 120, sc.size()), "memset");
+        std::vector<float> ones(E * 2, 0.5f);
+        s2.upload(ones.data(), ones.size() * 4);
+        std::vector<int32_t> h_ids(sets * picks);
+        for (int st = 0; st < sets; ++st)
+          for (int i = 0; i < picks; ++i) h_ids[st * picks + i] = (st * picks + i) % E;  // distinct within a set
+        ids.upload(h_ids.data(), h_ids.size() * 4);
+        std::vector<MoeSlots> slots(sets);
+        for (int st = 0; st < sets; ++st) {
+          slots[st] = {count.as<int32_t>() + st, expert.as<int32_t>() + st * E, offset.as<int32_t>() + st * (E + 1),
+                       order.as<int32_t>() + st * picks};
+          MoeSlotsParams mp;
+          mp.ids = ids.as<int32_t>() + st * picks, mp.n = 1, mp.k = picks, mp.experts = E, mp.slots = slots[st];
+          moe_slots(mp);
+        }
+        const double bytes = double(wb + sb) * picks * (second ? 2 : 1);
+        std::printf("  %-9s %-16s", f.name, name);
+        for (int min_blocks : {2, 3, 4})
+          for (int split : {1, 2, 4, 8}) {
+            const double t = time_steps(
+                [&](cudaStream_t st_, int step) {
+                  GemvGroupedParams g;
+                  g.base.m = 1, g.base.n = n, g.base.k = k, g.base.x = x.data(), g.base.y = y.data();
+                  g.base.w = w.data(), g.base.w_scale = sb ? sc.data() : nullptr, g.base.weight = f.w;
+                  g.base.out = GemvOut::F32, g.base.split_k = split, g.base.min_blocks = min_blocks;
+                  g.base.stream = st_;
+                  g.w_expert_stride = wb, g.scale_expert_stride = sb, g.scale_2 = s2.as<float>();
+                  g.max_slots = E, g.slots = slots[step % sets], g.x_row_div = picks;
+                  if (second) {
+                    g.second.w = w.as<char>() + wb * E;
+                    g.second.w_scale = sb ? sc.as<char>() + sb * E : nullptr;
+                    g.second.scale_2 = s2.as<float>() + E;
+                    g.second.y = y.as<float>() + size_t(picks) * n;
+                  }
+                  gemv_grouped(g);
+                },
+                48);
+            std::printf("  %d/SM s%d %.3f (%.1f us)", min_blocks, split, bytes / t / copy_bw, t * 1e6);
+          }
+        std::printf("\n");
+        std::fflush(stdout);
+      }
+    }
+
     char tail[300];
     std::snprintf(tail, sizeof tail,
                   "\ncopy bandwidth (1 GiB, read+write) on %s: cudaMemcpy D2D %.0f GB/s, copy kernel %.0f GB/s\n",

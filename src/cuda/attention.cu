@@ -160,7 +160,7 @@ __global__ void attention_kernel(AttentionParams p, int splits) {
 
 // Block (h, t): merges the splits' partials of attention_kernel with the sink, then finishes like one split.
 __global__ void attention_merge_kernel(AttentionParams p, int splits) {
-  extern __shared__ float factor[];  // [splits]
+  __shared__ float factor[kMaxSplits];
   __shared__ float o[kMaxHeadDim];
   __shared__ float inv_denom;
   const int h = blockIdx.x, t = blockIdx.y, dim = p.dim;
@@ -216,7 +216,7 @@ void attention(const AttentionParams& p, cudaStream_t stream) {
   attention_kernel<<<dim3(p.heads, p.n, splits), kAttnWarps * 32, 0, stream>>>(p, splits);
   DSV4_CUDA_LAUNCHED();
   if (splits == 1) return;
-  attention_merge_kernel<<<dim3(p.heads, p.n), 128, splits * sizeof(float), stream>>>(p, splits);
+  attention_merge_kernel<<<dim3(p.heads, p.n), 128, 0, stream>>>(p, splits);
   DSV4_CUDA_LAUNCHED();
 }
 

@@ -95,6 +95,8 @@ bool check_gemv_params(const GemvParams& p, const char* what) {
              what);
   DSV4_CHECK(p.weight != GemvWeight::FP8_BLOCK || p.fp8_scale != GemvScale::F32 || aligned(p.w_scale, 4),
              "{} (fp8_block): f32 w_scale must be 4-byte aligned", what);
+  DSV4_CHECK(p.min_blocks >= 0 && p.min_blocks <= 4 && p.min_blocks != 1,
+             "{}: min_blocks = {} must be 0 (default), 2, 3 or 4", what, p.min_blocks);
   DSV4_CHECK(p.split_k == 0 || p.split_k == 1 || p.split_k == 2 || p.split_k == 4 || p.split_k == 8,
              "{}: split_k = {} must be 0 (auto), 1, 2, 4 or 8", what, p.split_k);
   return true;

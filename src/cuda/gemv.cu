@@ -20,11 +20,8 @@ enum class Fmt { BF16, FP8_E8M0, FP8_F32, MXFP4, NVFP4 };
 
 constexpr int kThreads = kGemvWarps * 32;
 constexpr int kChunkBytes = 64;  // bytes of one weight row per chunk: 4 quad threads x 16 bytes
+constexpr int kDefaultMinBlocks = 2;  // m <= 8 (dsv4_gemv_bench compares 2, 3, 4)
 constexpr int kUnroll = 4;       // chunks loaded per thread before the first is used (8 x 16 B in flight)
-// Async-copy path (m <= 8): each thread streams its own weight pieces and scale words through a private ring of
-// shared-memory slots, kStages groups of kStageChunks chunks in flight, so the loads outlive no registers.
-constexpr int kStages = 4, kStageChunks = 2;
-constexpr size_t kStageBytes = size_t(kStages) * kStageChunks * 2 * kThreads * (16 + 4);  // dynamic smem
 
 template <Fmt F>
 constexpr int elems_per_16b() {  // weight elements in one thread's 16-byte piece
@@ -34,6 +31,7 @@ constexpr int elems_per_16b() {  // weight elements in one thread's 16-byte piec
 struct KernelArgs {
   int m, n, k;
   int split;                    // warps per 16-row tile
+  int min_blocks;               // m <= 8: the kernel variant's blocks per SM (2, 3 or 4)
   const __nv_bfloat16* x;       // [m, k]
   const uint8_t* w;             // weight bytes, rows of row_bytes
   const uint8_t* w_scale;       // format's scale tensor (bytes)
@@ -62,27 +60,6 @@ __device__ __forceinline__ uint4 load_weights(const uint8_t* p) {
       : "l"(p));
   return r;
 }
-
-// cp.async of 16 (weights, L2 only) or 4 (scale word) bytes into this thread's slot; src_bytes 0 writes zeros.
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
-  const uint32_t d = uint32_t(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_async4(void* dst, const void* src, int src_bytes) {
-  const uint32_t d = uint32_t(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(d), "l"(src), "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(kPending));
-}
-
-// The 4-byte-aligned word holding a scale byte (copied whole; the byte is picked after the copy lands).
-__device__ __forceinline__ const void* word_of(const uint8_t* p) {
-  return reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(p) & ~uintptr_t(3));
-}
-__device__ __forceinline__ int shift_of(const uint8_t* p) { return int(reinterpret_cast<uintptr_t>(p) & 3) * 8; }
 
 __device__ __forceinline__ void mma_bf16(float c[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                          uint32_t b0, uint32_t b1) {
@@ -115,9 +92,9 @@ __device__ __forceinline__ void decode_piece(const uint4& raw, uint32_t scale, u
   }
 }
 
-template <Fmt F, int kTilesN, bool kGrouped, bool kAsync>
-__global__ void __launch_bounds__(kThreads, kTilesN <= 2 ? 2 : 1) gemv_kernel(const KernelArgs a) {
-  static_assert(!kAsync || kTilesN == 1, "the async-copy path serves m <= 8");
+// kMinBlocks: resident blocks per SM the register budget is cut for (more warps hide more DRAM latency).
+template <Fmt F, int kTilesN, bool kGrouped, int kMinBlocks = kTilesN <= 2 ? 2 : 1>
+__global__ void __launch_bounds__(kThreads, kMinBlocks) gemv_kernel(const KernelArgs a) {
   constexpr int kElems = elems_per_16b<F>();  // per thread, per row, per chunk
   constexpr int kChunkK = 4 * kElems;
   constexpr int kPairs = kElems / 2;          // bf16x2 words per row piece
@@ -182,97 +159,7 @@ __global__ void __launch_bounds__(kThreads, kTilesN <= 2 ? 2 : 1) gemv_kernel(co
 #pragma unroll
   for (int j = 0; j < kTilesN; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
 
-  if constexpr (kAsync) {
-    // Chunk i of this warp is c = part + i·split. Stage st holds chunks [st·kStageChunks, +kStageChunks) in ring
-    // slot st % kStages; slot arrays are [slot][chunk][row lo/hi][thread] so a warp's accesses are contiguous.
-    extern __shared__ uint4 stage_mem[];
-    uint4* stage_w = stage_mem;
-    uint32_t* stage_s = reinterpret_cast<uint32_t*>(stage_mem + kStages * kStageChunks * 2 * kThreads);
-    auto at = [](int slot, int u, int h) { return ((slot * kStageChunks + u) * 2 + h) * kThreads + int(threadIdx.x); };
-    const int n_mine = row0 < a.n && part < n_chunks ? (n_chunks - part + split - 1) / split : 0;
-    const int n_stages = (n_mine + kStageChunks - 1) / kStageChunks;
-    // Address of the scale byte(s) of chunk c for row r (FP8: the block's scale, uniform over the warp).
-    auto scale_ptr = [&](int c, int r) -> const uint8_t* {
-      const int kk = c * kChunkK + t * kElems;
-      if constexpr (kFp8) {
-        const size_t idx = size_t((w_row0 + row0) / 128) * size_t((a.k + 127) / 128) + size_t(c / 2);
-        return w_scale + idx * (F == Fmt::FP8_F32 ? 4 : 1);
-      } else if constexpr (F == Fmt::MXFP4) {
-        return w_scale + size_t(r) * (a.k / 32) + kk / 32;
-      } else {
-        return w_scale + size_t(r) * (a.k / 16) + kk / 16;  // NVFP4: two bytes, at an even offset
-      }
-    };
-    auto issue = [&](int st) {
-      if (st < n_stages) {
-        const int slot = st % kStages;
-#pragma unroll
-        for (int u = 0; u < kStageChunks; ++u) {
-          const int i = st * kStageChunks + u, c = part + i * split;
-          const bool in_k = i < n_mine && c * kChunkK + t * kElems < a.k;
-          const bool lo = in_k && ok_lo, hi = in_k && ok_hi;
-          cp_async16(stage_w + at(slot, u, 0), lo ? w_lo + size_t(c) * kChunkBytes : a.w, lo ? 16 : 0);
-          cp_async16(stage_w + at(slot, u, 1), hi ? w_hi + size_t(c) * kChunkBytes : a.w, hi ? 16 : 0);
-          if constexpr (F != Fmt::BF16) {
-            const bool s_lo = kFp8 ? i < n_mine : lo, s_hi = !kFp8 && hi;
-            cp_async4(stage_s + at(slot, u, 0), s_lo ? word_of(scale_ptr(c, r_lo)) : a.w_scale, s_lo ? 4 : 0);
-            if constexpr (!kFp8)
-              cp_async4(stage_s + at(slot, u, 1), s_hi ? word_of(scale_ptr(c, r_hi)) : a.w_scale, s_hi ? 4 : 0);
-          }
-        }
-      }
-      cp_async_commit();  // empty groups past the end keep the wait count uniform
-    };
-#pragma unroll
-    for (int st = 0; st < kStages; ++st) issue(st);
-    for (int st = 0; st < n_stages; ++st) {
-      cp_async_wait<kStages - 1>();  // this thread's copies of stage st have landed
-      const int slot = st % kStages;
-#pragma unroll
-      for (int u = 0; u < kStageChunks; ++u) {
-        const int i = st * kStageChunks + u, c = part + i * split;
-        if (i >= n_mine) break;  // warp-uniform
-        const int kk = c * kChunkK + t * kElems;
-        const bool in_k = kk < a.k;
-        const uint4 raw_lo = stage_w[at(slot, u, 0)], raw_hi = stage_w[at(slot, u, 1)];
-        uint32_t sc_lo = 0, sc_hi = 0;
-        if constexpr (F == Fmt::FP8_F32) {
-          sc_lo = stage_s[at(slot, u, 0)];
-        } else if constexpr (F != Fmt::BF16) {
-          constexpr uint32_t mask = F == Fmt::NVFP4 ? 0xffffu : 0xffu;
-          sc_lo = in_k && (kFp8 || ok_lo) ? (stage_s[at(slot, u, 0)] >> shift_of(scale_ptr(c, r_lo))) & mask : 0;
-          if constexpr (!kFp8) sc_hi = in_k && ok_hi ? (stage_s[at(slot, u, 1)] >> shift_of(scale_ptr(c, r_hi))) & mask : 0;
-        }
-        uint32_t w_lo_bf[kPairs], w_hi_bf[kPairs];
-        decode_piece<F>(raw_lo, sc_lo, w_lo_bf);
-        decode_piece<F>(raw_hi, kFp8 ? sc_lo : sc_hi, w_hi_bf);
-        uint32_t xb[kPairs];
-        if (x_row[0] && in_k) {
-          const uint4* xp = reinterpret_cast<const uint4*>(x_row[0] + kk);
-#pragma unroll
-          for (int v = 0; v < kPairs / 4; ++v) {
-            const uint4 q = __ldg(xp + v);
-            xb[4 * v + 0] = q.x, xb[4 * v + 1] = q.y, xb[4 * v + 2] = q.z, xb[4 * v + 3] = q.w;
-          }
-        } else {
-#pragma unroll
-          for (int q = 0; q < kPairs; ++q) xb[q] = 0;
-        }
-        float chunk_acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};  // FP8 with f32 scales: scaled per chunk
-#pragma unroll
-        for (int q = 0; q < kMmas; ++q)
-          mma_bf16(F == Fmt::FP8_F32 ? chunk_acc : acc[0], w_lo_bf[2 * q], w_hi_bf[2 * q], w_lo_bf[2 * q + 1],
-                   w_hi_bf[2 * q + 1], xb[2 * q], xb[2 * q + 1]);
-        if constexpr (F == Fmt::FP8_F32) {
-          const float sf = __uint_as_float(sc_lo);
-#pragma unroll
-          for (int e = 0; e < 4; ++e) acc[0][e] = fmaf(chunk_acc[e], sf, acc[0][e]);
-        }
-      }
-      issue(st + kStages);  // refills the slot just read: its values are already in registers
-    }
-    cp_async_wait<0>();  // no copy may still target shared memory when the block moves on
-  } else if (row0 < a.n) {
+  if (row0 < a.n) {
     for (int c0 = part; c0 < n_chunks; c0 += split * kUnroll) {
       // Issue all weight (and scale) loads of kUnroll chunks first: these are the DRAM stream.
       uint4 raw_lo[kUnroll], raw_hi[kUnroll];
@@ -383,44 +270,41 @@ __global__ void __launch_bounds__(kThreads, kTilesN <= 2 ? 2 : 1) gemv_kernel(co
 }
 
 template <Fmt F, bool kGrouped>
-cudaError_t launch_fmt(const KernelArgs& a, dim3 grid, bool async_copy, cudaStream_t stream) {
+cudaError_t launch_fmt(const KernelArgs& a, dim3 grid, cudaStream_t stream) {
   const int rows_per_block = kGemvWarps / a.split * 16;
   grid.x = (a.n + rows_per_block - 1) / rows_per_block;
-  if (a.m <= 8 && async_copy) {
-    static const cudaError_t attr = cudaFuncSetAttribute(
-        gemv_kernel<F, 1, kGrouped, true>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kStageBytes));
-    if (attr != cudaSuccess) return attr;
-    gemv_kernel<F, 1, kGrouped, true><<<grid, kThreads, kStageBytes, stream>>>(a);
-  } else if (a.m <= 8) {
-    gemv_kernel<F, 1, kGrouped, false><<<grid, kThreads, 0, stream>>>(a);
-  } else if (a.m <= 16) {
-    gemv_kernel<F, 2, kGrouped, false><<<grid, kThreads, 0, stream>>>(a);
-  } else if (a.m <= 32) {
-    gemv_kernel<F, 4, kGrouped, false><<<grid, kThreads, 0, stream>>>(a);
-  } else {
-    gemv_kernel<F, 8, kGrouped, false><<<grid, kThreads, 0, stream>>>(a);
-  }
+  if (a.m <= 8 && a.min_blocks == 3)
+    gemv_kernel<F, 1, kGrouped, 3><<<grid, kThreads, 0, stream>>>(a);
+  else if (a.m <= 8 && a.min_blocks == 4)
+    gemv_kernel<F, 1, kGrouped, 4><<<grid, kThreads, 0, stream>>>(a);
+  else if (a.m <= 8)
+    gemv_kernel<F, 1, kGrouped><<<grid, kThreads, 0, stream>>>(a);
+  else if (a.m <= 16)
+    gemv_kernel<F, 2, kGrouped><<<grid, kThreads, 0, stream>>>(a);
+  else if (a.m <= 32)
+    gemv_kernel<F, 4, kGrouped><<<grid, kThreads, 0, stream>>>(a);
+  else
+    gemv_kernel<F, 8, kGrouped><<<grid, kThreads, 0, stream>>>(a);
   return cudaGetLastError();
 }
 
 // grid.y: batches or slots; grid.z: projections of a grouped launch (grid.x is set from the rows).
 template <bool kGrouped>
 cudaError_t launch(const GemvParams& p, const KernelArgs& a, dim3 grid) {
-  const bool async = p.loads != GemvLoads::Registers;
   switch (p.weight) {
-    case GemvWeight::BF16: return launch_fmt<Fmt::BF16, kGrouped>(a, grid, async, p.stream);
+    case GemvWeight::BF16: return launch_fmt<Fmt::BF16, kGrouped>(a, grid, p.stream);
     case GemvWeight::FP8_BLOCK:
-      return p.fp8_scale == GemvScale::E8M0 ? launch_fmt<Fmt::FP8_E8M0, kGrouped>(a, grid, async, p.stream)
-                                            : launch_fmt<Fmt::FP8_F32, kGrouped>(a, grid, async, p.stream);
-    case GemvWeight::MXFP4: return launch_fmt<Fmt::MXFP4, kGrouped>(a, grid, async, p.stream);
-    case GemvWeight::NVFP4: return launch_fmt<Fmt::NVFP4, kGrouped>(a, grid, async, p.stream);
+      return p.fp8_scale == GemvScale::E8M0 ? launch_fmt<Fmt::FP8_E8M0, kGrouped>(a, grid, p.stream)
+                                            : launch_fmt<Fmt::FP8_F32, kGrouped>(a, grid, p.stream);
+    case GemvWeight::MXFP4: return launch_fmt<Fmt::MXFP4, kGrouped>(a, grid, p.stream);
+    case GemvWeight::NVFP4: return launch_fmt<Fmt::NVFP4, kGrouped>(a, grid, p.stream);
   }
   return cudaErrorInvalidValue;
 }
 
 KernelArgs plain_args(const GemvParams& p, int split_k) {
   KernelArgs a{};
-  a.m = p.m, a.n = p.n, a.k = p.k, a.split = split_k;
+  a.m = p.m, a.n = p.n, a.k = p.k, a.split = split_k, a.min_blocks = p.min_blocks ? p.min_blocks : kDefaultMinBlocks;
   a.x = static_cast<const __nv_bfloat16*>(p.x);
   a.w = static_cast<const uint8_t*>(p.w);
   a.w_scale = static_cast<const uint8_t*>(p.w_scale);

@@ -31,9 +31,6 @@ namespace dsv4 {
 enum class GemvWeight { BF16, FP8_BLOCK, MXFP4, NVFP4 };
 enum class GemvScale { E8M0, F32 };  // element type of the FP8_BLOCK scale tensor
 enum class GemvOut { F32, BF16 };
-// How m <= 8 launches stream the weights: through per-thread cp.async rings in shared memory (Auto, AsyncCopy) or
-// with loads into registers, kUnroll chunks at a time (Registers; the only path for m > 8). Benchmarks compare.
-enum class GemvLoads { Auto, AsyncCopy, Registers };
 
 constexpr int kGemvMaxM = 64;
 
@@ -51,7 +48,7 @@ struct GemvParams {
   GemvScale fp8_scale = GemvScale::E8M0;
   GemvOut out = GemvOut::F32;
   int split_k = 0;  // warps sharing one 16-row tile (1, 2, 4 or 8); 0 = chosen from the shape (benchmarks set it)
-  GemvLoads loads = GemvLoads::Auto;
+  int min_blocks = 0;  // m <= 8: kernel variant tuned for 2, 3 or 4 resident blocks per SM; 0 = default (benchmarks)
   cudaStream_t stream = nullptr;
 };
 

@@ -26,7 +26,9 @@ enum class RowRound {
 //   rope:  interleaved RoPE on the last rope_dim values at position pos0 + t · pos_step, angles fp32
 //          position · inv_freq[i] (inv_freq: device [rope_dim/2]); `inverse` rotates backwards. rope_dim 0 = none.
 //   y_bf16: optional contiguous [tokens · heads, dim] bf16 copy of y.
-// dim <= 4096; KvFp8 needs (dim - rope_dim) % 64 == 0, IndexerFp4 a power-of-two dim >= 32.
+// dim <= 4096 (< 4096 when dim - rope_dim is odd); KvFp8 needs (dim - rope_dim) % 64 == 0, IndexerFp4 a
+// power-of-two dim >= 32 and an even rope_dim. The FP8 / FP4 rounding is bit-identical to src/formats'
+// fp8_simulate_block / fp4_simulate_block.
 // Graph-replayable decode: pos_device (when set) replaces pos0 with a position read on the device, and
 // emit_ratio = r > 0 (one row, tokens = heads = 1) finishes a compressor entry only on the steps that complete
 // one: when (pos + 1) % r == 0 the row is entry b = pos / r (x and y advanced by b row strides, RoPE at b·r),
@@ -53,6 +55,9 @@ struct RowOpParams {
 void row_op(const RowOpParams& p, cudaStream_t stream);
 
 // y[m, n] = scale · x[m, k] · W[n, k]ᵀ in fp32 (small fp32 matrices: mHC mixes, router gate, indexer weights).
+// The sums are reordered (per-thread FMA chains, then shuffle / block / cluster trees; the order depends only on
+// the shape and the SM count, so results are reproducible): |error| <= ~(k / 256 + 16) · 2^-24 · Σ|x·w|.
+// Decode-sized grids split k over up to 8 blocks of one thread-block cluster (sm_90).
 struct LinearF32Params {
   const float* x = nullptr;
   const float* w = nullptr;
@@ -70,7 +75,10 @@ void embed_tokens(const uint16_t* embed, const int32_t* tokens, int n, int D, in
 //   rs = (mean over hc·D of streams²+eps)^-½; pre_k = σ(mix_k·rs·scale0 + base_k) + hc_eps;
 //   post_k = 2σ(mix_{hc+k}·rs·scale1 + base_{hc+k}); comb = Sinkhorn(softmax rows(...) + hc_eps);
 //   normed = rms_norm(Σ_k pre_k · streams_k, norm_weight). Outputs post [n, hc], comb [n, hc, hc],
-//   normed fp32 [n, D] and/or bf16 [n, D] (either may be nullptr). hc <= 8.
+//   normed fp32 [n, D] and/or bf16 [n, D] (either may be nullptr). hc <= 8, D <= 12032.
+// The gate arguments, the collapse and every Sinkhorn row / column sum round like the CPU's fp32 expressions
+// (only expf may differ by its last bits); Sinkhorn normalises the columns once even for sinkhorn_iters = 0, like
+// the reference.
 struct HcPreParams {
   const float* streams = nullptr;
   const float* mix = nullptr;
@@ -94,7 +102,7 @@ void hc_post(const float* out, int out_k, const float* out2, const float* post, 
              int D, float* streams, cudaStream_t stream);
 
 // 2.5 + 5: final collapse y = Σ_k (σ(mix_k·rs·scale0 + base_k) + hc_eps) · streams_k, then rms_norm(y, norm_weight)
-// written as bf16 [n, D] (the head GEMM's input). mix [n, hc].
+// written as bf16 [n, D] (the head GEMM's input). mix [n, hc]. hc <= 8, D <= 12032.
 void hc_head_norm(const float* streams, const float* mix, const float* base, const float* scale,
                   const float* norm_weight, int n, int hc, int D, float hc_eps, float eps, uint16_t* y_bf16,
                   cudaStream_t stream);
@@ -118,10 +126,16 @@ struct CompressorParams {
 };
 void compressor_advance(const CompressorParams& p, cudaStream_t stream);
 
-// 3.6 lightning indexer: for query t at p = pos0 + t and the n_visible = (p+1) / ratio keys s,
-//   score[s] = Σ_h w_scale · w[t, h] · max(q[t, h] · keys[s], 0),
-// then selected[t, 0..min(topk, n_visible)) = indices of the largest scores, descending, ties lower index first
-// (cpu::top_k_indices). scores is scratch [n, max_entries].
+// 3.6 lightning indexer, for query t at p = pos0 + t and its n_visible = min((p+1) / ratio, max_entries) keys s:
+//   indexer_scores writes scores[t, s] = Σ_h w_scale · w[t, h] · max(q[t, h] · keys[s], 0) for s < n_visible
+//     (fp32, summation order unspecified) and nothing else. heads · dim <= 12288, dim % 32 == 0, dim <= 512.
+//   indexer_select reads scores[t, 0..n_visible) and writes selected[t, 0..min(topk, n_visible)) = the indices of
+//     the largest scores, descending, ties lower index first (exactly cpu::top_k_indices of that row; n_visible
+//     <= topk selects every key, in that order). The rest of the row is not written (n_visible 0: nothing).
+//     topk <= 2048; rows longer than shared memory holds (16384) are ranked from scores itself, same result.
+//   indexer_topk = indexer_scores, then indexer_select.
+// scores is scratch [n, max_entries]. Both size their grids from n, max_entries and topk only, so a graph replays
+// them with pos_device.
 struct IndexerTopkParams {
   const float* q = nullptr;  // q[t * q_token_stride + h * dim + i]
   int64_t q_token_stride = 0;
@@ -134,6 +148,8 @@ struct IndexerTopkParams {
   int64_t pos0 = 0;
   const int64_t* pos_device = nullptr;  // when set, pos0 is read here (graph replay)
 };
+void indexer_scores(const IndexerTopkParams& p, cudaStream_t stream);
+void indexer_select(const IndexerTopkParams& p, cudaStream_t stream);
 void indexer_topk(const IndexerTopkParams& p, cudaStream_t stream);
 
 // 3.7/3.8 attention with sink, one shared K = V head, for query t at p = pos0 + t and head h:
@@ -175,9 +191,6 @@ size_t attention_scratch_floats(const AttentionParams& p);
 // (pos0 read from pos_device when that is set).
 void window_store(const float* kv_chunk, int n, int dim, int64_t pos0, const int64_t* pos_device, float* window,
                   int slots, cudaStream_t stream);
-
-// [groups, n, width] -> [n, groups, width] (bf16), the grouped projection's outputs back to token-major.
-void ungroup_bf16(const uint16_t* in, int groups, int n, int width, uint16_t* out, cudaStream_t stream);
 
 // 4.1 router: from logits = x · gateᵀ [n, E]: s = sqrt(softplus) | sigmoid | softmax (scoring 0 | 1 | 2);
 // picks = tid2eid[tokens[t]] (hash layers, tid2eid != nullptr) or top-k of s + bias (descending, ties lower index);

@@ -1,8 +1,10 @@
 // SPDX-License-Identifier: MIT
-// Sequence kernels of the forward pass: KV compressors, the lightning indexer with its top-k, the MoE router and
-// the SwiGLU between the experts' projections. Sparse attention is in attention.cu.
+// Sequence kernels of the forward pass: the lightning indexer with its top-k, the MoE router and the SwiGLU
+// between the experts' projections. Sparse attention is in attention.cu, the KV compressors in compressor.cu.
+#include <algorithm>
 #include <cmath>
 
+#include "cuda/device.h"
 #include "cuda/ops.h"
 #include "cuda/ops_common.cuh"
 
@@ -14,145 +16,454 @@ using detail::unpack_bf16x8;
 using detail::warp_sum;
 
 constexpr int kMaxHeadDim = 512;
-constexpr int kMaxPerLane = kMaxHeadDim / 32;
 constexpr int kMaxTopK = 16;  // experts per token
 
-// One thread per column j < dim (and its partner dim + j of the second series when overlapped); columns never
-// interact, so the chunk's tokens are walked in order without block synchronisation.
-__global__ void compressor_kernel(CompressorParams p) {
-  const int j = blockIdx.x * blockDim.x + threadIdx.x;
-  if (j >= p.dim) return;
-  const int r = p.ratio, d = p.dim, width = p.overlap ? 2 * d : d, n_rows = p.overlap ? 2 * r : r;
-  const int n_cols = p.overlap ? 2 : 1;
-  const int64_t pos0 = p.pos_device ? *p.pos_device : p.pos0;
-  for (int t = 0; t < p.n; ++t) {
-    const int64_t pos = pos0 + t;
-    const int i = int(pos % r), row = p.overlap ? r + i : i;
-    for (int c = 0; c < n_cols; ++c) {
-      const int col = j + c * d;
-      p.state_kv[row * width + col] = p.kv_in[t * p.in_stride + col];
-      p.state_score[row * width + col] = p.gate_in[t * p.in_stride + col] + p.ape[i * width + col];
-    }
-    if ((pos + 1) % r != 0) continue;
-    float mx = -INFINITY;
-    for (int rr = 0; rr < n_rows; ++rr) {
-      const int col = p.overlap && rr >= r ? d + j : j;
-      mx = fmaxf(mx, p.state_score[rr * width + col]);
-    }
-    float sum = 0, acc = 0;
-    for (int rr = 0; rr < n_rows; ++rr) {
-      const int col = p.overlap && rr >= r ? d + j : j;
-      const float e = expf(p.state_score[rr * width + col] - mx);
-      sum = __fadd_rn(sum, e);
-      acc = __fadd_rn(acc, __fmul_rn(e, p.state_kv[rr * width + col]));
-    }
-    p.entries[(pos / r) * d + j] = acc / sum;
-    if (p.overlap)
-      for (int rr = 0; rr < r; ++rr)
-        for (int c = 0; c < n_cols; ++c) {
-          const int col = j + c * d;
-          p.state_kv[rr * width + col] = p.state_kv[(r + rr) * width + col];
-          p.state_score[rr * width + col] = p.state_score[(r + rr) * width + col];
-        }
-  }
-}
-
-// The indexer in two launches: scores spread over (query, 32-key slice) blocks, then one block per query ranks
-// them. The ranking is O(n_visible²) per query: a radix select would replace it for very long contexts.
-constexpr int kIndexEntriesPerBlock = 32;  // 8 warps x 4 keys: a decode query spreads over many SMs
+// The indexer in two launches. Scores: (query, 16-key tile) blocks; each thread keeps q of two heads x 16 dims in
+// registers and every warp reads the same key values (shared-memory broadcasts), so a key costs 32 FMAs per thread
+// and no per-head reduction. Select: one block per query, radix select of the top-k threshold, then a bitonic sort
+// of the <= topk candidates.
+constexpr int kScoreThreads = 256;
+constexpr int kScoreWarps = kScoreThreads / 32;
+constexpr int kScoreKeys = 16;                                 // keys per tile: a decode query spreads over ~n/16 SMs
+constexpr int kScoreWarpDims = 16;                             // dims of a slab one warp owns
+constexpr int kScoreSlab = kScoreWarps * kScoreWarpDims;       // dims per pass over the keys (128)
+constexpr int kScoreHeads = 64;                                // heads per group: lane owns heads lane and lane + 32
+constexpr int kScoreKeysPerWarp = kScoreKeys / kScoreWarps;    // keys each warp finishes in the reduction
+constexpr int kScoreMaxQ = 12288;                              // heads x dim
+constexpr int kScoreBlocksPerSm = 8;                           // grid.y target: enough blocks, q loaded once each
+constexpr int kStageBatch = 32;                                // loads in flight per thread staging q (keys: 8)
 constexpr int kSelectThreads = 1024;
+constexpr int kSelectWarps = kSelectThreads / 32;
+constexpr int kSelectMaxTopK = 2048;
+constexpr int kSelectPerThread = kSelectMaxTopK / kSelectThreads;  // sort positions per thread
+constexpr int kSelectCacheEntries = 16384;  // longer rows are ranked from the global scores (same result)
+constexpr int kSelectBatch = 4;             // loads in flight per thread in the select's passes over a row
+static_assert(kSelectWarps == 32, "the select kernel scans its warps' counts within one warp");
 
-// Scores of keys [blockIdx.y · 32, +32) for query blockIdx.x: a warp per key, the key held in registers (lane i
-// owns elements i + 32·e) while the heads are summed in order.
-__global__ void indexer_scores_kernel(IndexerTopkParams p) {
-  extern __shared__ float q[];  // [heads, dim]
-  const int t = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+__host__ __device__ constexpr size_t score_smem_floats(int heads, int dim) {
+  return size_t(kScoreKeys) * dim + size_t(kScoreWarps) * kScoreKeys * kScoreHeads + size_t(heads) * (dim + 4);
+}
+// The largest a shape within the launcher's limits needs: heads <= kScoreMaxQ / 32, dim <= kMaxHeadDim.
+constexpr size_t kScoreMaxSmem =
+    sizeof(float) * (size_t(kScoreKeys) * kMaxHeadDim + size_t(kScoreWarps) * kScoreKeys * kScoreHeads +
+                     kScoreMaxQ + 4 * (kScoreMaxQ / 32));
+constexpr size_t kSelectMaxSmem = 2 * kSelectMaxTopK * sizeof(uint64_t) + kSelectCacheEntries * sizeof(uint32_t);
+
+__device__ __forceinline__ int visible_entries(const IndexerTopkParams& p, int t) {
   const int64_t pos = (p.pos_device ? *p.pos_device : p.pos0) + t;
-  const int n_visible = int((pos + 1) / p.ratio);
-  const int s0 = blockIdx.y * kIndexEntriesPerBlock;
-  if (s0 >= n_visible) return;  // the whole block: graph replays launch the grid for max_entries
-  const float* qt = p.q + t * p.q_token_stride;
-  for (int i = threadIdx.x; i < p.heads * p.dim; i += blockDim.x) q[i] = qt[i];
-  __syncthreads();
+  const int64_t visible = (pos + 1) / p.ratio;
+  return visible < p.max_entries ? int(visible) : p.max_entries;
+}
+
+// q[t, h, d0 .. d0 + 16) of heads h = g·64 + lane + 32·i (zero past heads / dim) from the padded shared copy.
+__device__ __forceinline__ void load_q_slice(float (&q)[2][kScoreWarpDims], const float* q_s, int q_row, int heads,
+                                             int dim, int g, int d0, int lane) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int h = g * kScoreHeads + lane + 32 * i;
+    const bool valid = h < heads && d0 < dim;
+    const float4* src = reinterpret_cast<const float4*>(q_s + (valid ? h * q_row + d0 : 0));
+#pragma unroll
+    for (int j = 0; j < kScoreWarpDims / 4; ++j) {
+      const float4 v = valid ? src[j] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      q[i][4 * j] = v.x, q[i][4 * j + 1] = v.y, q[i][4 * j + 2] = v.z, q[i][4 * j + 3] = v.w;
+    }
+  }
+}
+
+// Block (t, y) scores the 16-key tiles y, y + gridDim.y, ... of query t. Warp w owns dims [16w, 16w + 16) of each
+// 128-dim slab and lane l heads l, l + 32 of each 64-head group: its partial dots over those dims go to shared memory
+// ([warp][key][head], conflict-free), then each warp sums two keys' partials over the warps, applies max(·, 0) and
+// the head weights, and reduces over the heads with one warp_sum per key.
+__global__ void __launch_bounds__(kScoreThreads, 2) indexer_scores_kernel(IndexerTopkParams p) {
+  extern __shared__ float4 score_smem[];
+  float* keys_s = reinterpret_cast<float*>(score_smem);       // [kScoreKeys, dim]
+  float* partial = keys_s + kScoreKeys * p.dim;               // [kScoreWarps, kScoreKeys, kScoreHeads]
+  float* q_s = partial + kScoreWarps * kScoreKeys * kScoreHeads;  // [heads, dim + 4]: the pad spreads rows over banks
+  const int t = blockIdx.x, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int n_visible = visible_entries(p, t);
+  const int n_tiles = (n_visible + kScoreKeys - 1) / kScoreKeys;
+  if (int(blockIdx.y) >= n_tiles) return;  // the whole block: graph replays size the grid for max_entries
+  const int dim = p.dim, heads = p.heads, q_row = dim + 4;
+  const int groups = (heads + kScoreHeads - 1) / kScoreHeads, slabs = (dim + kScoreSlab - 1) / kScoreSlab;
+  const bool q_resident = groups == 1 && slabs == 1;  // the V4 shapes: q registers loaded once per block
+  const float* qt = p.q + int64_t(t) * p.q_token_stride;
+  const float* wt = p.w + int64_t(t) * heads;
   float* score = p.scores + int64_t(t) * p.max_entries;
-  const int per_lane = p.dim / 32;
-  for (int s = s0 + warp; s < min(s0 + kIndexEntriesPerBlock, n_visible); s += n_warps) {
-    const float* k = p.keys + int64_t(s) * p.dim;
-    float kr[kMaxPerLane];
+
+  // Every load of a thread is issued before its stores (one memory latency, not one per row): q as 32-float
+  // chunks (dim % 32 == 0, so a chunk lies in one row), then the first tile's keys, then one barrier for both.
+  const int row_chunks = dim / 32, n_chunks = heads * row_chunks;
+  const int row_shift = (row_chunks & (row_chunks - 1)) == 0 ? __ffs(row_chunks) - 1 : -1;  // V4: a shift
+  for (int c0 = warp; c0 < n_chunks; c0 += kScoreWarps * kStageBatch) {
+    float v[kStageBatch];
 #pragma unroll
-    for (int e = 0; e < kMaxPerLane; ++e) kr[e] = e < per_lane ? k[lane + 32 * e] : 0.0f;
-    float acc = 0;
-    for (int h = 0; h < p.heads; ++h) {
-      float dot = 0;
-#pragma unroll
-      for (int e = 0; e < kMaxPerLane; ++e)
-        if (e < per_lane) dot += q[h * p.dim + lane + 32 * e] * kr[e];
-      dot = warp_sum(dot);
-      acc += p.w[t * p.heads + h] * p.w_scale * fmaxf(dot, 0.0f);
+    for (int b = 0; b < kStageBatch; ++b) {
+      const int c = c0 + kScoreWarps * b;
+      v[b] = c < n_chunks ? qt[c * 32 + lane] : 0.0f;
     }
-    if (lane == 0) score[s] = acc;
+#pragma unroll
+    for (int b = 0; b < kStageBatch; ++b) {
+      const int c = c0 + kScoreWarps * b;
+      const int h = row_shift >= 0 ? c >> row_shift : c / row_chunks;
+      if (c < n_chunks) q_s[c * 32 + lane + 4 * h] = v[b];  // row h starts at h · (dim + 4)
+    }
+  }
+  float wh[2];  // w_scale · w[t, h] of the lane's two heads in group g
+  auto load_weights = [&](int g) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int h = g * kScoreHeads + lane + 32 * i;
+      wh[i] = h < heads ? wt[h] * p.w_scale : 0.0f;
+    }
+  };
+  load_weights(0);
+  float q[2][kScoreWarpDims];
+
+  for (int tile = blockIdx.y; tile < n_tiles; tile += gridDim.y) {
+    const int s0 = tile * kScoreKeys;
+    if (tile != int(blockIdx.y)) __syncthreads();  // the previous tile's keys and partial sums have been read
+    // The tile's rows are contiguous: keys[s0 · dim + i], i < 16 · dim, valid below n_visible · dim.
+    const float* tile_keys = p.keys + int64_t(s0) * dim;
+    const int tile_floats = kScoreKeys * dim, valid_floats = min(kScoreKeys, n_visible - s0) * dim;
+    for (int i0 = threadIdx.x; i0 < tile_floats; i0 += kScoreThreads * kStageBatch / 4) {
+      float v[kStageBatch / 4];
+#pragma unroll
+      for (int b = 0; b < kStageBatch / 4; ++b) {
+        const int i = i0 + kScoreThreads * b;
+        v[b] = i < valid_floats ? tile_keys[i] : 0.0f;
+      }
+#pragma unroll
+      for (int b = 0; b < kStageBatch / 4; ++b) {
+        const int i = i0 + kScoreThreads * b;
+        if (i < tile_floats) keys_s[i] = v[b];
+      }
+    }
+    __syncthreads();
+    if (q_resident && tile == int(blockIdx.y)) load_q_slice(q, q_s, q_row, heads, dim, 0, warp * kScoreWarpDims, lane);
+    float total[kScoreKeysPerWarp] = {};
+    for (int g = 0; g < groups; ++g) {
+      if (groups > 1) load_weights(g);
+      float acc[2][kScoreKeys] = {};
+      for (int slab = 0; slab < slabs; ++slab) {
+        const int d0 = slab * kScoreSlab + warp * kScoreWarpDims;
+        if (d0 >= dim) break;  // warp-uniform, and no barrier inside the slab loop
+        if (!q_resident) load_q_slice(q, q_s, q_row, heads, dim, g, d0, lane);
+#pragma unroll
+        for (int s = 0; s < kScoreKeys; ++s) {
+          const float4* k4 = reinterpret_cast<const float4*>(keys_s + s * dim + d0);
+#pragma unroll
+          for (int j = 0; j < kScoreWarpDims / 4; ++j) {
+            const float4 k = k4[j];  // the same address in every lane: a broadcast
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+              acc[i][s] = fmaf(q[i][4 * j], k.x, acc[i][s]);
+              acc[i][s] = fmaf(q[i][4 * j + 1], k.y, acc[i][s]);
+              acc[i][s] = fmaf(q[i][4 * j + 2], k.z, acc[i][s]);
+              acc[i][s] = fmaf(q[i][4 * j + 3], k.w, acc[i][s]);
+            }
+          }
+        }
+      }
+      if (g > 0) __syncthreads();  // the previous group's partial sums have been read
+#pragma unroll
+      for (int s = 0; s < kScoreKeys; ++s)
+#pragma unroll
+        for (int i = 0; i < 2; ++i) partial[(warp * kScoreKeys + s) * kScoreHeads + lane + 32 * i] = acc[i][s];
+      __syncthreads();
+#pragma unroll
+      for (int m = 0; m < kScoreKeysPerWarp; ++m) {
+        const int s = warp * kScoreKeysPerWarp + m;
+        float v = 0;
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          float dot = 0;
+#pragma unroll
+          for (int w = 0; w < kScoreWarps; ++w) dot += partial[(w * kScoreKeys + s) * kScoreHeads + lane + 32 * i];
+          v += wh[i] * fmaxf(dot, 0.0f);  // 0 for heads past `heads`
+        }
+        total[m] += warp_sum(v);
+      }
+    }
+    if (lane == 0)
+#pragma unroll
+      for (int m = 0; m < kScoreKeysPerWarp; ++m) {
+        const int s = s0 + warp * kScoreKeysPerWarp + m;
+        if (s < n_visible) score[s] = total[m];
+      }
   }
 }
 
-// Each score's rank (the number of scores that beat it, ties to the lower index) places it in the top-k list.
-// O(n_visible²) per query over 1024 threads.
-__global__ void indexer_select_kernel(IndexerTopkParams p) {
-  const int t = blockIdx.x;
-  const int64_t pos = (p.pos_device ? *p.pos_device : p.pos0) + t;
-  const int n_visible = int((pos + 1) / p.ratio);
+// Order-preserving map of a (non-NaN) float to uint32: a > b as floats <=> key(a) > key(b), and -0 == +0.
+__device__ __forceinline__ uint32_t order_key(float f) {
+  uint32_t u = __float_as_uint(f);
+  if (u == 0x80000000u) u = 0;
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+
+// Score key and index in one word that sorts descending like top_k_indices: higher key first, then lower index.
+__device__ __forceinline__ uint64_t rank_word(uint32_t key, int index) {
+  return (uint64_t(key) << 32) | (0xffffffffu - uint32_t(index));
+}
+
+// One block per query. When n_visible > topk: a 4 x 8-bit radix select (256-bin histograms, warp-aggregated
+// atomics) finds the threshold key T with count(> T) < topk <= count(>= T); the keys > T and the lowest-index ones
+// == T are gathered in index order (ballot ranks within a warp, a scan over warps, each warp owning a contiguous
+// index range); then a bitonic sort orders the candidates by rank_word (shuffles for strides < 32, shared memory
+// above). Rows of up to cache_entries scores are read once into shared memory as keys; longer ones from p.scores.
+__global__ void __launch_bounds__(kSelectThreads) indexer_select_kernel(IndexerTopkParams p, int sort_cap,
+                                                                         int cache_entries) {
+  extern __shared__ uint64_t select_smem[];
+  uint64_t* sort_a = select_smem;             // [sort_cap]: the candidates, then one of the sort's buffers
+  uint64_t* sort_b = select_smem + sort_cap;  // [sort_cap]
+  uint32_t* cache = reinterpret_cast<uint32_t*>(select_smem + 2 * sort_cap);  // [cache_entries]
+  __shared__ __align__(16) uint32_t hist[256];
+  __shared__ uint64_t warp_counts[kSelectWarps];
+  __shared__ uint32_t chosen_prefix, chosen_needed;
+  const int t = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int n_visible = visible_entries(p, t);
+  if (n_visible <= 0) return;  // the whole block
   const float* score = p.scores + int64_t(t) * p.max_entries;
-  for (int s = threadIdx.x; s < n_visible; s += blockDim.x) {
-    const float v = score[s];
-    int rank = 0;
-    for (int s2 = 0; s2 < n_visible && rank < p.topk; ++s2) {
-      const float v2 = score[s2];
-      rank += (v2 > v) || (v2 == v && s2 < s);
+  const bool cached = n_visible <= cache_entries;
+  if (cached) {
+    for (int i0 = tid; i0 < n_visible; i0 += kSelectThreads * kSelectBatch) {
+      float v[kSelectBatch];
+#pragma unroll
+      for (int b = 0; b < kSelectBatch; ++b)
+        v[b] = i0 + kSelectThreads * b < n_visible ? score[i0 + kSelectThreads * b] : 0.0f;
+#pragma unroll
+      for (int b = 0; b < kSelectBatch; ++b)
+        if (i0 + kSelectThreads * b < n_visible) cache[i0 + kSelectThreads * b] = order_key(v[b]);
     }
-    if (rank < p.topk) p.selected[t * p.topk + rank] = s;
+    __syncthreads();
   }
-}
+  auto key_at = [&](int i) { return cached ? cache[i] : order_key(score[i]); };
+  const int count = min(p.topk, n_visible);
 
-// One block per token; thread 0 picks the experts sequentially (k passes over E) exactly like top_k_indices.
-__global__ void router_kernel(RouterParams p) {
-  extern __shared__ float s[];  // [E]
-  __shared__ int picks[kMaxTopK];
-  const int t = blockIdx.x, E = p.experts, k = p.k;
-  for (int e = threadIdx.x; e < E; e += blockDim.x) {
-    const float v = p.logits[int64_t(t) * E + e];
-    if (p.scoring == 0) s[e] = sqrtf(v > 20.0f ? v : log1pf(expf(v)));
-    else if (p.scoring == 1) s[e] = detail::sigmoid(v);
-    else s[e] = v;
+  if (n_visible > p.topk) {
+    for (int i = tid; i < 256; i += kSelectThreads) hist[i] = 0;
+    uint32_t prefix = 0, mask = 0, needed = uint32_t(p.topk);  // needed: how many keys matching prefix to take
+    __syncthreads();
+    for (int shift = 24; shift >= 0; shift -= 8) {
+      // Uniform trip count (full warps for match_any); the batch's loads first, for the rows read from p.scores.
+      for (int base = 0; base < n_visible; base += kSelectThreads * kSelectBatch) {
+        uint32_t k[kSelectBatch];
+#pragma unroll
+        for (int b = 0; b < kSelectBatch; ++b) {
+          const int i = base + kSelectThreads * b + tid;
+          k[b] = i < n_visible ? key_at(i) : 0;
+        }
+#pragma unroll
+        for (int b = 0; b < kSelectBatch; ++b) {
+          const bool counted = base + kSelectThreads * b + tid < n_visible && (k[b] & mask) == prefix;
+          const uint32_t digit = counted ? (k[b] >> shift) & 0xffu : 256;  // 256: none
+          // Scores cluster in few bins (the exponent byte): one atomic per distinct digit of the warp.
+          const unsigned peers = __match_any_sync(0xffffffffu, digit);
+          if (counted && lane == __ffs(peers) - 1) atomicAdd(&hist[digit], uint32_t(__popc(peers)));
+        }
+      }
+      __syncthreads();
+      if (warp == 0) {
+        // Lane l holds bins b0 .. b0 + 7 with b0 = 8·(31 - l), so the scan over lanes walks the bins downwards.
+        const int b0 = 8 * (31 - lane);
+        uint4* bins = reinterpret_cast<uint4*>(&hist[b0]);
+        const uint4 lo = bins[0], hi = bins[1];
+        bins[0] = bins[1] = make_uint4(0, 0, 0, 0);  // cleared for the next pass
+        const uint32_t h[8] = {hi.w, hi.z, hi.y, hi.x, lo.w, lo.z, lo.y, lo.x};  // bins b0 + 7 - j
+        uint32_t lane_total = 0;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) lane_total += h[j];
+        uint32_t above = lane_total;  // inclusive scan over the lanes, then exclusive
+#pragma unroll
+        for (int o = 1; o < 32; o <<= 1) {
+          const uint32_t x = __shfl_up_sync(0xffffffffu, above, o);
+          if (lane >= o) above += x;
+        }
+        above -= lane_total;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {  // exactly one bin crosses `needed`
+          if (above < needed && above + h[j] >= needed) {
+            chosen_prefix = prefix | (uint32_t(b0 + 7 - j) << shift);
+            chosen_needed = needed - above;
+          }
+          above += h[j];
+        }
+      }
+      __syncthreads();
+      prefix = chosen_prefix;
+      needed = chosen_needed;
+      mask |= 0xffu << shift;
+    }
+    const uint32_t T = prefix, n_above = uint32_t(p.topk) - needed;
+
+    // Warp w owns indices [lo, hi) (whole 32-index rounds), so index order = (warp, round, lane) order.
+    const int span = (n_visible + 32 * kSelectWarps - 1) / (32 * kSelectWarps) * 32;
+    const int lo = min(n_visible, warp * span), hi = min(n_visible, lo + span);
+    uint32_t warp_above = 0, warp_equal = 0;
+    for (int base = lo; base < hi; base += 32 * kSelectBatch) {
+      uint32_t k[kSelectBatch];  // 0 past hi: below every finite key
+#pragma unroll
+      for (int b = 0; b < kSelectBatch; ++b) k[b] = base + 32 * b + lane < hi ? key_at(base + 32 * b + lane) : 0;
+#pragma unroll
+      for (int b = 0; b < kSelectBatch; ++b) {
+        warp_above += __popc(__ballot_sync(0xffffffffu, k[b] > T));
+        warp_equal += __popc(__ballot_sync(0xffffffffu, base + 32 * b + lane < hi && k[b] == T));
+      }
+    }
+    if (lane == 0) warp_counts[warp] = (uint64_t(warp_above) << 32) | warp_equal;
+    __syncthreads();
+    uint64_t before = warp_counts[lane];  // kSelectWarps == 32: inclusive scan over the warps
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const uint64_t x = __shfl_up_sync(0xffffffffu, before, o);
+      if (lane >= o) before += x;
+    }
+    before = __shfl_sync(0xffffffffu, before, (warp + 31) & 31);
+    if (warp == 0) before = 0;
+    uint32_t above_pos = uint32_t(before >> 32), equal_pos = uint32_t(before);
+    const unsigned lanes_below = (1u << lane) - 1;
+    for (int base = lo; base < hi; base += 32 * kSelectBatch) {
+      uint32_t k[kSelectBatch];
+#pragma unroll
+      for (int b = 0; b < kSelectBatch; ++b) k[b] = base + 32 * b + lane < hi ? key_at(base + 32 * b + lane) : 0;
+#pragma unroll
+      for (int b = 0; b < kSelectBatch; ++b) {  // rounds in index order
+        const int i = base + 32 * b + lane;
+        const bool is_above = k[b] > T, is_equal = i < hi && k[b] == T;
+        const unsigned above_mask = __ballot_sync(0xffffffffu, is_above);
+        const unsigned equal_mask = __ballot_sync(0xffffffffu, is_equal);
+        if (is_above) sort_a[above_pos + __popc(above_mask & lanes_below)] = rank_word(k[b], i);
+        if (is_equal) {
+          const uint32_t r = equal_pos + __popc(equal_mask & lanes_below);
+          if (r < needed) sort_a[n_above + r] = rank_word(k[b], i);
+        }
+        above_pos += __popc(above_mask);
+        equal_pos += __popc(equal_mask);
+      }
+    }
+  } else {
+    for (int i = tid; i < n_visible; i += kSelectThreads) sort_a[i] = rank_word(key_at(i), i);
   }
   __syncthreads();
-  if (threadIdx.x != 0) return;
-  if (p.scoring == 2) {
-    float mx = -INFINITY, sum = 0;
-    for (int e = 0; e < E; ++e) mx = fmaxf(mx, s[e]);
-    for (int e = 0; e < E; ++e) sum += (s[e] = expf(s[e] - mx));
-    for (int e = 0; e < E; ++e) s[e] /= sum;
+
+  // Bitonic sort, descending, of sort_a[0 .. n) padded with 0 (below every rank word); n a power of two >= 32, so a
+  // warp's positions are all active or all idle. Position x = tid + kSelectThreads·m lives in v[m].
+  int n = 32;
+  while (n < count) n <<= 1;
+  uint64_t v[kSelectPerThread];
+#pragma unroll
+  for (int m = 0; m < kSelectPerThread; ++m) {
+    const int x = tid + kSelectThreads * m;
+    v[m] = x < count ? sort_a[x] : 0;
   }
-  if (p.tid2eid) {
-    for (int i = 0; i < k; ++i) picks[i] = p.tid2eid[int64_t(p.tokens[t]) * k + i];
-  } else {
-    for (int i = 0; i < k; ++i) {
-      int best = -1;
-      float best_v = 0;
-      for (int e = 0; e < E; ++e) {
-        bool taken = false;
-        for (int q = 0; q < i; ++q) taken |= picks[q] == e;
-        if (taken) continue;
-        const float v = s[e] + (p.bias ? p.bias[e] : 0.0f);
-        if (best < 0 || v > best_v) best = e, best_v = v;
+  int exchanges = 0;
+  for (int k = 2; k <= n; k <<= 1)
+    for (int j = k >> 1; j > 0; j >>= 1) {
+      uint64_t other[kSelectPerThread];
+      if (j >= 32) {
+        // Alternating buffers: the barrier of the next exchange orders this one's reads before its writes.
+        uint64_t* buf = (exchanges++ & 1) ? sort_b : sort_a;
+#pragma unroll
+        for (int m = 0; m < kSelectPerThread; ++m)
+          if (tid + kSelectThreads * m < n) buf[tid + kSelectThreads * m] = v[m];
+        __syncthreads();
+#pragma unroll
+        for (int m = 0; m < kSelectPerThread; ++m)
+          if (tid + kSelectThreads * m < n) other[m] = buf[(tid + kSelectThreads * m) ^ j];
+      } else {
+#pragma unroll
+        for (int m = 0; m < kSelectPerThread; ++m)
+          if (tid + kSelectThreads * m < n) other[m] = __shfl_xor_sync(0xffffffffu, v[m], j);
       }
-      picks[i] = best;
+#pragma unroll
+      for (int m = 0; m < kSelectPerThread; ++m) {
+        const int x = tid + kSelectThreads * m;
+        if (x >= n) continue;
+        // Pair (x, x ^ j) of a block of k sorted descending when (x & k) == 0: the lower position keeps the larger.
+        const bool keep_larger = ((x & j) == 0) == ((x & k) == 0);
+        v[m] = keep_larger == (v[m] > other[m]) ? v[m] : other[m];
+      }
+    }
+  int32_t* selected = p.selected + int64_t(t) * p.topk;
+#pragma unroll
+  for (int m = 0; m < kSelectPerThread; ++m) {
+    const int x = tid + kSelectThreads * m;
+    if (x < count) selected[x] = int32_t(0xffffffffu - uint32_t(v[m]));
+  }
+}
+
+// One warp per token. Lane l owns experts l + 32·i (i < kPerLane): s in shared memory (the weights' source), the
+// selection keys of s + bias in registers. Each pick is a warp argmax: the lane's best (strictly greater, so the
+// lowest of its ties), then redux max over the lanes and redux min of the tying experts: ties go to the lower index,
+// exactly top_k_indices. The weights' sum runs in pick order like the reference.
+template <int kPerLane>
+__global__ void __launch_bounds__(32) router_kernel(RouterParams p) {
+  extern __shared__ float s[];  // [E]
+  const int t = blockIdx.x, lane = threadIdx.x, E = p.experts, k = p.k;
+  const float* logits = p.logits + int64_t(t) * E;
+  // Every global load first (one memory latency): the hash layer's picks, the bias, the logits.
+  int pick = 0;  // lane i < k: the i-th pick
+  if (p.tid2eid && lane < k) pick = p.tid2eid[int64_t(p.tokens[t]) * k + lane];
+  const bool biased = p.bias && !p.tid2eid;
+  float v[kPerLane], bias[kPerLane];
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    const int e = lane + 32 * i;
+    bias[i] = biased && e < E ? p.bias[e] : 0.0f;
+    const float x = e < E ? logits[e] : 0.0f;
+    if (p.scoring == 0) v[i] = sqrtf(x > 20.0f ? x : log1pf(expf(x)));
+    else if (p.scoring == 1) v[i] = detail::sigmoid(x);
+    else v[i] = x;
+  }
+  if (p.scoring == 2) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i)
+      if (lane + 32 * i < E) mx = fmaxf(mx, v[i]);
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i)
+      if (lane + 32 * i < E) s[lane + 32 * i] = v[i] = expf(v[i] - mx);
+    __syncwarp();
+    // The sum in expert order, as the reference adds it (E dependent adds, a softmax-only cost).
+    float sum = 0;
+    if (lane == 0)
+      for (int e = 0; e < E; ++e) sum += s[e];
+    sum = __shfl_sync(0xffffffffu, sum, 0);
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) v[i] /= sum;
+    __syncwarp();  // s is rewritten below
+  }
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i)
+    if (lane + 32 * i < E) s[lane + 32 * i] = v[i];
+  __syncwarp();
+
+  if (!p.tid2eid) {
+    uint32_t key[kPerLane];  // order_key(s + bias); 0 (below every finite value) when absent or picked
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) key[i] = lane + 32 * i < E ? order_key(biased ? v[i] + bias[i] : v[i]) : 0;
+    for (int r = 0; r < k; ++r) {
+      uint32_t best = 0;
+      int best_i = 0;
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i)
+        if (key[i] > best) best = key[i], best_i = i;
+      const uint32_t top = __reduce_max_sync(0xffffffffu, best);
+      const uint32_t mine = best == top ? uint32_t(lane + 32 * best_i) : 0xffffffffu;
+      const uint32_t winner = __reduce_min_sync(0xffffffffu, mine);
+      if (lane == r) pick = int(winner);
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i)
+        if (mine == winner && i == best_i) key[i] = 0;
     }
   }
+  const float w = lane < k ? s[pick] : 0.0f;
   float sum = 0;
-  for (int i = 0; i < k; ++i) sum += s[picks[i]];
-  for (int i = 0; i < k; ++i) {
-    const float w = s[picks[i]];
-    p.ids[t * k + i] = picks[i];
-    p.weights[t * k + i] = (p.norm_topk ? w / sum : w) * p.routed_scale;
+  for (int i = 0; i < k; ++i) sum += __shfl_sync(0xffffffffu, w, i);
+  if (lane < k) {
+    p.ids[t * k + lane] = pick;
+    p.weights[t * k + lane] = (p.norm_topk ? w / sum : w) * p.routed_scale;
   }
 }
 
@@ -171,34 +482,65 @@ __global__ void swiglu_kernel(SwigluParams p) {
 
 }  // namespace
 
-void compressor_advance(const CompressorParams& p, cudaStream_t stream) {
+namespace {
+
+void check_indexer(const IndexerTopkParams& p, const char* op) {
+  OPS_CHECK(p.ratio > 0 && p.topk > 0, "%s: ratio %d and topk %d must be positive", op, p.ratio, p.topk);
+  OPS_CHECK(p.max_entries > 0, "%s: max_entries %d must be positive", op, p.max_entries);
+}
+
+}  // namespace
+
+void indexer_scores(const IndexerTopkParams& p, cudaStream_t stream) {
   if (p.n == 0) return;
-  OPS_CHECK(p.ratio > 0 && p.dim > 0, "compressor_advance: ratio %d and dim %d must be positive", p.ratio, p.dim);
-  compressor_kernel<<<blocks_for(p.dim, 128), 128, 0, stream>>>(p);
+  check_indexer(p, "indexer_scores");
+  OPS_CHECK(p.heads > 0 && p.heads * p.dim <= kScoreMaxQ, "indexer_scores: heads x dim = %d exceeds %d (shared memory)",
+            p.heads * p.dim, kScoreMaxQ);
+  OPS_CHECK(p.dim > 0 && p.dim % 32 == 0 && p.dim <= kMaxHeadDim,
+            "indexer_scores: dim %d must be a multiple of 32 and <= %d", p.dim, kMaxHeadDim);
+  static const cudaError_t attr = cudaFuncSetAttribute(
+      indexer_scores_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kScoreMaxSmem));
+  OPS_CHECK(attr == cudaSuccess, "indexer_scores: cannot allow %d bytes of shared memory", int(kScoreMaxSmem));
+  // grid.y from host-known sizes only (graph replay): all tiles of max_entries, at most ~8 blocks per SM in all.
+  const int tiles = blocks_for(p.max_entries, kScoreKeys);
+  const int per_query = std::max(1, kScoreBlocksPerSm * current_sm_count() / p.n);
+  const dim3 grid(p.n, std::min(tiles, per_query));
+  indexer_scores_kernel<<<grid, kScoreThreads, score_smem_floats(p.heads, p.dim) * sizeof(float), stream>>>(p);
+  DSV4_CUDA_LAUNCHED();
+}
+
+void indexer_select(const IndexerTopkParams& p, cudaStream_t stream) {
+  if (p.n == 0) return;
+  check_indexer(p, "indexer_select");
+  OPS_CHECK(p.topk <= kSelectMaxTopK, "indexer_select: topk %d exceeds %d", p.topk, kSelectMaxTopK);
+  static const cudaError_t attr = cudaFuncSetAttribute(
+      indexer_select_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSelectMaxSmem));
+  OPS_CHECK(attr == cudaSuccess, "indexer_select: cannot allow %d bytes of shared memory", int(kSelectMaxSmem));
+  int sort_cap = 32;  // the sort's power-of-two length for the most candidates a row can have
+  while (sort_cap < std::min(p.topk, p.max_entries)) sort_cap <<= 1;
+  const int cache_entries = std::min(p.max_entries, kSelectCacheEntries);
+  const size_t smem = 2 * size_t(sort_cap) * sizeof(uint64_t) + size_t(cache_entries) * sizeof(uint32_t);
+  indexer_select_kernel<<<p.n, kSelectThreads, smem, stream>>>(p, sort_cap, cache_entries);
   DSV4_CUDA_LAUNCHED();
 }
 
 void indexer_topk(const IndexerTopkParams& p, cudaStream_t stream) {
-  if (p.n == 0) return;
-  OPS_CHECK(p.ratio > 0 && p.topk > 0, "indexer_topk: ratio %d and topk %d must be positive", p.ratio, p.topk);
-  OPS_CHECK(p.heads * p.dim <= 12288, "indexer_topk: heads x dim = %d exceeds 12288 (shared memory)",
-            p.heads * p.dim);
-  OPS_CHECK(p.dim % 32 == 0 && p.dim <= kMaxHeadDim, "indexer_topk: dim %d must be a multiple of 32 and <= %d",
-            p.dim, kMaxHeadDim);
-  OPS_CHECK(p.max_entries > 0, "indexer_topk: max_entries %d must be positive", p.max_entries);
-  const dim3 grid(p.n, blocks_for(p.max_entries, kIndexEntriesPerBlock));
-  indexer_scores_kernel<<<grid, 256, p.heads * p.dim * sizeof(float), stream>>>(p);
-  DSV4_CUDA_LAUNCHED();
-  indexer_select_kernel<<<p.n, kSelectThreads, 0, stream>>>(p);
-  DSV4_CUDA_LAUNCHED();
+  indexer_scores(p, stream);
+  indexer_select(p, stream);
 }
 
 void router(const RouterParams& p, cudaStream_t stream) {
   if (p.n == 0) return;
   OPS_CHECK(p.k > 0 && p.k <= kMaxTopK && p.k <= p.experts, "router: %d experts per token (at most %d, E = %d)",
             p.k, kMaxTopK, p.experts);
-  OPS_CHECK(p.experts <= 12288, "router: %d experts exceed 12288 (shared memory)", p.experts);
-  router_kernel<<<p.n, 256, p.experts * sizeof(float), stream>>>(p);
+  OPS_CHECK(p.experts <= 1024, "router: %d experts exceed 1024", p.experts);
+  const size_t smem = p.experts * sizeof(float);
+  // Experts per lane rounded up to a register-array size (V4: 256 -> 8, 384 -> 12).
+  if (p.experts <= 128) router_kernel<4><<<p.n, 32, smem, stream>>>(p);
+  else if (p.experts <= 256) router_kernel<8><<<p.n, 32, smem, stream>>>(p);
+  else if (p.experts <= 384) router_kernel<12><<<p.n, 32, smem, stream>>>(p);
+  else if (p.experts <= 512) router_kernel<16><<<p.n, 32, smem, stream>>>(p);
+  else router_kernel<32><<<p.n, 32, smem, stream>>>(p);
   DSV4_CUDA_LAUNCHED();
 }
 

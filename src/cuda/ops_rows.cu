@@ -1,10 +1,17 @@
 // SPDX-License-Identifier: MIT
 // Row-wise kernels of the forward pass: norm / RoPE / storage rounding, small fp32 linears, embedding and the
 // mHC pre / post / head mixes. Where the CPU reference's result depends on the order of fp32 operations
-// (RoPE, the mHC collapse) the products and sums are written with explicit _rn intrinsics, so nvcc does not
-// contract them into FMAs and the GPU rounds exactly like the CPU.
+// (RoPE, the mHC mixes and collapse, Sinkhorn) the products and sums are written with explicit _rn intrinsics,
+// so nvcc does not contract them into FMAs and the GPU rounds exactly like the CPU.
+//
+// A decode step calls these with one token, so they are latency-bound: each kernel keeps every thread's global
+// loads independent (issued together, one round trip), spreads a row over as many threads as it has 4-value
+// groups, and reduces with shuffles and one block_sum instead of serial per-thread loops.
+#include <cooperative_groups.h>
+
 #include <cmath>
 
+#include "cuda/device.h"
 #include "cuda/ops.h"
 #include "cuda/ops_common.cuh"
 #include "formats/fp4.h"
@@ -13,199 +20,626 @@
 namespace dsv4::gpu {
 namespace {
 
+namespace cg = cooperative_groups;
+
 using detail::block_sum;
 using detail::blocks_for;
 using detail::sigmoid;
 
-constexpr int kRowThreads = 128;
 constexpr int kMaxHc = 8;
 
-// Rotates the pairs of v[0..rope_dim) in place (threads of the block share the pairs).
-__device__ void rope_pairs(float* v, int rope_dim, const float* inv_freq, int64_t position, bool inverse) {
-  for (int i = threadIdx.x; i < rope_dim / 2; i += blockDim.x) {
-    const float angle = __fmul_rn(float(position), inv_freq[i]);
-    const float c = float(cos(double(angle)));
-    const float s = inverse ? -float(sin(double(angle))) : float(sin(double(angle)));
-    const float a = v[2 * i], b = v[2 * i + 1];
-    v[2 * i] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
-    v[2 * i + 1] = __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c));
-  }
+bool aligned(const void* p, int bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
+
+__device__ __forceinline__ bool aligned_dev(const void* p, int bytes) {
+  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
 }
 
-__global__ void row_op_kernel(RowOpParams p) {
-  extern __shared__ float row[];
-  const int r = blockIdx.x, t = r / p.heads, h = r % p.heads;
+// Four consecutive values row[d..d+3] (zeros past `count`); `vec`: one 16-byte load (caller checked alignment
+// and count % 4 == 0).
+__device__ __forceinline__ float4 load4(const float* row, int d, int count, bool vec) {
+  if (vec) return *reinterpret_cast<const float4*>(row + d);
+  return make_float4(d < count ? row[d] : 0.0f, d + 1 < count ? row[d + 1] : 0.0f, d + 2 < count ? row[d + 2] : 0.0f,
+                     d + 3 < count ? row[d + 3] : 0.0f);
+}
+
+__device__ __forceinline__ void store4(float* row, int d, int count, bool vec, float4 v) {
+  if (vec) {
+    *reinterpret_cast<float4*>(row + d) = v;
+    return;
+  }
+  if (d < count) row[d] = v.x;
+  if (d + 1 < count) row[d + 1] = v.y;
+  if (d + 2 < count) row[d + 2] = v.z;
+  if (d + 3 < count) row[d + 3] = v.w;
+}
+
+// bf16 of four consecutive values; `vec`: one 8-byte store.
+__device__ __forceinline__ void store4_bf16(uint16_t* row, int d, int count, bool vec, float4 v) {
+  const uint16_t b0 = f32_to_bf16(v.x), b1 = f32_to_bf16(v.y), b2 = f32_to_bf16(v.z), b3 = f32_to_bf16(v.w);
+  if (vec) {
+    *reinterpret_cast<uint2*>(row + d) = make_uint2(b0 | uint32_t(b1) << 16, b2 | uint32_t(b3) << 16);
+    return;
+  }
+  if (d < count) row[d] = b0;
+  if (d + 1 < count) row[d + 1] = b1;
+  if (d + 2 < count) row[d + 2] = b2;
+  if (d + 3 < count) row[d + 3] = b3;
+}
+
+// ---- row_op ---------------------------------------------------------------------------------------------------
+// Thread g of a row owns the four values first + 0..3, first = 4g - shift (shift = 1 when dim - rope_dim is odd,
+// so that RoPE pairs never straddle two threads). A row of T = ceil((dim + shift) / 4) threads takes
+// `lanes` = the next power of two (T <= 32: several rows share a warp, reductions are shuffles within the row's
+// lane group) or all threads of its own block (T > 32: lanes = blockDim, block_sum). FP8 blocks of 64 values are
+// then 16 aligned lanes and FP4 blocks of 32 are 8: amax by shuffles, each lane rounds its own values with the
+// src/formats functions, so the result is bit-identical to fp8_simulate_block / fp4_simulate_block.
+
+constexpr int kRowValues = 4;  // values per thread
+
+__device__ __forceinline__ double row_sum(double v, int lanes) {
+  if (lanes > 32) return block_sum(v);
+  for (int o = lanes / 2; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;  // xor butterflies add commutatively: every lane of the group holds the same bits
+}
+
+// Max over aligned groups of `lanes` (power of two <= 32) lanes; fmax is exact, so the order does not matter.
+__device__ __forceinline__ float group_max(float v, int lanes) {
+  for (int o = lanes / 2; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+__global__ void row_op_kernel(RowOpParams p, int lanes, int rows_per_block) {
+  extern __shared__ float exchange[];  // [dim]: Hadamard stages across warps (IndexerFp4, dim > 128)
+  const int rows = p.tokens * p.heads;
+  const int g = threadIdx.x % lanes, row_raw = blockIdx.x * rows_per_block + threadIdx.x / lanes;
+  // Rows past the end (a partly filled last block) redo the last row without storing it: every lane must reach
+  // the shuffles and barriers.
+  const bool live = row_raw < rows;
+  const int r = live ? row_raw : rows - 1, t = r / p.heads, h = r % p.heads;
   int64_t pos0 = p.pos_device ? *p.pos_device : p.pos0, entry = 0;
   if (p.emit_ratio > 0) {  // decode step of a captured graph: finish entry pos / r only if this step completes it
-    if ((pos0 + 1) % p.emit_ratio != 0) return;
+    if ((pos0 + 1) % p.emit_ratio != 0) return;  // uniform over the grid (one row)
     entry = pos0 / p.emit_ratio;
     pos0 = entry * p.emit_ratio;
   }
+  const int dim = p.dim, nope = dim - p.rope_dim, half_rope = p.rope_dim / 2;
+  const int first = kRowValues * g - (p.rope_dim > 0 ? (nope & 1) : 0);
+  const bool full = first >= 0 && first + 3 < dim;  // all four values inside the row
   const float* x = p.x + (t + entry) * p.x_token_stride + h * p.x_head_stride;
-  for (int i = threadIdx.x; i < p.dim; i += blockDim.x) row[i] = x[i];
-  __syncthreads();
+
+  float v[kRowValues];
+  if (full && aligned_dev(x + first, 16)) {
+    const float4 q = *reinterpret_cast<const float4*>(x + first);
+    v[0] = q.x, v[1] = q.y, v[2] = q.z, v[3] = q.w;
+  } else {
+#pragma unroll
+    for (int j = 0; j < kRowValues; ++j) {
+      const int i = first + j;
+      v[j] = i >= 0 && i < dim ? x[i] : 0.0f;
+    }
+  }
+  float weight[kRowValues];
+#pragma unroll
+  for (int j = 0; j < kRowValues; ++j) {
+    const int i = first + j;
+    weight[j] = p.norm && p.weight && i >= 0 && i < dim ? p.weight[i] : 1.0f;
+  }
+  // RoPE angles (fp32 like the reference, cos / sin in fp64 then rounded) do not depend on the data: computed
+  // while the loads and the norm's reduction are in flight.
+  float cos_a[2], sin_a[2];
+  bool rotate[2];
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    const int pair = (first + 2 * k - nope) / 2;  // first - nope is even by the choice of shift
+    rotate[k] = first + 2 * k >= nope && pair < half_rope;
+    cos_a[k] = 1.0f, sin_a[k] = 0.0f;
+    if (rotate[k]) {
+      const int64_t position = pos0 + int64_t(t) * p.pos_step;
+      const float angle = __fmul_rn(float(position), p.inv_freq[pair]);
+      double s, c;
+      sincos(double(angle), &s, &c);
+      cos_a[k] = float(c);
+      sin_a[k] = p.inverse ? -float(s) : float(s);
+    }
+  }
+
   if (p.norm) {
     double ss = 0;
-    for (int i = threadIdx.x; i < p.dim; i += blockDim.x) ss += double(row[i]) * row[i];
-    ss = block_sum(ss);
-    const float inv_rms = 1.0f / sqrtf(float(ss / p.dim) + p.eps);
-    for (int i = threadIdx.x; i < p.dim; i += blockDim.x)
-      row[i] = __fmul_rn(__fmul_rn(row[i], inv_rms), p.weight ? p.weight[i] : 1.0f);
-    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < kRowValues; ++j) ss += double(v[j]) * v[j];  // values outside the row are 0
+    ss = row_sum(ss, lanes);
+    const float inv_rms = 1.0f / sqrtf(float(ss / dim) + p.eps);
+#pragma unroll
+    for (int j = 0; j < kRowValues; ++j) v[j] = __fmul_rn(__fmul_rn(v[j], inv_rms), weight[j]);
   }
-  if (p.rope_dim > 0) {
-    rope_pairs(row + p.dim - p.rope_dim, p.rope_dim, p.inv_freq, pos0 + int64_t(t) * p.pos_step, p.inverse);
-    __syncthreads();
-  }
+#pragma unroll
+  for (int k = 0; k < 2; ++k)
+    if (rotate[k]) {
+      const float a = v[2 * k], b = v[2 * k + 1];
+      v[2 * k] = __fsub_rn(__fmul_rn(a, cos_a[k]), __fmul_rn(b, sin_a[k]));
+      v[2 * k + 1] = __fadd_rn(__fmul_rn(a, sin_a[k]), __fmul_rn(b, cos_a[k]));
+    }
+
   switch (p.round) {
     case RowRound::None: break;
     case RowRound::Bf16:
-      for (int i = threadIdx.x; i < p.dim; i += blockDim.x) row[i] = round_bf16(row[i]);
+#pragma unroll
+      for (int j = 0; j < kRowValues; ++j) v[j] = round_bf16(v[j]);
       break;
     case RowRound::KvFp8: {
-      const int nope = p.dim - p.rope_dim;
-      for (int b = threadIdx.x; b < nope / 64; b += blockDim.x) fp8_simulate_block(row + 64 * b, 64);
-      for (int i = nope + threadIdx.x; i < p.dim; i += blockDim.x) row[i] = round_bf16(row[i]);
+      // nope % 64 == 0, so shift is 0 and a thread's four values are all nope (one FP8 block) or all RoPE.
+      const bool in_nope = first < nope;
+      float amax = 0.0f;
+#pragma unroll
+      for (int j = 0; j < kRowValues; ++j) amax = in_nope ? fmaxf(amax, fabsf(v[j])) : amax;
+      amax = group_max(amax, 64 / kRowValues);
+      if (in_nope) {
+        const float s = pow2_scale(amax, kE4M3Max, 1e-4f);
+#pragma unroll
+        for (int j = 0; j < kRowValues; ++j) v[j] = round_e4m3(v[j] / s) * s;
+      } else {
+#pragma unroll
+        for (int j = 0; j < kRowValues; ++j) v[j] = round_bf16(v[j]);
+      }
       break;
     }
     case RowRound::IndexerFp4: {
-      const int n = p.dim;  // Sylvester-order butterflies, the same sums as cpu::hadamard_transform
-      for (int half = 1; half < n; half *= 2) {
-        for (int q = threadIdx.x; q < n / 2; q += blockDim.x) {
-          const int i = (q / half) * 2 * half + q % half, j = i + half;
-          const float a = row[i], b = row[j];
-          row[i] = a + b;
-          row[j] = a - b;
-        }
-        __syncthreads();
+      // Sylvester-order butterflies (a, b) -> (a + b, a - b) on pairs (i, i + half), half = 1, 2, 4, ..: the
+      // same sums as cpu::hadamard_transform. dim is a power of two, shift 0, T = dim / 4 threads exactly.
+      float a = v[0], b = v[1];
+      v[0] = a + b, v[1] = a - b;
+      a = v[2], b = v[3];
+      v[2] = a + b, v[3] = a - b;
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        a = v[j], b = v[j + 2];
+        v[j] = a + b, v[j + 2] = a - b;
       }
-      const float scale = 1.0f / sqrtf(float(n));
-      for (int i = threadIdx.x; i < n; i += blockDim.x) row[i] *= scale;
-      __syncthreads();
-      for (int b = threadIdx.x; b < n / 32; b += blockDim.x) fp4_simulate_block(row + 32 * b, 32);
+      for (int half = kRowValues; half < dim; half *= 2) {  // partner value in thread g ^ (half / 4)
+        const int lane_bit = half / kRowValues;
+        const bool upper = (g & lane_bit) != 0;
+        float other[kRowValues];
+        if (lane_bit < 32) {
+#pragma unroll
+          for (int j = 0; j < kRowValues; ++j) other[j] = __shfl_xor_sync(0xffffffffu, v[j], lane_bit);
+        } else {  // across warps (one row per block here)
+          __syncthreads();  // the previous stage's reads are done
+#pragma unroll
+          for (int j = 0; j < kRowValues; ++j) exchange[first + j] = v[j];
+          __syncthreads();
+#pragma unroll
+          for (int j = 0; j < kRowValues; ++j) other[j] = exchange[(first ^ half) + j];
+        }
+#pragma unroll
+        for (int j = 0; j < kRowValues; ++j) v[j] = upper ? other[j] - v[j] : v[j] + other[j];
+      }
+      const float scale = 1.0f / sqrtf(float(dim));
+#pragma unroll
+      for (int j = 0; j < kRowValues; ++j) v[j] *= scale;
+      float amax = 0.0f;
+#pragma unroll
+      for (int j = 0; j < kRowValues; ++j) amax = fmaxf(amax, fabsf(v[j]));
+      amax = group_max(amax, 32 / kRowValues);
+      const float s = pow2_scale(amax, kE2M1Max, kE2M1Max * 1.1754943508222875e-38f);
+#pragma unroll
+      for (int j = 0; j < kRowValues; ++j) v[j] = round_e2m1(v[j] / s) * s;
       break;
     }
   }
-  __syncthreads();
-  float* y = p.y ? p.y + (t + entry) * p.y_token_stride + h * p.y_head_stride : nullptr;
-  uint16_t* yb = p.y_bf16 ? p.y_bf16 + int64_t(r) * p.dim : nullptr;
-  for (int i = threadIdx.x; i < p.dim; i += blockDim.x) {
-    if (y) y[i] = row[i];
-    if (yb) yb[i] = f32_to_bf16(row[i]);
-  }
-}
 
-constexpr int kLinearThreads = 128;
-
-// One block per output y[row, col]: the k-long dot product (k up to hc·D = 16384 for the mHC mixes) spread over
-// 128 threads, 16-byte loads when rows allow, so a decode step's few outputs do not walk k on one warp.
-__global__ void linear_f32_kernel(LinearF32Params p) {
-  __shared__ float partial[kLinearThreads / 32];
-  const int64_t out = blockIdx.x;
-  const int row = int(out / p.n), col = int(out % p.n);
-  const float* x = p.x + int64_t(row) * p.k;
-  const float* w = p.w + int64_t(col) * p.k;
-  float acc = 0;
-  if (p.k % 4 == 0 && (reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(w)) % 16 == 0) {
-    const float4* x4 = reinterpret_cast<const float4*>(x);
-    const float4* w4 = reinterpret_cast<const float4*>(w);
-    for (int i = threadIdx.x; i < p.k / 4; i += blockDim.x) {
-      const float4 a = x4[i], b = w4[i];
-      acc += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
+  if (!live) return;
+  const float4 out = make_float4(v[0], v[1], v[2], v[3]);
+  if (p.y) {
+    float* y = p.y + (t + entry) * p.y_token_stride + h * p.y_head_stride;
+    if (full && aligned_dev(y + first, 16)) {
+      *reinterpret_cast<float4*>(y + first) = out;
+    } else {
+#pragma unroll
+      for (int j = 0; j < kRowValues; ++j)
+        if (first + j >= 0 && first + j < dim) y[first + j] = v[j];
     }
-  } else {
-    for (int i = threadIdx.x; i < p.k; i += blockDim.x) acc += x[i] * w[i];
   }
-  acc = detail::warp_sum(acc);
-  if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = acc;
+  if (p.y_bf16) {
+    uint16_t* yb = p.y_bf16 + int64_t(r) * dim;
+    if (full && aligned_dev(yb + first, 8)) {
+      store4_bf16(yb, first, dim, true, out);
+    } else {
+#pragma unroll
+      for (int j = 0; j < kRowValues; ++j)
+        if (first + j >= 0 && first + j < dim) yb[first + j] = f32_to_bf16(v[j]);
+    }
+  }
+}
+
+// ---- linear_f32 ------------------------------------------------------------------------------------------------
+// Block (column c, k-slice s, row group g) computes the partial dot products of rows g·kRows.. with W row c over
+// slice s. Every thread issues kLinearUnroll loads of W (and of each x row) before it adds, so a slice of
+// kLinearThreads · kLinearUnroll vectors is one round trip. When the grid would be small (decode: m·n of a few
+// dozen) k is split into up to 8 slices whose blocks form one thread-block cluster: rank 0 adds the slices'
+// partials from distributed shared memory in rank order, so the result is deterministic without a scratch
+// buffer or atomics.
+
+constexpr int kLinearThreads = 256;
+constexpr int kLinearUnroll = 4;
+constexpr int kLinearMaxSlices = 8;           // the portable cluster size
+constexpr int kLinearMinSliceFloats = 2048;   // >= 8 values per thread, or a slice is not worth its block
+
+template <int kVec>
+struct LinearVec;
+template <>
+struct LinearVec<1> {
+  using T = float;
+};
+template <>
+struct LinearVec<4> {
+  using T = float4;
+};
+
+__device__ __forceinline__ float dot_acc(float a, float b, float acc) { return fmaf(a, b, acc); }
+__device__ __forceinline__ float dot_acc(float4 a, float4 b, float acc) {
+  acc = fmaf(a.x, b.x, acc);
+  acc = fmaf(a.y, b.y, acc);
+  acc = fmaf(a.z, b.z, acc);
+  return fmaf(a.w, b.w, acc);
+}
+
+template <int kRows, int kVec, bool kCluster>
+__global__ void __launch_bounds__(kLinearThreads) linear_f32_kernel(LinearF32Params p, int slices) {
+  using Vec = typename LinearVec<kVec>::T;
+  __shared__ float warp_partial[kRows][kLinearThreads / 32];
+  __shared__ float block_partial[kRows];
+  const int col = blockIdx.x / slices, slice = blockIdx.x % slices, row0 = blockIdx.y * kRows;
+  const int64_t units = p.k / kVec, per_slice = (units + slices - 1) / slices;
+  const int64_t begin = slice * per_slice, end = units < begin + per_slice ? units : begin + per_slice;
+  const Vec* w = reinterpret_cast<const Vec*>(p.w + int64_t(col) * p.k);
+  const Vec* x[kRows];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r)  // rows past m re-read row m - 1 (never stored)
+    x[r] = reinterpret_cast<const Vec*>(p.x + int64_t(row0 + r < p.m ? row0 + r : p.m - 1) * p.k);
+  float acc[kRows];
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) acc[r] = 0.0f;
+  for (int64_t i = begin + threadIdx.x; i < end; i += kLinearUnroll * kLinearThreads) {
+    Vec wv[kLinearUnroll], xv[kRows][kLinearUnroll];
+#pragma unroll
+    for (int u = 0; u < kLinearUnroll; ++u) {
+      const int64_t at = i + u * kLinearThreads;
+      wv[u] = at < end ? w[at] : Vec{};
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) xv[r][u] = at < end ? x[r][at] : Vec{};
+    }
+#pragma unroll
+    for (int u = 0; u < kLinearUnroll; ++u)
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) acc[r] = dot_acc(xv[r][u], wv[u], acc[r]);
+  }
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int r = 0; r < kRows; ++r) {
+    const float s = detail::warp_sum(acc[r]);
+    if (lane == 0) warp_partial[r][warp] = s;
+  }
   __syncthreads();
-  if (threadIdx.x == 0) {
-    float total = 0;
-    for (int i = 0; i < kLinearThreads / 32; ++i) total += partial[i];
-    p.y[out] = total * p.scale;
+  if (warp == 0) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const float s = detail::warp_sum(lane < kLinearThreads / 32 ? warp_partial[r][lane] : 0.0f);
+      if (lane == 0) {
+        if (kCluster) {
+          block_partial[r] = s;
+        } else if (row0 + r < p.m) {
+          p.y[int64_t(row0 + r) * p.n + col] = s * p.scale;
+        }
+      }
+    }
+  }
+  if constexpr (kCluster) {
+    cg::cluster_group cluster = cg::this_cluster();
+    cluster.sync();  // every slice's partial is in its block's shared memory
+    const int r = threadIdx.x;
+    if (cluster.block_rank() == 0 && r < kRows && row0 + r < p.m) {
+      float total = 0.0f;
+      for (int s = 0; s < slices; ++s) total += cluster.map_shared_rank(block_partial, s)[r];
+      p.y[int64_t(row0 + r) * p.n + col] = total * p.scale;
+    }
+    cluster.sync();  // the partials must outlive rank 0's reads
   }
 }
 
-__global__ void embed_kernel(const uint16_t* embed, const int32_t* tokens, int n, int D, int hc, float* streams) {
-  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= int64_t(n) * hc * D) return;
-  const int d = int(i % D), t = int(i / (int64_t(hc) * D));
-  streams[i] = bf16_to_f32(embed[int64_t(tokens[t]) * D + d]);
+template <int kRows, int kVec>
+void launch_linear_f32(const LinearF32Params& p, int slices, cudaStream_t stream) {
+  const dim3 grid(unsigned(p.n) * slices, unsigned((p.m + kRows - 1) / kRows));
+  if (slices == 1) {
+    linear_f32_kernel<kRows, kVec, false><<<grid, kLinearThreads, 0, stream>>>(p, 1);
+    DSV4_CUDA_LAUNCHED();
+    return;
+  }
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = dim3(kLinearThreads);
+  config.stream = stream;
+  cudaLaunchAttribute cluster[1];
+  cluster[0].id = cudaLaunchAttributeClusterDimension;
+  cluster[0].val.clusterDim.x = unsigned(slices);
+  cluster[0].val.clusterDim.y = 1;
+  cluster[0].val.clusterDim.z = 1;
+  config.attrs = cluster;
+  config.numAttrs = 1;
+  const cudaError_t err = cudaLaunchKernelEx(&config, linear_f32_kernel<kRows, kVec, true>, p, slices);
+  DSV4_CUDA_LAUNCHED();  // throws (and clears) a recorded launch error
+  OPS_CHECK(err == cudaSuccess, "linear_f32: cluster launch failed: %s", cudaGetErrorString(err));
 }
 
-// rs = (mean of streams[t]² + eps)^-½ over the hc·D values (fp64 sum like the reference).
-__device__ float stream_rms_scale(const float* xs, int width, float eps) {
+// ---- mHC ---------------------------------------------------------------------------------------------------------
+// One block per token (hc_pre: two, see hc_pre_kernel); thread i owns the column groups d = 4i, 4i + 4·blockDim, ..
+// of all hc streams. kHc is the register array bound (4 covers the models; 8 the contract's limit).
+
+// The collapsed row lives in dynamic shared memory: 47 KB at most, + ~0.5 KB static, under the 48 KB a launch
+// gets without opting in.
+constexpr int kHcMaxD = 12032;
+
+constexpr int hc_max_threads(int hc_bound) { return hc_bound <= 4 ? 1024 : 512; }
+
+// Σ of squares (fp64, like the reference) of a token's hc·D stream values over the block; every thread gets it.
+template <int kHc>
+__device__ double streams_sum_sq(const float* xs, int hc, int D, bool vec) {
   double ss = 0;
-  for (int i = threadIdx.x; i < width; i += blockDim.x) ss += double(xs[i]) * xs[i];
-  ss = block_sum(ss);
+  for (int d = 4 * threadIdx.x; d < D; d += 4 * blockDim.x) {
+    float4 v[kHc];
+#pragma unroll
+    for (int k = 0; k < kHc; ++k) v[k] = k < hc ? load4(xs + int64_t(k) * D, d, D, vec) : make_float4(0, 0, 0, 0);
+#pragma unroll
+    for (int k = 0; k < kHc; ++k) {
+      ss += double(v[k].x) * v[k].x;
+      ss += double(v[k].y) * v[k].y;
+      ss += double(v[k].z) * v[k].z;
+      ss += double(v[k].w) * v[k].w;
+    }
+  }
+  return block_sum(ss);
+}
+
+// rs = (mean of streams² + eps)^-½ over the hc·D values (spec 2.3: one RMS for all streams).
+__device__ __forceinline__ float streams_inv_rms(double ss, int width, float eps) {
   return 1.0f / sqrtf(float(ss / width) + eps);
 }
 
-// y[d] = rms_norm(Σ_k pre[k] · xs[k·D + d], weight), into shared `y`.
-__device__ void collapse_and_norm(const float* xs, const float* pre, int hc, int D, const float* weight, float eps,
-                                  float* y) {
+// σ(mix · rs · scale + base), rounded like the reference's fp32 expression.
+__device__ __forceinline__ float mix_gate(float mix, float rs, float scale, float base) {
+  return sigmoid(__fadd_rn(__fmul_rn(__fmul_rn(mix, rs), scale), base));
+}
+
+// The collapse y = Σ_k pre_k · streams_k (pre_k = σ(mix_k·rs·scale[0] + base_k) + hc_eps), then
+// rms_norm(y, weight) into normed fp32 and/or bf16 (either may be nullptr). y_smem: [D rounded up to 4], each
+// thread reads back only the groups it wrote, so it needs no barrier.
+template <int kHc>
+__device__ void collapse_and_norm(const float* xs, int hc, int D, const float* mix, const float* base,
+                                  const float* scale, float hc_eps, const float* weight, float eps, float* normed,
+                                  uint16_t* normed_bf16, float* y_smem) {
+  const bool vec = D % 4 == 0 && aligned_dev(xs, 16);
+  // Loads that do not depend on rs go out before its reduction.
+  float pre_mix[kHc], pre_base[kHc];
+#pragma unroll
+  for (int k = 0; k < kHc; ++k) {
+    pre_mix[k] = k < hc ? mix[k] : 0.0f;
+    pre_base[k] = k < hc ? base[k] : 0.0f;
+  }
+  const float scale0 = scale[0];
+  const bool vec_w = D % 4 == 0 && aligned_dev(weight, 16);
+  const float4 weight_first = load4(weight, 4 * threadIdx.x, D, vec_w && 4 * int(threadIdx.x) < D);
+
+  const float rs = streams_inv_rms(streams_sum_sq<kHc>(xs, hc, D, vec), hc * D, eps);
+  float pre[kHc];
+#pragma unroll
+  for (int k = 0; k < kHc; ++k) pre[k] = __fadd_rn(mix_gate(pre_mix[k], rs, scale0, pre_base[k]), hc_eps);
+
   double ss = 0;
-  for (int d = threadIdx.x; d < D; d += blockDim.x) {
-    float acc = 0;
-    for (int k = 0; k < hc; ++k) acc = __fadd_rn(acc, __fmul_rn(pre[k], xs[k * D + d]));
-    y[d] = acc;
-    ss += double(acc) * acc;
+  for (int d = 4 * threadIdx.x; d < D; d += 4 * blockDim.x) {
+    float4 v[kHc];  // L1 hits: streams_sum_sq just read them
+#pragma unroll
+    for (int k = 0; k < kHc; ++k) v[k] = k < hc ? load4(xs + int64_t(k) * D, d, D, vec) : make_float4(0, 0, 0, 0);
+    float4 acc = make_float4(0, 0, 0, 0);
+#pragma unroll
+    for (int k = 0; k < kHc; ++k)
+      if (k < hc) {
+        acc.x = __fadd_rn(acc.x, __fmul_rn(pre[k], v[k].x));
+        acc.y = __fadd_rn(acc.y, __fmul_rn(pre[k], v[k].y));
+        acc.z = __fadd_rn(acc.z, __fmul_rn(pre[k], v[k].z));
+        acc.w = __fadd_rn(acc.w, __fmul_rn(pre[k], v[k].w));
+      }
+    *reinterpret_cast<float4*>(y_smem + d) = acc;  // zeros past D add nothing below
+    ss += double(acc.x) * acc.x;
+    ss += double(acc.y) * acc.y;
+    ss += double(acc.z) * acc.z;
+    ss += double(acc.w) * acc.w;
   }
   ss = block_sum(ss);
   const float inv_rms = 1.0f / sqrtf(float(ss / D) + eps);
-  for (int d = threadIdx.x; d < D; d += blockDim.x) y[d] = __fmul_rn(__fmul_rn(y[d], inv_rms), weight[d]);
+  const bool vec_out = D % 4 == 0 && (!normed || aligned_dev(normed, 16));
+  const bool vec_bf16 = D % 4 == 0 && (!normed_bf16 || aligned_dev(normed_bf16, 8));
+  for (int d = 4 * threadIdx.x; d < D; d += 4 * blockDim.x) {
+    const float4 acc = *reinterpret_cast<const float4*>(y_smem + d);
+    const float4 w = d == 4 * int(threadIdx.x) ? weight_first : load4(weight, d, D, vec_w);
+    const float4 out = make_float4(__fmul_rn(__fmul_rn(acc.x, inv_rms), w.x), __fmul_rn(__fmul_rn(acc.y, inv_rms), w.y),
+                                   __fmul_rn(__fmul_rn(acc.z, inv_rms), w.z), __fmul_rn(__fmul_rn(acc.w, inv_rms), w.w));
+    if (normed) store4(normed, d, D, vec_out, out);
+    if (normed_bf16) store4_bf16(normed_bf16, d, D, vec_bf16, out);
+  }
 }
 
-__global__ void hc_pre_kernel(HcPreParams p) {
-  extern __shared__ float collapsed[];
-  __shared__ float pre[kMaxHc];
+// post and comb of one token on warp 0 (lane l owns cells l and l + 32 of the hc × hc matrix: row e / hc,
+// column e % hc). Every row or column sum is added in index order by each lane of that row / column, exactly
+// like the sequential reference, and the cells are exchanged through shared memory between the steps.
+__device__ void post_and_comb(const HcPreParams& p, int t, float rs, const float (&comb_mix)[2],
+                              const float (&comb_base)[2], float post_mix, float post_base, float scale1,
+                              float scale2) {
+  __shared__ float cells[kMaxHc * kMaxHc];
+  const int lane = threadIdx.x, hc = p.hc, n_cells = hc * hc;
+  const float eps = p.hc_eps;
+  if (lane < hc) p.post[int64_t(t) * hc + lane] = 2.0f * mix_gate(post_mix, rs, scale1, post_base);
+
+  float val[2];
+  bool own[2];
+  int row0[2], col[2];
+#pragma unroll
+  for (int s = 0; s < 2; ++s) {
+    const int e = lane + 32 * s;
+    own[s] = e < n_cells;
+    row0[s] = (e / hc) * hc;
+    col[s] = e % hc;
+    val[s] = __fadd_rn(__fmul_rn(__fmul_rn(comb_mix[s], rs), scale2), comb_base[s]);
+  }
+  auto publish = [&] {
+    __syncwarp();  // everyone has read the previous values
+#pragma unroll
+    for (int s = 0; s < 2; ++s)
+      if (own[s]) cells[lane + 32 * s] = val[s];
+    __syncwarp();
+  };
+  auto row_total = [&](int s) {
+    float sum = 0.0f;
+    for (int k = 0; k < hc; ++k) sum = __fadd_rn(sum, cells[row0[s] + k]);
+    return sum;
+  };
+  auto col_total = [&](int s) {
+    float sum = 0.0f;
+    for (int j = 0; j < hc; ++j) sum = __fadd_rn(sum, cells[j * hc + col[s]]);
+    return sum;
+  };
+
+  publish();  // row softmax, then + eps
+#pragma unroll
+  for (int s = 0; s < 2; ++s)
+    if (own[s]) {
+      float mx = -INFINITY;
+      for (int k = 0; k < hc; ++k) mx = fmaxf(mx, cells[row0[s] + k]);
+      val[s] = expf(__fsub_rn(val[s], mx));
+    }
+  publish();
+#pragma unroll
+  for (int s = 0; s < 2; ++s)
+    if (own[s]) val[s] = __fadd_rn(__fdiv_rn(val[s], row_total(s)), eps);
+  publish();
+  // Sinkhorn: columns, then (rows, columns) for the remaining iterations (the reference normalises the columns
+  // once even for 0 iterations).
+  const int rounds = p.sinkhorn_iters > 1 ? p.sinkhorn_iters : 1;
+  for (int it = 0; it < rounds; ++it) {
+    if (it > 0) {
+#pragma unroll
+      for (int s = 0; s < 2; ++s)
+        if (own[s]) val[s] = __fdiv_rn(val[s], __fadd_rn(row_total(s), eps));
+      publish();
+    }
+#pragma unroll
+    for (int s = 0; s < 2; ++s)
+      if (own[s]) val[s] = __fdiv_rn(val[s], __fadd_rn(col_total(s), eps));
+    publish();
+  }
+#pragma unroll
+  for (int s = 0; s < 2; ++s)
+    if (own[s]) p.comb[int64_t(t) * n_cells + lane + 32 * s] = val[s];
+}
+
+// Grid (n, 2): block (t, 0) collapses and normalises token t, block (t, 1) computes its post and comb (the
+// Sinkhorn iterations, ~40 dependent steps on one warp) at the same time. Both compute rs from the streams.
+template <int kHc>
+__global__ void __launch_bounds__(hc_max_threads(kHc)) hc_pre_kernel(HcPreParams p) {
+  extern __shared__ float4 hc_smem[];
   const int t = blockIdx.x, hc = p.hc, D = p.D, n_mix = (2 + hc) * hc;
   const float* xs = p.streams + int64_t(t) * hc * D;
-  const float rs = stream_rms_scale(xs, hc * D, p.eps);
-  // Warp 0: thread j owns row j of the softmax, then rows / columns alternate in the Sinkhorn iterations; each
-  // row or column is summed in index order by one thread, so the results equal the sequential reference's.
-  __shared__ float C[kMaxHc * kMaxHc];
   const float* m = p.mix + int64_t(t) * n_mix;
-  const int tid = threadIdx.x;
-  if (tid < hc) {
-    pre[tid] = sigmoid(m[tid] * rs * p.scale[0] + p.base[tid]) + p.hc_eps;
-    p.post[t * hc + tid] = 2.0f * sigmoid(m[hc + tid] * rs * p.scale[1] + p.base[hc + tid]);
-    float* row = C + tid * hc;
-    float mx = -INFINITY;
-    for (int k = 0; k < hc; ++k) {
-      row[k] = m[2 * hc + tid * hc + k] * rs * p.scale[2] + p.base[2 * hc + tid * hc + k];
-      mx = fmaxf(mx, row[k]);
-    }
-    float sum = 0;
-    for (int k = 0; k < hc; ++k) sum += (row[k] = expf(row[k] - mx));
-    for (int k = 0; k < hc; ++k) row[k] = row[k] / sum + p.hc_eps;
+  if (blockIdx.y == 0) {
+    collapse_and_norm<kHc>(xs, hc, D, m, p.base, p.scale, p.hc_eps, p.norm_weight, p.eps,
+                           p.normed ? p.normed + int64_t(t) * D : nullptr,
+                           p.normed_bf16 ? p.normed_bf16 + int64_t(t) * D : nullptr, reinterpret_cast<float*>(hc_smem));
+    return;
   }
-  if (tid < 32) {
-    __syncwarp();
-    for (int it = 0; it < p.sinkhorn_iters; ++it) {
-      if (it > 0 && tid < hc) {
-        float sum = 0;
-        for (int k = 0; k < hc; ++k) sum += C[tid * hc + k];
-        for (int k = 0; k < hc; ++k) C[tid * hc + k] /= sum + p.hc_eps;
+  // Warp 0's mix and base values go out before the reduction.
+  const int lane = threadIdx.x;
+  float comb_mix[2] = {0.0f, 0.0f}, comb_base[2] = {0.0f, 0.0f}, post_mix = 0.0f, post_base = 0.0f;
+  float scale1 = 0.0f, scale2 = 0.0f;
+  if (lane < 32) {
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+      const int e = lane + 32 * s;
+      if (e < hc * hc) {
+        comb_mix[s] = m[2 * hc + e];
+        comb_base[s] = p.base[2 * hc + e];
       }
-      __syncwarp();
-      if (tid < hc) {
-        float sum = 0;
-        for (int j = 0; j < hc; ++j) sum += C[j * hc + tid];
-        for (int j = 0; j < hc; ++j) C[j * hc + tid] /= sum + p.hc_eps;
-      }
-      __syncwarp();
     }
-    for (int i = tid; i < hc * hc; i += 32) p.comb[int64_t(t) * hc * hc + i] = C[i];
+    if (lane < hc) {
+      post_mix = m[hc + lane];
+      post_base = p.base[hc + lane];
+    }
+    scale1 = p.scale[1];
+    scale2 = p.scale[2];
   }
-  __syncthreads();
-  collapse_and_norm(xs, pre, hc, D, p.norm_weight, p.eps, collapsed);
-  for (int d = threadIdx.x; d < D; d += blockDim.x) {
-    if (p.normed) p.normed[int64_t(t) * D + d] = collapsed[d];
-    if (p.normed_bf16) p.normed_bf16[int64_t(t) * D + d] = f32_to_bf16(collapsed[d]);
+  const float rs = streams_inv_rms(streams_sum_sq<kHc>(xs, hc, D, D % 4 == 0 && aligned_dev(xs, 16)), hc * D, p.eps);
+  if (lane >= 32) return;  // no block-wide barrier follows
+  post_and_comb(p, t, rs, comb_mix, comb_base, post_mix, post_base, scale1, scale2);
+}
+
+template <int kHc>
+__global__ void __launch_bounds__(hc_max_threads(kHc))
+    hc_head_kernel(const float* streams, const float* mix, const float* base, const float* scale,
+                   const float* norm_weight, int hc, int D, float hc_eps, float eps, uint16_t* y_bf16) {
+  extern __shared__ float4 hc_smem[];
+  const int t = blockIdx.x;
+  collapse_and_norm<kHc>(streams + int64_t(t) * hc * D, hc, D, mix + int64_t(t) * hc, base, scale, hc_eps,
+                         norm_weight, eps, nullptr, y_bf16 + int64_t(t) * D, reinterpret_cast<float*>(hc_smem));
+}
+
+// Threads for one token's D columns in groups of four.
+int hc_threads(int D, int hc_bound) {
+  const int groups = (D + 3) / 4, limit = hc_max_threads(hc_bound);
+  const int warps = (groups + 31) / 32;
+  return warps * 32 < limit ? warps * 32 : limit;
+}
+
+constexpr int kHcPostThreads = 64;  // a decode step's 1024 column groups over 16 blocks
+
+// 16-byte groups of four columns: D % 4 == 0 and every pointer aligned.
+__global__ void __launch_bounds__(kHcPostThreads)
+    hc_post_vec_kernel(const float* out, int out_k, const float* out2, const float* post, const float* comb, int n,
+                       int hc, int D, float* streams) {
+  const int D4 = D / 4;
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= int64_t(n) * D4) return;
+  const int t = int(i / D4), d = int(i % D4) * 4;
+  float* xs = streams + int64_t(t) * hc * D;
+  float4 old[kMaxHc];
+#pragma unroll
+  for (int j = 0; j < kMaxHc; ++j)
+    if (j < hc) old[j] = *reinterpret_cast<const float4*>(xs + int64_t(j) * D + d);
+  float4 o = *reinterpret_cast<const float4*>(out + int64_t(t) * out_k * D + d);
+#pragma unroll 4
+  for (int e = 1; e < out_k; ++e) {
+    const float4 a = *reinterpret_cast<const float4*>(out + (int64_t(t) * out_k + e) * D + d);
+    o = make_float4(__fadd_rn(o.x, a.x), __fadd_rn(o.y, a.y), __fadd_rn(o.z, a.z), __fadd_rn(o.w, a.w));
+  }
+  if (out2) {
+    const float4 a = *reinterpret_cast<const float4*>(out2 + int64_t(t) * D + d);
+    o = make_float4(__fadd_rn(o.x, a.x), __fadd_rn(o.y, a.y), __fadd_rn(o.z, a.z), __fadd_rn(o.w, a.w));
+  }
+  const float* C = comb + int64_t(t) * hc * hc;
+  for (int k = 0; k < hc; ++k) {
+    const float pk = post[int64_t(t) * hc + k];
+    float4 acc = make_float4(__fmul_rn(pk, o.x), __fmul_rn(pk, o.y), __fmul_rn(pk, o.z), __fmul_rn(pk, o.w));
+#pragma unroll
+    for (int j = 0; j < kMaxHc; ++j)
+      if (j < hc) {
+        const float c = C[j * hc + k];
+        acc.x = __fadd_rn(acc.x, __fmul_rn(c, old[j].x));
+        acc.y = __fadd_rn(acc.y, __fmul_rn(c, old[j].y));
+        acc.z = __fadd_rn(acc.z, __fmul_rn(c, old[j].z));
+        acc.w = __fadd_rn(acc.w, __fmul_rn(c, old[j].w));
+      }
+    *reinterpret_cast<float4*>(xs + int64_t(k) * D + d) = acc;
   }
 }
 
+// Any D or alignment: one column per thread.
 __global__ void hc_post_kernel(const float* out, int out_k, const float* out2, const float* post, const float* comb,
                                int n, int hc, int D, float* streams) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -225,17 +659,13 @@ __global__ void hc_post_kernel(const float* out, int out_k, const float* out2, c
   }
 }
 
-__global__ void hc_head_kernel(const float* streams, const float* mix, const float* base, const float* scale,
-                               const float* norm_weight, int hc, int D, float hc_eps, float eps, uint16_t* y_bf16) {
-  extern __shared__ float y[];
-  __shared__ float pre[kMaxHc];
-  const int t = blockIdx.x;
-  const float* xs = streams + int64_t(t) * hc * D;
-  const float rs = stream_rms_scale(xs, hc * D, eps);
-  if (threadIdx.x < hc) pre[threadIdx.x] = sigmoid(mix[t * hc + threadIdx.x] * rs * scale[0] + base[threadIdx.x]) + hc_eps;
-  __syncthreads();
-  collapse_and_norm(xs, pre, hc, D, norm_weight, eps, y);
-  for (int d = threadIdx.x; d < D; d += blockDim.x) y_bf16[int64_t(t) * D + d] = f32_to_bf16(y[d]);
+// ---- the rest ----------------------------------------------------------------------------------------------------
+
+__global__ void embed_kernel(const uint16_t* embed, const int32_t* tokens, int n, int D, int hc, float* streams) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= int64_t(n) * hc * D) return;
+  const int d = int(i % D), t = int(i / (int64_t(hc) * D));
+  streams[i] = bf16_to_f32(embed[int64_t(tokens[t]) * D + d]);
 }
 
 __global__ void window_store_kernel(const float* kv, int n, int dim, int64_t pos0, const int64_t* pos_device,
@@ -246,13 +676,6 @@ __global__ void window_store_kernel(const float* kv, int n, int dim, int64_t pos
   if (i >= int64_t(n - first) * dim) return;
   const int t = first + int(i / dim), c = int(i % dim);
   window[((pos0 + t) % slots) * dim + c] = kv[int64_t(t) * dim + c];
-}
-
-__global__ void ungroup_kernel(const uint16_t* in, int groups, int n, int width, uint16_t* out) {
-  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= int64_t(groups) * n * width) return;
-  const int c = int(i % width), t = int((i / width) % n), g = int(i / (int64_t(width) * n));
-  out[(int64_t(t) * groups + g) * width + c] = in[i];
 }
 
 __global__ void fill_kernel(float* x, int64_t n, float value) {
@@ -266,21 +689,46 @@ void row_op(const RowOpParams& p, cudaStream_t stream) {
   const int rows = p.tokens * p.heads;
   if (rows == 0) return;
   OPS_CHECK(p.dim > 0 && p.dim <= 4096, "row_op: dim %d outside (0, 4096]", p.dim);
+  OPS_CHECK(p.rope_dim >= 0 && p.rope_dim <= p.dim, "row_op: rope_dim %d outside [0, dim = %d]", p.rope_dim, p.dim);
   OPS_CHECK(p.emit_ratio == 0 || rows == 1, "row_op: emit_ratio needs one row, got %d", rows);
   OPS_CHECK(p.round != RowRound::KvFp8 || (p.dim - p.rope_dim) % 64 == 0,
              "row_op: FP8 KV rounding needs (dim - rope_dim) = %d to be a multiple of 64", p.dim - p.rope_dim);
-  OPS_CHECK(p.round != RowRound::IndexerFp4 || (p.dim >= 32 && (p.dim & (p.dim - 1)) == 0),
-             "row_op: FP4 indexer rounding needs a power-of-two dim >= 32, got %d", p.dim);
-  row_op_kernel<<<rows, kRowThreads, p.dim * sizeof(float), stream>>>(p);
+  OPS_CHECK(p.round != RowRound::IndexerFp4 || (p.dim >= 32 && (p.dim & (p.dim - 1)) == 0 && p.rope_dim % 2 == 0),
+             "row_op: FP4 indexer rounding needs a power-of-two dim >= 32 and an even rope_dim, got %d / %d", p.dim,
+             p.rope_dim);
+  const int shift = p.rope_dim > 0 ? (p.dim - p.rope_dim) & 1 : 0;
+  const int row_threads = (p.dim + shift + kRowValues - 1) / kRowValues;
+  OPS_CHECK(row_threads <= 1024, "row_op: dim %d with an odd dim - rope_dim needs dim < 4096", p.dim);
+  int lanes = 1, rows_per_block = 1;
+  if (row_threads > 32) {
+    lanes = (row_threads + 31) / 32 * 32;
+  } else {
+    while (lanes < row_threads) lanes *= 2;
+    rows_per_block = (rows >= 1024 ? 128 : 32) / lanes;  // a warp at least; 4 warps for prefill-sized launches
+  }
+  const int blocks = (rows + rows_per_block - 1) / rows_per_block;
+  const size_t smem = p.round == RowRound::IndexerFp4 && p.dim > 32 * kRowValues ? p.dim * sizeof(float) : 0;
+  row_op_kernel<<<blocks, lanes * rows_per_block, smem, stream>>>(p, lanes, rows_per_block);
   DSV4_CUDA_LAUNCHED();
 }
 
 void linear_f32(const LinearF32Params& p, cudaStream_t stream) {
-  const int64_t outputs = int64_t(p.m) * p.n;
-  if (outputs == 0) return;
-  OPS_CHECK(outputs <= 0x7fffffff, "linear_f32: %lld outputs exceed one grid", (long long)outputs);
-  linear_f32_kernel<<<int(outputs), kLinearThreads, 0, stream>>>(p);
-  DSV4_CUDA_LAUNCHED();
+  if (int64_t(p.m) * p.n == 0) return;
+  const int rows_per_block = p.m >= 4 ? 4 : 1;
+  const int64_t row_groups = (p.m + rows_per_block - 1) / rows_per_block;
+  OPS_CHECK(row_groups <= 65535, "linear_f32: m = %d rows exceed one grid", p.m);
+  // Split k while the grid stays under ~2 blocks per SM and each slice keeps >= kLinearMinSliceFloats values.
+  const int64_t blocks = int64_t(p.n) * row_groups, target = 2 * int64_t(current_sm_count());
+  int slices = 1;
+  while (slices < kLinearMaxSlices && blocks * slices * 2 <= target &&
+         int64_t(p.k) >= int64_t(slices) * 2 * kLinearMinSliceFloats)
+    slices *= 2;
+  OPS_CHECK(int64_t(p.n) * slices <= 0x7fffffff, "linear_f32: n = %d columns exceed one grid", p.n);
+  const bool vec = p.k % 4 == 0 && aligned(p.x, 16) && aligned(p.w, 16);
+  if (rows_per_block == 4)
+    vec ? launch_linear_f32<4, 4>(p, slices, stream) : launch_linear_f32<4, 1>(p, slices, stream);
+  else
+    vec ? launch_linear_f32<1, 4>(p, slices, stream) : launch_linear_f32<1, 1>(p, slices, stream);
 }
 
 void embed_tokens(const uint16_t* embed, const int32_t* tokens, int n, int D, int hc, float* streams,
@@ -291,7 +739,14 @@ void embed_tokens(const uint16_t* embed, const int32_t* tokens, int n, int D, in
 
 void hc_pre(const HcPreParams& p, cudaStream_t stream) {
   OPS_CHECK(p.hc > 0 && p.hc <= kMaxHc, "hc_pre: hc_mult %d outside [1, %d]", p.hc, kMaxHc);
-  hc_pre_kernel<<<p.n, 256, p.D * sizeof(float), stream>>>(p);
+  OPS_CHECK(p.D > 0 && p.D <= kHcMaxD, "hc_pre: hidden size %d outside (0, %d]", p.D, kHcMaxD);
+  if (p.n == 0) return;
+  const dim3 grid(unsigned(p.n), 2);
+  const size_t smem = size_t((p.D + 3) / 4) * sizeof(float4);
+  if (p.hc <= 4)
+    hc_pre_kernel<4><<<grid, hc_threads(p.D, 4), smem, stream>>>(p);
+  else
+    hc_pre_kernel<kMaxHc><<<grid, hc_threads(p.D, kMaxHc), smem, stream>>>(p);
   DSV4_CUDA_LAUNCHED();
 }
 
@@ -299,8 +754,14 @@ void hc_post(const float* out, int out_k, const float* out2, const float* post, 
              int D, float* streams, cudaStream_t stream) {
   OPS_CHECK(hc > 0 && hc <= kMaxHc, "hc_post: hc_mult %d outside [1, %d]", hc, kMaxHc);
   OPS_CHECK(out_k > 0, "hc_post: out_k %d must be positive", out_k);
-  hc_post_kernel<<<blocks_for(int64_t(n) * D, 256), 256, 0, stream>>>(out, out_k, out2, post, comb, n, hc, D,
-                                                                      streams);
+  if (int64_t(n) * D == 0) return;
+  if (D % 4 == 0 && aligned(out, 16) && (!out2 || aligned(out2, 16)) && aligned(streams, 16)) {
+    hc_post_vec_kernel<<<blocks_for(int64_t(n) * (D / 4), kHcPostThreads), kHcPostThreads, 0, stream>>>(
+        out, out_k, out2, post, comb, n, hc, D, streams);
+  } else {
+    hc_post_kernel<<<blocks_for(int64_t(n) * D, 256), 256, 0, stream>>>(out, out_k, out2, post, comb, n, hc, D,
+                                                                        streams);
+  }
   DSV4_CUDA_LAUNCHED();
 }
 
@@ -308,8 +769,15 @@ void hc_head_norm(const float* streams, const float* mix, const float* base, con
                   const float* norm_weight, int n, int hc, int D, float hc_eps, float eps, uint16_t* y_bf16,
                   cudaStream_t stream) {
   OPS_CHECK(hc > 0 && hc <= kMaxHc, "hc_head_norm: hc_mult %d outside [1, %d]", hc, kMaxHc);
-  hc_head_kernel<<<n, 256, D * sizeof(float), stream>>>(streams, mix, base, scale, norm_weight, hc, D, hc_eps, eps,
-                                                        y_bf16);
+  OPS_CHECK(D > 0 && D <= kHcMaxD, "hc_head_norm: hidden size %d outside (0, %d]", D, kHcMaxD);
+  if (n == 0) return;
+  const size_t smem = size_t((D + 3) / 4) * sizeof(float4);
+  if (hc <= 4)
+    hc_head_kernel<4><<<n, hc_threads(D, 4), smem, stream>>>(streams, mix, base, scale, norm_weight, hc, D, hc_eps,
+                                                             eps, y_bf16);
+  else
+    hc_head_kernel<kMaxHc><<<n, hc_threads(D, kMaxHc), smem, stream>>>(streams, mix, base, scale, norm_weight, hc, D,
+                                                                       hc_eps, eps, y_bf16);
   DSV4_CUDA_LAUNCHED();
 }
 
@@ -318,11 +786,6 @@ void window_store(const float* kv_chunk, int n, int dim, int64_t pos0, const int
   const int rows = n < slots ? n : slots;
   window_store_kernel<<<blocks_for(int64_t(rows) * dim, 256), 256, 0, stream>>>(kv_chunk, n, dim, pos0, pos_device,
                                                                                  window, slots);
-  DSV4_CUDA_LAUNCHED();
-}
-
-void ungroup_bf16(const uint16_t* in, int groups, int n, int width, uint16_t* out, cudaStream_t stream) {
-  ungroup_kernel<<<blocks_for(int64_t(groups) * n * width, 256), 256, 0, stream>>>(in, groups, n, width, out);
   DSV4_CUDA_LAUNCHED();
 }
 

@@ -740,8 +740,10 @@ void CudaRunner::attention_block(int l, int n, int64_t pos0, const int64_t* pos_
     ip.max_entries = max_entries_;
     ip.pos0 = pos0;
     ip.pos_device = pos_device;
-    gpu::indexer_topk(ip, stream_);
-    launched("indexer: scores + top-k", 2);
+    gpu::indexer_scores(ip, stream_);
+    launched("indexer: scores");
+    gpu::indexer_select(ip, stream_);
+    launched("indexer: top-k select");
   }
 
   // 3.7 / 3.8 attention, then the window ring takes this chunk's last positions.

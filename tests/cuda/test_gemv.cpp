@@ -93,7 +93,6 @@ struct Case {
   int m, n, k;
   GemvOut out;
   int split_k;  // 0 = heuristic
-  GemvLoads loads = GemvLoads::Auto;  // m <= 8: Auto = the async-copy ring
 };
 
 std::string case_name(const Case& c) {
@@ -102,7 +101,6 @@ std::string case_name(const Case& c) {
   s += "_m" + std::to_string(c.m) + "_n" + std::to_string(c.n) + "_k" + std::to_string(c.k);
   s += c.out == GemvOut::F32 ? "_outf32" : "_outbf16";
   s += c.split_k ? "_split" + std::to_string(c.split_k) : "_auto";
-  if (c.loads == GemvLoads::Registers) s += "_regloads";
   return s;
 }
 
@@ -223,7 +221,7 @@ TEST_P(GemvTest, MatchesFp64Reference) {
   p.m = c.m, p.n = c.n, p.k = c.k;
   p.x = x.data(), p.w = w.data(), p.w_scale = h.scale.empty() ? nullptr : scale.data();
   p.w_scale_2 = h.scale_2, p.y = y.data();
-  p.weight = c.weight, p.fp8_scale = c.fp8_scale, p.out = c.out, p.split_k = c.split_k, p.loads = c.loads;
+  p.weight = c.weight, p.fp8_scale = c.fp8_scale, p.out = c.out, p.split_k = c.split_k;
   gemv(p);
   DSV4_CUDA_CHECK(cudaDeviceSynchronize());
 
@@ -297,11 +295,6 @@ std::vector<Case> all_cases() {
     }
     for (int split : {1, 2, 4, 8}) cases.push_back({f.w, f.s, 8, 301, f.k_wide, GemvOut::F32, split});
     for (int m : {1, 64}) cases.push_back({f.w, f.s, m, 34000, f.k_tall, GemvOut::F32, 0});  // many tiles: split 1
-    for (int m : {1, 8}) {  // the register-load path that m <= 8 launches can still choose
-      cases.push_back({f.w, f.s, m, 301, f.k_wide, GemvOut::F32, 0, GemvLoads::Registers});
-      cases.push_back({f.w, f.s, m, 45, f.k_deep, GemvOut::BF16, 0, GemvLoads::Registers});
-    }
-    for (int split : {1, 8}) cases.push_back({f.w, f.s, 3, 301, f.k_deep, GemvOut::F32, split});  // long async rings
   }
   return cases;
 }

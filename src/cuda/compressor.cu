@@ -1,0 +1,154 @@
+// SPDX-License-Identifier: MIT
+// 3.5 KV compressor advance (contract in ops.h). Decode steps (one token, or a graph replay reading the position on
+// the device) walk the reference state update token by token; prefill chunks compute every entry that completes
+// in the chunk in parallel (a block per (entry, 128 columns)), then rewrite the partial-block state in a second
+// launch. Both give the same bits: each entry is pooled over the same rows in the same order.
+#include <cmath>
+
+#include "cuda/ops.h"
+#include "cuda/ops_common.cuh"
+
+namespace dsv4::gpu {
+namespace {
+
+using detail::blocks_for;
+
+constexpr int kColumnThreads = 128;
+
+// One thread per column j < dim (and its partner dim + j of the second series when overlapped); columns never
+// interact, so the chunk's tokens are walked in order without block synchronisation.
+__global__ void compressor_walk_kernel(CompressorParams p) {
+  const int j = blockIdx.x * blockDim.x + threadIdx.x;
+  if (j >= p.dim) return;
+  const int r = p.ratio, d = p.dim, width = p.overlap ? 2 * d : d, n_rows = p.overlap ? 2 * r : r;
+  const int n_cols = p.overlap ? 2 : 1;
+  const int64_t pos0 = p.pos_device ? *p.pos_device : p.pos0;
+  for (int t = 0; t < p.n; ++t) {
+    const int64_t pos = pos0 + t;
+    const int i = int(pos % r), row = p.overlap ? r + i : i;
+    for (int c = 0; c < n_cols; ++c) {
+      const int col = j + c * d;
+      p.state_kv[row * width + col] = p.kv_in[t * p.in_stride + col];
+      p.state_score[row * width + col] = p.gate_in[t * p.in_stride + col] + p.ape[i * width + col];
+    }
+    if ((pos + 1) % r != 0) continue;
+    float mx = -INFINITY;
+    for (int rr = 0; rr < n_rows; ++rr) {
+      const int col = p.overlap && rr >= r ? d + j : j;
+      mx = fmaxf(mx, p.state_score[rr * width + col]);
+    }
+    float sum = 0, acc = 0;
+    for (int rr = 0; rr < n_rows; ++rr) {
+      const int col = p.overlap && rr >= r ? d + j : j;
+      const float e = expf(p.state_score[rr * width + col] - mx);
+      sum = __fadd_rn(sum, e);
+      acc = __fadd_rn(acc, __fmul_rn(e, p.state_kv[rr * width + col]));
+    }
+    p.entries[(pos / r) * d + j] = acc / sum;
+    if (p.overlap)
+      for (int rr = 0; rr < r; ++rr)
+        for (int c = 0; c < n_cols; ++c) {
+          const int col = j + c * d;
+          p.state_kv[rr * width + col] = p.state_kv[(r + rr) * width + col];
+          p.state_score[rr * width + col] = p.state_score[(r + rr) * width + col];
+        }
+  }
+}
+
+// Where position pos's (kv, score) of column col lives at the start of the chunk: this chunk's input rows when
+// pos >= pos0 (score = gate + ape), else the state: the partial block of pos0 in rows (overlap ? r : 0) + pos % r,
+// the complete block before it (overlap only) in rows pos % r. Positions before the sequence read the state's
+// initial rows (kv 0, score -inf).
+struct ChunkRows {
+  const CompressorParams& p;
+  int r, width;
+  int64_t block0;  // first position of pos0's block
+
+  __device__ void get(int64_t pos, int col, float& kv, float& score) const {
+    const int i = int(((pos % r) + r) % r);
+    if (pos >= p.pos0) {
+      const int64_t t = pos - p.pos0;
+      kv = p.kv_in[t * p.in_stride + col];
+      score = p.gate_in[t * p.in_stride + col] + p.ape[i * width + col];
+      return;
+    }
+    const int row = pos >= block0 && p.overlap ? r + i : i;
+    kv = p.state_kv[row * width + col];
+    score = p.state_score[row * width + col];
+  }
+};
+
+// Block (column slice, entry b_first + blockIdx.y): the entry's softmax pool over its rows (previous block's first
+// half + current block's second half when overlapped), in the walk kernel's row order and roundings.
+__global__ void compressor_entries_kernel(CompressorParams p, int64_t b_first) {
+  const int j = blockIdx.x * blockDim.x + threadIdx.x;
+  if (j >= p.dim) return;
+  const int r = p.ratio, d = p.dim, width = p.overlap ? 2 * d : d, n_rows = p.overlap ? 2 * r : r;
+  const ChunkRows rows{p, r, width, (p.pos0 / r) * r};
+  const int64_t b = b_first + blockIdx.y, first = p.overlap ? (b - 1) * r : b * r;
+  float mx = -INFINITY;
+  for (int rr = 0; rr < n_rows; ++rr) {
+    float kv, score;
+    rows.get(first + rr, p.overlap && rr >= r ? d + j : j, kv, score);
+    mx = fmaxf(mx, score);
+  }
+  float sum = 0, acc = 0;
+  for (int rr = 0; rr < n_rows; ++rr) {
+    float kv, score;
+    rows.get(first + rr, p.overlap && rr >= r ? d + j : j, kv, score);
+    const float e = expf(score - mx);
+    sum = __fadd_rn(sum, e);
+    acc = __fadd_rn(acc, __fmul_rn(e, kv));
+  }
+  p.entries[b * d + j] = acc / sum;
+}
+
+// After the entries: the state the walk would leave, per column col < width. Overlapped: rows 0..r-1 = the last
+// complete block (moved from the partial-block rows or taken from the chunk), rows r.. = the new partial block.
+// Rows the walk leaves stale are never read before being rewritten, so they are not touched.
+__global__ void compressor_state_kernel(CompressorParams p) {
+  const int col = blockIdx.x * blockDim.x + threadIdx.x;
+  const int r = p.ratio, width = p.overlap ? 2 * p.dim : p.dim;
+  if (col >= width) return;
+  const ChunkRows rows{p, r, width, (p.pos0 / r) * r};
+  const int64_t end = p.pos0 + p.n, last_block = end / r * r;  // first position of the partial block at the end
+  if (p.overlap && last_block > (p.pos0 / r) * r && last_block >= r) {  // a block completed in this chunk
+    for (int i = 0; i < r; ++i) {  // reads rows r + i (or i) before anything below rewrites them
+      float kv, score;
+      rows.get(last_block - r + i, col, kv, score);
+      p.state_kv[i * width + col] = kv;
+      p.state_score[i * width + col] = score;
+    }
+  }
+  for (int64_t pos = last_block > p.pos0 ? last_block : p.pos0; pos < end; ++pos) {
+    const int i = int(pos % r), row = p.overlap ? r + i : i;
+    float kv, score;
+    rows.get(pos, col, kv, score);  // pos >= pos0: from the chunk
+    p.state_kv[row * width + col] = kv;
+    p.state_score[row * width + col] = score;
+  }
+}
+
+}  // namespace
+
+void compressor_advance(const CompressorParams& p, cudaStream_t stream) {
+  if (p.n == 0) return;
+  OPS_CHECK(p.ratio > 0 && p.dim > 0, "compressor_advance: ratio %d and dim %d must be positive", p.ratio, p.dim);
+  if (p.pos_device || p.n == 1) {
+    compressor_walk_kernel<<<blocks_for(p.dim, kColumnThreads), kColumnThreads, 0, stream>>>(p);
+    DSV4_CUDA_LAUNCHED();
+    return;
+  }
+  const int64_t b_first = p.pos0 / p.ratio, b_end = (p.pos0 + p.n) / p.ratio;
+  if (b_end > b_first) {
+    OPS_CHECK(b_end - b_first <= 65535, "compressor_advance: %lld entries in one chunk", (long long)(b_end - b_first));
+    compressor_entries_kernel<<<dim3(blocks_for(p.dim, kColumnThreads), unsigned(b_end - b_first)), kColumnThreads,
+                                0, stream>>>(p, b_first);
+    DSV4_CUDA_LAUNCHED();
+  }
+  const int width = p.overlap ? 2 * p.dim : p.dim;
+  compressor_state_kernel<<<blocks_for(width, kColumnThreads), kColumnThreads, 0, stream>>>(p);
+  DSV4_CUDA_LAUNCHED();
+}
+
+}  // namespace dsv4::gpu
