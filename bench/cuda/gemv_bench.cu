@@ -194,7 +194,7 @@ int main(int argc, char** argv) {
         "| format | shape (n x k) | m | split | us / step | weight GB/s | vs 1 GiB copy | vs same-size copy | best split "
         "(frac) |\n|---|---|---|---|---|---|---|---|---|\n";
     std::printf("%-9s %-13s %3s %5s %10s %9s %8s %8s  %s\n", "format", "shape", "m", "split", "us/step", "GB/s",
-                "vs copy", "vs same", "best split (frac), 3 and 4 blocks/SM variants at the auto split (frac)");
+                "vs copy", "vs same", "best split (frac)");
     for (const Shape& sh : shapes) {
       for (const Format& f : formats) {
         const bool lm_head = sh.n == 129280;
@@ -240,7 +240,7 @@ int main(int argc, char** argv) {
           const int auto_split = gemv_default_split_k(p, info.sm_count);
           double t_auto = 0, t_best = 1e30;
           int best_split = 0;
-          auto time_split = [&](int split, int min_blocks) {
+          auto time_split = [&](int split) {
             return time_steps(
                 [&](cudaStream_t s, int step) {
                   for (int e = 0; e < sh.count; ++e) {
@@ -248,25 +248,22 @@ int main(int argc, char** argv) {
                     GemvParams q = p;
                     q.w = sets.as<char>() + size_t(set) * stride;
                     q.w_scale = sb ? sets.as<char>() + size_t(set) * stride + round_up(wb, 256) : nullptr;
-                    q.split_k = split, q.stream = s, q.min_blocks = min_blocks;
+                    q.split_k = split, q.stream = s;
                     gemv(q);
                   }
                 },
                 steps);
           };
           for (int split : {1, 2, 4, 8}) {
-            const double t = time_split(split, 0);
+            const double t = time_split(split);
             if (split == auto_split) t_auto = t;
             if (t < t_best) t_best = t, best_split = split;
           }
-          // m <= 8: the kernel variants for 3 and 4 resident blocks per SM at the same split (default 2).
-          const double t_b3 = m <= 8 ? time_split(auto_split, 3) : 0.0, t_b4 = m <= 8 ? time_split(auto_split, 4) : 0.0;
           const double bw = double(step_bytes) / t_auto;
           char line[512];
-          std::snprintf(line, sizeof line, "%-9s %-13s %3d %5d %10.2f %9.0f %8.3f %8.3f  %d (%.3f)  3/SM %.3f  4/SM %.3f\n",
-                        f.name, sh.name, m, auto_split, t_auto * 1e6, bw / 1e9, bw / copy_bw, bw / same_bw, best_split,
-                        double(step_bytes) / t_best / copy_bw, t_b3 > 0 ? double(step_bytes) / t_b3 / copy_bw : 0.0,
-                        t_b4 > 0 ? double(step_bytes) / t_b4 / copy_bw : 0.0);
+          std::snprintf(line, sizeof line, "%-9s %-13s %3d %5d %10.2f %9.0f %8.3f %8.3f  %d (%.3f)\n", f.name, sh.name, m,
+                        auto_split, t_auto * 1e6, bw / 1e9, bw / copy_bw, bw / same_bw, best_split,
+                        double(step_bytes) / t_best / copy_bw);
           std::fputs(line, stdout);
           std::fflush(stdout);
           std::snprintf(line, sizeof line, "| %s | %s | %d | %d | %.2f | %.0f | %.3f | %.3f | %d (%.3f) |\n", f.name,
@@ -304,17 +301,16 @@ int main(int argc, char** argv) {
         }
         const double bytes = double(wb + sb) * picks * (second ? 2 : 1);
         std::printf("  %-9s %-16s", f.name, name);
-        for (int min_blocks : {2, 3, 4})
-          for (int split : {1, 2, 4, 8}) {
+        for (int split : {0, 1, 2, 4, 8}) {  // 0: the heuristic (7 active slots)
             const double t = time_steps(
                 [&](cudaStream_t st_, int step) {
                   GemvGroupedParams g;
                   g.base.m = 1, g.base.n = n, g.base.k = k, g.base.x = x.data(), g.base.y = y.data();
                   g.base.w = w.data(), g.base.w_scale = sb ? sc.data() : nullptr, g.base.weight = f.w;
-                  g.base.out = GemvOut::F32, g.base.split_k = split, g.base.min_blocks = min_blocks;
+                  g.base.out = GemvOut::F32, g.base.split_k = split;
                   g.base.stream = st_;
                   g.w_expert_stride = wb, g.scale_expert_stride = sb, g.scale_2 = s2.as<float>();
-                  g.max_slots = E, g.slots = slots[step % sets], g.x_row_div = picks;
+                  g.max_slots = E, g.active_slots_hint = picks, g.slots = slots[step % sets], g.x_row_div = picks;
                   if (second) {
                     g.second.w = w.as<char>() + wb * E;
                     g.second.w_scale = sb ? sc.as<char>() + sb * E : nullptr;
@@ -324,7 +320,7 @@ int main(int argc, char** argv) {
                   gemv_grouped(g);
                 },
                 48);
-            std::printf("  %d/SM s%d %.3f (%.1f us)", min_blocks, split, bytes / t / copy_bw, t * 1e6);
+            std::printf("  %s%d %.3f (%.1f us)", split ? "split " : "auto ", split, bytes / t / copy_bw, t * 1e6);
           }
         std::printf("\n");
         std::fflush(stdout);

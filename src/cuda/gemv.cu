@@ -20,7 +20,6 @@ enum class Fmt { BF16, FP8_E8M0, FP8_F32, MXFP4, NVFP4 };
 
 constexpr int kThreads = kGemvWarps * 32;
 constexpr int kChunkBytes = 64;  // bytes of one weight row per chunk: 4 quad threads x 16 bytes
-constexpr int kDefaultMinBlocks = 2;  // m <= 8 (dsv4_gemv_bench compares 2, 3, 4)
 constexpr int kUnroll = 4;       // chunks loaded per thread before the first is used (8 x 16 B in flight)
 
 template <Fmt F>
@@ -31,7 +30,6 @@ constexpr int elems_per_16b() {  // weight elements in one thread's 16-byte piec
 struct KernelArgs {
   int m, n, k;
   int split;                    // warps per 16-row tile
-  int min_blocks;               // m <= 8: the kernel variant's blocks per SM (2, 3 or 4)
   const __nv_bfloat16* x;       // [m, k]
   const uint8_t* w;             // weight bytes, rows of row_bytes
   const uint8_t* w_scale;       // format's scale tensor (bytes)
@@ -92,9 +90,8 @@ __device__ __forceinline__ void decode_piece(const uint4& raw, uint32_t scale, u
   }
 }
 
-// kMinBlocks: resident blocks per SM the register budget is cut for (more warps hide more DRAM latency).
-template <Fmt F, int kTilesN, bool kGrouped, int kMinBlocks = kTilesN <= 2 ? 2 : 1>
-__global__ void __launch_bounds__(kThreads, kMinBlocks) gemv_kernel(const KernelArgs a) {
+template <Fmt F, int kTilesN, bool kGrouped>
+__global__ void __launch_bounds__(kThreads, kTilesN <= 2 ? 2 : 1) gemv_kernel(const KernelArgs a) {
   constexpr int kElems = elems_per_16b<F>();  // per thread, per row, per chunk
   constexpr int kChunkK = 4 * kElems;
   constexpr int kPairs = kElems / 2;          // bf16x2 words per row piece
@@ -273,11 +270,7 @@ template <Fmt F, bool kGrouped>
 cudaError_t launch_fmt(const KernelArgs& a, dim3 grid, cudaStream_t stream) {
   const int rows_per_block = kGemvWarps / a.split * 16;
   grid.x = (a.n + rows_per_block - 1) / rows_per_block;
-  if (a.m <= 8 && a.min_blocks == 3)
-    gemv_kernel<F, 1, kGrouped, 3><<<grid, kThreads, 0, stream>>>(a);
-  else if (a.m <= 8 && a.min_blocks == 4)
-    gemv_kernel<F, 1, kGrouped, 4><<<grid, kThreads, 0, stream>>>(a);
-  else if (a.m <= 8)
+  if (a.m <= 8)
     gemv_kernel<F, 1, kGrouped><<<grid, kThreads, 0, stream>>>(a);
   else if (a.m <= 16)
     gemv_kernel<F, 2, kGrouped><<<grid, kThreads, 0, stream>>>(a);
@@ -304,7 +297,7 @@ cudaError_t launch(const GemvParams& p, const KernelArgs& a, dim3 grid) {
 
 KernelArgs plain_args(const GemvParams& p, int split_k) {
   KernelArgs a{};
-  a.m = p.m, a.n = p.n, a.k = p.k, a.split = split_k, a.min_blocks = p.min_blocks ? p.min_blocks : kDefaultMinBlocks;
+  a.m = p.m, a.n = p.n, a.k = p.k, a.split = split_k;
   a.x = static_cast<const __nv_bfloat16*>(p.x);
   a.w = static_cast<const uint8_t*>(p.w);
   a.w_scale = static_cast<const uint8_t*>(p.w_scale);

@@ -48,7 +48,6 @@ struct GemvParams {
   GemvScale fp8_scale = GemvScale::E8M0;
   GemvOut out = GemvOut::F32;
   int split_k = 0;  // warps sharing one 16-row tile (1, 2, 4 or 8); 0 = chosen from the shape (benchmarks set it)
-  int min_blocks = 0;  // m <= 8: kernel variant tuned for 2, 3 or 4 resident blocks per SM; 0 = default (benchmarks)
   cudaStream_t stream = nullptr;
 };
 
@@ -91,6 +90,7 @@ struct GemvGroupedParams {
   size_t w_expert_stride = 0, scale_expert_stride = 0;  // bytes
   const float* scale_2 = nullptr;                       // device [E]
   int max_slots = 0;
+  int active_slots_hint = 0;  // slots typically active (decode: the token's pairs), for the split choice; 0 = max_slots
   MoeSlots slots;
   int x_row_div = 1;
   struct Second {

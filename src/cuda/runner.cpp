@@ -152,8 +152,10 @@ class CudaRunner final : public SequenceRunner {
   }
   // y[pair, :] = x[pair / x_row_div, :] · W_eᵀ for the routed pairs of the moe_slots arrays.
   // second / y_second: another projection of the same x and routing in the same launch (w3 next to w1).
+  // active_slots: at most this many experts hold pairs (the chunk's pairs), for the kernel's split choice.
   void linear_grouped(const char* site, const DeviceExperts& w, const void* x, int x_row_div, void* y, int max_rows,
-                      GemvOut out, const DeviceExperts* second = nullptr, void* y_second = nullptr) {
+                      int active_slots, GemvOut out, const DeviceExperts* second = nullptr,
+                      void* y_second = nullptr) {
     GemvGroupedParams g;
     g.base.m = max_rows;
     g.base.n = w.n;
@@ -170,6 +172,7 @@ class CudaRunner final : public SequenceRunner {
     g.scale_expert_stride = w.scale_stride;
     g.scale_2 = w.scale_2.data() ? w.scale_2.as<float>() : nullptr;
     g.max_slots = max_slots_;
+    g.active_slots_hint = active_slots;
     g.slots = slots_;
     g.x_row_div = x_row_div;
     if (second) {
@@ -843,7 +846,8 @@ void CudaRunner::ffn_block(int l, int n) {
   }
   moe_slots(slots);
   launched("ffn: moe_slots");
-  linear_grouped("ffn: grouped gemv w1 + w3", d.w1, normed_bf16_.data(), pairs, expert_gate_.data(), n, GemvOut::F32,
+  linear_grouped("ffn: grouped gemv w1 + w3", d.w1, normed_bf16_.data(), pairs, expert_gate_.data(), n, n * pairs,
+                 GemvOut::F32,
                  &d.w3, expert_up_.data());
   gpu::SwigluParams sw;
   sw.gate = expert_gate_.as<float>();
@@ -856,7 +860,7 @@ void CudaRunner::ffn_block(int l, int n) {
   sw.h = h_.as<uint16_t>();
   gpu::swiglu(sw, stream_);
   launched("ffn: swiglu");
-  linear_grouped("ffn: grouped gemv w2", d.w2, h_.data(), 1, y_pairs_.data(), n, GemvOut::F32);
+  linear_grouped("ffn: grouped gemv w2", d.w2, h_.data(), 1, y_pairs_.data(), n, n * pairs, GemvOut::F32);
 
   const bool shared = d.shared_inter > 0 && !d.shared_grouped;
   if (shared) {
