@@ -112,7 +112,7 @@ __global__ void compressor_state_kernel(CompressorParams p) {
   if (col >= width) return;
   const ChunkRows rows{p, r, width, (p.pos0 / r) * r};
   const int64_t end = p.pos0 + p.n, last_block = end / r * r;  // first position of the partial block at the end
-  if (p.overlap && last_block > (p.pos0 / r) * r && last_block >= r) {  // a block completed in this chunk
+  if (p.overlap && last_block > (p.pos0 / r) * r) {  // a block completed in this chunk
     for (int i = 0; i < r; ++i) {  // reads rows r + i (or i) before anything below rewrites them
       float kv, score;
       rows.get(last_block - r + i, col, kv, score);

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: MIT
 #include "cuda/device_weights.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "core/check.h"
@@ -151,16 +152,16 @@ FusedLinear WeightUploader::fused(const std::vector<const Matrix*>& parts) {
   return f;
 }
 
+bool WeightUploader::same_group(const Matrix& m, const Matrix& first) const {
+  const Encoding x = encoding_of(m), e = encoding_of(first);
+  return m.rows == first.rows && m.cols == first.cols && x.format == e.format && x.fp8_scale == e.fp8_scale &&
+         x.synthetic == e.synthetic;
+}
+
 bool WeightUploader::groupable(const std::vector<const Matrix*>& matrices) const {
-  if (matrices.empty()) return false;
-  const Encoding e = encoding_of(*matrices.front());
-  for (const Matrix* m : matrices) {
-    const Encoding x = encoding_of(*m);
-    if (m->rows != matrices.front()->rows || m->cols != matrices.front()->cols || x.format != e.format ||
-        x.fp8_scale != e.fp8_scale || x.synthetic != e.synthetic)
-      return false;
-  }
-  return true;
+  return !matrices.empty() && std::all_of(matrices.begin(), matrices.end(), [&](const Matrix* m) {
+    return same_group(*m, *matrices.front());
+  });
 }
 
 DeviceExperts WeightUploader::experts(const std::vector<const Matrix*>& per_expert) {
@@ -180,8 +181,7 @@ DeviceExperts WeightUploader::experts(const std::vector<const Matrix*>& per_expe
   for (int x = 0; x < d.experts; ++x) {
     const Matrix& m = *per_expert[x];
     const Encoding ex = encoding_of(m);
-    DSV4_CHECK(m.rows == d.n && m.cols == d.k && ex.format == e.format && ex.fp8_scale == e.fp8_scale &&
-                   ex.synthetic == e.synthetic,
+    DSV4_CHECK(same_group(m, *per_expert.front()),
                "cuda runner: routed expert {} is stored as {} [{}, {}], expert 0 as {} [{}, {}]; the grouped expert "
                "kernel needs one encoding per layer", x, gemv_weight_name(ex.format), m.rows, m.cols,
                gemv_weight_name(e.format), d.n, d.k);

@@ -69,6 +69,8 @@ class WeightUploader {
     bool synthetic = false;
   };
   Encoding encoding_of(const Matrix& m, std::optional<GemvWeight> synthetic_as = std::nullopt) const;
+  // m can share one DeviceExperts with `first`: same shape, format, FP8 scale type and synthetic-ness.
+  bool same_group(const Matrix& m, const Matrix& first) const;
   DeviceLinear upload(const std::vector<const Matrix*>& parts, const Encoding& e);
 
   std::optional<GemvWeight> synthetic_;

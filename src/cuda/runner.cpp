@@ -3,10 +3,12 @@
 // Launch order per layer (decode, CSA layer):
 //   attention: mix (fp32 linear) -> hc_pre+norm -> gemv [wq_a|wkv|compressor wkv,wgate|indexer wkv,wgate]
 //              -> q_norm -> gemv [wq_b|indexer wq_b] -> q norm+rope -> kv norm+rope+round -> compressors (+ entry
-//              norm/rope/round when a block completes) -> indexer q rope+round -> weights_proj -> scores+top-k
-//              -> attention -> window ring -> gemv wo_a (batched over the groups) -> gemv wo_b -> hc_post
+//              norm/rope/round when a block completes) -> indexer q rope+round -> weights_proj -> scores -> top-k
+//              -> attention (+ merge of the key splits at decode) -> window ring -> gemv wo_a (batched over the
+//              groups) -> gemv wo_b -> hc_post
 //   ffn:       mix -> hc_pre+norm -> gate (fp32 linear) -> router -> moe_slots -> grouped gemv [w1, w3] -> swiglu
-//              -> grouped gemv w2 -> shared [w1|w3] gemv -> swiglu -> shared w2 gemv -> hc_post (sums the picks)
+//              -> grouped gemv w2 -> hc_post (sums the pairs). The shared expert is one more grouped expert when
+//              it has the routed experts' shape and encoding, else: shared [w1|w3] gemv -> swiglu -> shared w2.
 // Linear weights stay in their checkpoint encoding (device_weights.h); the fused projections are launched as
 // one gemv per run of parts sharing an encoding.
 #include "cuda/runner.h"
@@ -129,6 +131,7 @@ class CudaRunner final : public SequenceRunner {
   void ffn_block(int l, int n);
   // Counts the kernels of one launch site; when profiling, an event after it times the site.
   void launched(const char* site, int kernels = 1);
+  void record_event(size_t index);  // events_[index] on the stream, created when first needed
   void row_op(const char* site, const RowOpParams& p) {
     gpu::row_op(p, stream_);
     launched(site);
@@ -445,7 +448,8 @@ CudaRunner::CudaRunner(const Model& model, int max_context, CudaRunnerOptions op
                                 &qr_bf16_, &y_q_, &kv_chunk_, &index_w_, &scores_, &selected_, &o_grouped_,
                                 &z_, &attn_out_, &router_logits_, &expert_ids_, &expert_weights_,
                                 &slot_count_, &slot_expert_, &slot_offset_, &row_order_, &expert_gate_, &expert_up_,
-                                &h_, &y_pairs_, &shared_y13_, &h_shared_, &shared_out_, &head_in_, &logits_, &attention_scratch_, &pair_weights_})
+                                &h_, &y_pairs_, &shared_y13_, &h_shared_, &shared_out_, &head_in_, &logits_,
+                                &attention_scratch_, &pair_weights_})
     stats_.workspace_bytes += b->size();
   pos_ = zeros(sizeof(int64_t));
   DSV4_CUDA_CHECK(cudaMallocHost(&host_tokens_, C * sizeof(int32_t)));
@@ -568,41 +572,38 @@ void CudaRunner::enqueue_chunk(int n, int64_t pos0, const int64_t* pos_device, R
                                   cudaMemcpyDeviceToHost, stream_));
 }
 
-void CudaRunner::launched(const char* site, int kernels) {
-  launches_ += kernels;
-  if (!profiling_) return;
-  const size_t index = marks_.size() + 1;
-  if (index == events_.size()) {
+void CudaRunner::record_event(size_t index) {
+  if (index == events_.size()) {  // the pool grows on the first profiled step
     cudaEvent_t e = nullptr;
     DSV4_CUDA_CHECK(cudaEventCreate(&e));
     events_.push_back(e);
   }
   DSV4_CUDA_CHECK(cudaEventRecord(events_[index], stream_));
+}
+
+void CudaRunner::launched(const char* site, int kernels) {
+  launches_ += kernels;
+  if (!profiling_) return;
+  record_event(marks_.size() + 1);
   marks_.push_back({site, current_layer_, kernels});
 }
 
 std::vector<LaunchTiming> CudaRunner::profile_step(int32_t token) {
-  if (events_.empty()) {
-    cudaEvent_t e = nullptr;
-    DSV4_CUDA_CHECK(cudaEventCreate(&e));
-    events_.push_back(e);
-  }
   marks_.clear();
-  const bool graph = options_.graph_decode;
+  struct Restore {  // direct launches and events for this step only, however it ends
+    CudaRunner& r;
+    bool graph;
+    ~Restore() {
+      r.profiling_ = false;
+      r.options_.graph_decode = graph;
+    }
+  } restore{*this, options_.graph_decode};
   options_.graph_decode = false;
   profiling_ = true;
-  try {
-    // The GPU waits while the host queues the step, so host launch time does not show up between events.
-    launch_delay_kernel(20000.0, stream_);
-    DSV4_CUDA_CHECK(cudaEventRecord(events_[0], stream_));
-    forward(std::span<const int32_t>(&token, 1), true);
-  } catch (...) {
-    profiling_ = false;
-    options_.graph_decode = graph;
-    throw;
-  }
-  profiling_ = false;
-  options_.graph_decode = graph;
+  // The GPU waits while the host queues the step, so host launch time does not show up between events.
+  launch_delay_kernel(20000.0, stream_);
+  record_event(0);
+  forward(std::span<const int32_t>(&token, 1), true);
   DSV4_CUDA_CHECK(cudaStreamSynchronize(stream_));
   std::vector<LaunchTiming> timings;
   timings.reserve(marks_.size());
