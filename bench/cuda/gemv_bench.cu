@@ -193,7 +193,8 @@ int main(int argc, char** argv) {
     std::string md =
         "| format | shape (n x k) | m | split | us / step | weight GB/s | vs 1 GiB copy | vs same-size copy | best split "
         "(frac) |\n|---|---|---|---|---|---|---|---|---|\n";
-    std::printf("%-9s %-13s %3s %5s %10s %9s %8s %8s  %s\n", "format", "shape", "m", "split", "us/step", "GB/s",
+    std::printf("m 1a8: act fp8 (the W4A8 kernel); otherwise bf16 activations (W4A16)\n");
+    std::printf("%-9s %-13s %5s %5s %10s %9s %8s %8s  %s\n", "format", "shape", "m", "split", "us/step", "GB/s",
                 "vs copy", "vs same", "best split (frac)");
     for (const Shape& sh : shapes) {
       for (const Format& f : formats) {
@@ -233,10 +234,13 @@ int main(int argc, char** argv) {
             },
             steps);
         const double same_bw = 2.0 * double(step_bytes) / t_copy;
-        for (int m : {1, 8, 32}) {
+        const bool fp4 = f.w == GemvWeight::MXFP4 || f.w == GemvWeight::NVFP4;
+        for (const auto& [m, act] : {std::pair{1, GemvAct::BF16}, {1, GemvAct::FP8}, {8, GemvAct::BF16},
+                                     {32, GemvAct::BF16}}) {
+          if (act == GemvAct::FP8 && !fp4) continue;  // W4A8: fp4 weights only
           GemvParams p;
           p.m = m, p.n = sh.n, p.k = sh.k, p.x = x.data(), p.y = y.data();
-          p.weight = f.w, p.fp8_scale = f.s, p.w_scale_2 = 0.5f, p.out = GemvOut::BF16;
+          p.weight = f.w, p.fp8_scale = f.s, p.w_scale_2 = 0.5f, p.out = GemvOut::BF16, p.act = act;
           const int auto_split = gemv_default_split_k(p, info.sm_count);
           double t_auto = 0, t_best = 1e30;
           int best_split = 0;
@@ -261,13 +265,13 @@ int main(int argc, char** argv) {
           }
           const double bw = double(step_bytes) / t_auto;
           char line[512];
-          std::snprintf(line, sizeof line, "%-9s %-13s %3d %5d %10.2f %9.0f %8.3f %8.3f  %d (%.3f)\n", f.name, sh.name, m,
-                        auto_split, t_auto * 1e6, bw / 1e9, bw / copy_bw, bw / same_bw, best_split,
+          std::snprintf(line, sizeof line, "%-9s %-13s %3d%s %5d %10.2f %9.0f %8.3f %8.3f  %d (%.3f)\n", f.name, sh.name,
+                        m, act == GemvAct::FP8 ? "a8" : "  ", auto_split, t_auto * 1e6, bw / 1e9, bw / copy_bw, bw / same_bw, best_split,
                         double(step_bytes) / t_best / copy_bw);
           std::fputs(line, stdout);
           std::fflush(stdout);
-          std::snprintf(line, sizeof line, "| %s | %s | %d | %d | %.2f | %.0f | %.3f | %.3f | %d (%.3f) |\n", f.name,
-                        sh.name, m, auto_split, t_auto * 1e6, bw / 1e9, bw / copy_bw, bw / same_bw, best_split,
+          std::snprintf(line, sizeof line, "| %s | %s | %d%s | %d | %.2f | %.0f | %.3f | %.3f | %d (%.3f) |\n", f.name,
+                        sh.name, m, act == GemvAct::FP8 ? " (W4A8)" : "", auto_split, t_auto * 1e6, bw / 1e9, bw / copy_bw, bw / same_bw, best_split,
                         double(step_bytes) / t_best / copy_bw);
           md += line;
         }
@@ -276,7 +280,8 @@ int main(int argc, char** argv) {
     // Grouped decode shapes: one token's 7 pairs (6 routed + shared) on 33 experts of one layer, w1 with w3 as the
     // second projection, then w2; the steps rotate over slot sets so the experts do not stay in L2.
     std::printf("\ngrouped decode (7 of 33 experts, one launch per projection set; frac of copy bandwidth):\n");
-    for (const Format& f : {formats[0], formats[3], formats[4]}) {
+    for (const auto& [f, act] : {std::pair{formats[0], GemvAct::BF16}, {formats[3], GemvAct::BF16},
+                                 {formats[3], GemvAct::FP8}, {formats[4], GemvAct::BF16}, {formats[4], GemvAct::FP8}}) {
       for (const auto& [name, n, k, second] : {std::tuple{"w1+w3 2048x4096", 2048, 4096, true},
                                               std::tuple{"w2 4096x2048", 4096, 2048, false}}) {
         const int E = 33, picks = 7, sets = 24;
@@ -300,14 +305,14 @@ int main(int argc, char** argv) {
           moe_slots(mp);
         }
         const double bytes = double(wb + sb) * picks * (second ? 2 : 1);
-        std::printf("  %-9s %-16s", f.name, name);
+        std::printf("  %-9s %-4s %-16s", f.name, act == GemvAct::FP8 ? "a8" : "a16", name);
         for (int split : {0, 1, 2, 4, 8}) {  // 0: the heuristic (7 active slots)
             const double t = time_steps(
                 [&](cudaStream_t st_, int step) {
                   GemvGroupedParams g;
                   g.base.m = 1, g.base.n = n, g.base.k = k, g.base.x = x.data(), g.base.y = y.data();
                   g.base.w = w.data(), g.base.w_scale = sb ? sc.data() : nullptr, g.base.weight = f.w;
-                  g.base.out = GemvOut::F32, g.base.split_k = split;
+                  g.base.out = GemvOut::F32, g.base.split_k = split, g.base.act = act;
                   g.base.stream = st_;
                   g.w_expert_stride = wb, g.scale_expert_stride = sb, g.scale_2 = s2.as<float>();
                   g.max_slots = E, g.active_slots_hint = picks, g.slots = slots[step % sets], g.x_row_div = picks;

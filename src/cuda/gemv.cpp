@@ -100,16 +100,41 @@ bool check_gemv_params(const GemvParams& p, const char* what) {
   return true;
 }
 
+// act FP8 outside the W4A8 kernel: quantise `rows` rows of x into act_scratch and return the params that read it.
+GemvParams with_quantised_x(const GemvParams& p, int rows, const char* what) {
+  if (p.act != GemvAct::FP8 || detail::gemv_w4a8_supported(p)) return p;
+  DSV4_CHECK(p.act_scratch && aligned(p.act_scratch, 16),
+             "{} ({}, m = {}): act fp8 needs a 16-byte aligned act_scratch here (only m = 1 with fp4 weights "
+             "quantises inside the kernel)", what, gemv_weight_name(p.weight), p.m);
+  DSV4_CHECK(rows >= 0, "{}: x_rows = {} must be set for act fp8", what, rows);
+  DSV4_CUDA_CHECK(detail::act_quant_launch(static_cast<const uint16_t*>(p.x), static_cast<uint16_t*>(p.act_scratch),
+                                           rows, p.k, p.stream));
+  GemvParams q = p;
+  q.x = p.act_scratch;
+  return q;
+}
+
 }  // namespace
+
+bool gemv_uses_w4a8(const GemvParams& p) { return detail::gemv_w4a8_supported(p); }
+
+void act_quant_fp8(const void* x, void* y, int rows, int k, cudaStream_t stream) {
+  DSV4_CHECK(rows >= 0 && k > 0 && (rows == 0 || (x && y)), "act_quant_fp8: rows = {}, k = {}, x={} y={}", rows, k,
+             x, y);
+  DSV4_CUDA_CHECK(detail::act_quant_launch(static_cast<const uint16_t*>(x), static_cast<uint16_t*>(y), rows, k,
+                                           stream));
+}
 
 void gemv(const GemvParams& p) {
   if (!check_gemv_params(p, "gemv")) return;
-  const int split = p.split_k ? p.split_k : gemv_default_split_k(p, current_sm_count());
-  DSV4_CUDA_CHECK(detail::gemv_launch(p, split));
+  const GemvParams q = with_quantised_x(p, p.m, "gemv");
+  const int split = q.split_k ? q.split_k : gemv_default_split_k(q, current_sm_count());
+  DSV4_CUDA_CHECK(detail::gemv_launch(q, split));
 }
 
 void gemv_batched(const GemvBatchedParams& b) {
   if (!check_gemv_params(b.base, "gemv_batched") || b.batch == 0) return;
+  DSV4_CHECK(b.base.act == GemvAct::BF16, "gemv_batched: act must be bf16 (got fp8)");
   DSV4_CHECK(b.batch > 0 && b.batch <= 65535, "gemv_batched: batch = {} is outside [0, 65535]", b.batch);
   DSV4_CHECK(b.base.weight != GemvWeight::FP8_BLOCK || b.base.n % 16 == 0,
              "gemv_batched (fp8_block): n = {} must be a multiple of 16 (each batch starts a 16-row tile)", b.base.n);
@@ -148,6 +173,13 @@ void gemv_grouped(const GemvGroupedParams& g) {
   const int active = g.active_slots_hint > 0 ? std::min(g.active_slots_hint, g.max_slots) : g.max_slots;
   all.n = int(std::min<int64_t>(int64_t(g.base.n) * active * (g.second.w ? 2 : 1), 1 << 30));
   const int split = g.base.split_k ? g.base.split_k : gemv_default_split_k(all, current_sm_count());
+  if (g.base.act == GemvAct::FP8 && !detail::gemv_w4a8_supported(g.base)) {
+    DSV4_CHECK(g.x_rows > 0, "gemv_grouped: act fp8 without the W4A8 kernel needs x_rows (got {})", g.x_rows);
+    GemvGroupedParams q = g;
+    q.base = with_quantised_x(g.base, g.x_rows, "gemv_grouped");
+    DSV4_CUDA_CHECK(detail::gemv_grouped_launch(q, split));
+    return;
+  }
   DSV4_CUDA_CHECK(detail::gemv_grouped_launch(g, split));
 }
 

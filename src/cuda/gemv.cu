@@ -27,37 +27,6 @@ constexpr int elems_per_16b() {  // weight elements in one thread's 16-byte piec
   return F == Fmt::BF16 ? 8 : (F == Fmt::FP8_E8M0 || F == Fmt::FP8_F32) ? 16 : 32;
 }
 
-struct KernelArgs {
-  int m, n, k;
-  int split;                    // warps per 16-row tile
-  const __nv_bfloat16* x;       // [m, k]
-  const uint8_t* w;             // weight bytes, rows of row_bytes
-  const uint8_t* w_scale;       // format's scale tensor (bytes)
-  void* y;                      // [m, ldy]
-  int64_t ldy;
-  int w_row0;                   // first weight row of the call (FP8: its scale row block is (w_row0 + r) / 128)
-  float y_factor;               // output multiplier (NVFP4: weight_scale_2 * 2^8; else 1)
-  bool out_bf16;
-  // batched launches (gemv_batched): blockIdx.y is the batch, which takes the next n weight rows
-  int64_t x_batch_stride, y_batch_stride;
-  // grouped launches (gemv_grouped): blockIdx.y is the slot, blockIdx.z the projection (0 base, 1 second)
-  size_t w_stride, scale_stride;
-  const float* scale_2;         // [E] or nullptr
-  float nvfp4_factor;           // kNvfp4OutputFactor when NVFP4, else 0 (scale_2 unused)
-  const int32_t *slot_count, *slot_expert, *slot_offset, *row_order;
-  int x_row_div;
-  const uint8_t *w_second, *w_scale_second;
-  const float* scale_2_second;
-  void* y_second;
-};
-
-__device__ __forceinline__ uint4 load_weights(const uint8_t* p) {
-  uint4 r;  // streamed once: keep it out of L1 so the activations stay there
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-      : "l"(p));
-  return r;
-}
 
 __device__ __forceinline__ void mma_bf16(float c[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                          uint32_t b0, uint32_t b1) {
@@ -112,7 +81,7 @@ __global__ void __launch_bounds__(kThreads, kTilesN <= 2 ? 2 : 1) gemv_kernel(co
   // slot's routed pairs (grouped).
   const uint8_t* w_base = a.w;
   const uint8_t* w_scale = a.w_scale;
-  const __nv_bfloat16* x = a.x;
+  const __nv_bfloat16* x = reinterpret_cast<const __nv_bfloat16*>(a.x);
   float y_factor = a.y_factor;
   int m_rows = a.m, order0 = 0, w_row0 = a.w_row0;
   int64_t y_offset = 0;
@@ -167,8 +136,8 @@ __global__ void __launch_bounds__(kThreads, kTilesN <= 2 ? 2 : 1) gemv_kernel(co
         const int kk = c * kChunkK + t * kElems;
         const bool in_k = c < n_chunks && kk < a.k;
         const uint4 zero = make_uint4(0, 0, 0, 0);
-        raw_lo[u] = in_k && ok_lo ? load_weights(w_lo + size_t(c) * kChunkBytes) : zero;
-        raw_hi[u] = in_k && ok_hi ? load_weights(w_hi + size_t(c) * kChunkBytes) : zero;
+        raw_lo[u] = in_k && ok_lo ? dq::load_weights(w_lo + size_t(c) * kChunkBytes) : zero;
+        raw_hi[u] = in_k && ok_hi ? dq::load_weights(w_hi + size_t(c) * kChunkBytes) : zero;
         sc_lo[u] = sc_hi[u] = 0;
         if constexpr (kFp8) {  // one scale per (128-row block, 128-k block): uniform over the warp's chunk
           if (c < n_chunks) {
@@ -298,7 +267,7 @@ cudaError_t launch(const GemvParams& p, const KernelArgs& a, dim3 grid) {
 KernelArgs plain_args(const GemvParams& p, int split_k) {
   KernelArgs a{};
   a.m = p.m, a.n = p.n, a.k = p.k, a.split = split_k;
-  a.x = static_cast<const __nv_bfloat16*>(p.x);
+  a.x = static_cast<const uint16_t*>(p.x);
   a.w = static_cast<const uint8_t*>(p.w);
   a.w_scale = static_cast<const uint8_t*>(p.w_scale);
   a.y = p.y;
@@ -350,6 +319,7 @@ __global__ void moe_slots_kernel(MoeSlotsParams p) {
 }  // namespace
 
 cudaError_t gemv_launch(const GemvParams& p, int split_k) {
+  if (gemv_w4a8_supported(p)) return gemv_w4a8_launch(plain_args(p, split_k), p, dim3(1, 1, 1), false);
   return launch<false>(p, plain_args(p, split_k), dim3(1, 1, 1));
 }
 
@@ -375,7 +345,9 @@ cudaError_t gemv_grouped_launch(const GemvGroupedParams& g, int split_k) {
   a.w_scale_second = static_cast<const uint8_t*>(g.second.w_scale);
   a.scale_2_second = g.base.weight == GemvWeight::NVFP4 ? g.second.scale_2 : nullptr;
   a.y_second = g.second.y;
-  return launch<true>(g.base, a, dim3(1, g.max_slots, g.second.w ? 2 : 1));
+  const dim3 grid(1, g.max_slots, g.second.w ? 2 : 1);
+  if (gemv_w4a8_supported(g.base)) return gemv_w4a8_launch(a, g.base, grid, true);
+  return launch<true>(g.base, a, grid);
 }
 
 cudaError_t moe_slots_launch(const MoeSlotsParams& p) {

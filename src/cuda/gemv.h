@@ -19,6 +19,14 @@
 //   k: multiple of 8 (BF16), 16 (FP8_BLOCK), 32 (MXFP4, NVFP4). m in [0, 64]; m == 0 or n == 0 is a no-op.
 // Numerics: W decodes exactly to bf16 (see dequant.cuh for the scale ranges), bf16 x bf16 products are exact,
 // accumulation is fp32 in an unspecified order (tensor-core sums, then a split-k sum across warps).
+// Activations (act):
+//   BF16  x as given.
+//   FP8   x is first quantised like the official reference's FP8/FP4 linears (act_quant_fp8 below): per row and
+//         128-element block, s = 2^ceil(log2(max(amax, 1e-4) / 448)), x = e4m3(x / s) · s (nearest even,
+//         saturating). MXFP4 / NVFP4 weights with m == 1 (grouped: base.m == 1) run the FP8 tensor-core kernel
+//         (W4A8: e2m1 -> e4m3 exactly, block scales applied to fp32 partial sums); every other case quantises x
+//         into act_scratch [m, k] bf16 (grouped: [x_rows, k]) with one more launch and runs the bf16 kernel on it
+//         (the quantised values are exact in bf16, so both paths compute the same sum).
 // The kernel is asynchronous on `stream`; launch errors are thrown as dsv4::Error.
 #pragma once
 #include <cuda_runtime.h>
@@ -31,6 +39,7 @@ namespace dsv4 {
 enum class GemvWeight { BF16, FP8_BLOCK, MXFP4, NVFP4 };
 enum class GemvScale { E8M0, F32 };  // element type of the FP8_BLOCK scale tensor
 enum class GemvOut { F32, BF16 };
+enum class GemvAct { BF16, FP8 };  // activations as given, or quantised per 128-block (see Activations above)
 
 constexpr int kGemvMaxM = 64;
 
@@ -48,15 +57,26 @@ struct GemvParams {
   GemvScale fp8_scale = GemvScale::E8M0;
   GemvOut out = GemvOut::F32;
   int split_k = 0;  // warps sharing one 16-row tile (1, 2, 4 or 8); 0 = chosen from the shape (benchmarks set it)
+  GemvAct act = GemvAct::BF16;
+  void* act_scratch = nullptr;  // act FP8 outside the W4A8 kernel: [m, k] bf16 (gemv_uses_w4a8 says when)
   cudaStream_t stream = nullptr;
 };
 
 void gemv(const GemvParams& p);
 
+// Whether p (act FP8) runs the W4A8 kernel, so that act_scratch is not needed (plain calls; grouped calls ask with
+// their base).
+bool gemv_uses_w4a8(const GemvParams& p);
+
+// y[r, :] = act_quant_fp8(x[r, :]) for r < rows (x, y [rows, k] bf16, y == x allowed): the quantisation of
+// act FP8, bit-identical to fp8_simulate_block (src/formats/fp8.h) of the bf16 values per 128-element block.
+void act_quant_fp8(const void* x, void* y, int rows, int k, cudaStream_t stream);
+
 // `batch` gemvs of the same shape in one launch (the grouped low-rank output projection, batch = o_groups):
 //   for b < batch:  y[b·y_batch_stride + i·ldy + j] = Σ_kk x[b·x_batch_stride + i·k + kk] · W[w_row0 + b·n + j, kk]
 // Batch b takes the next n rows of the matrix at base.w, its own x rows and its own output columns; strides in
-// elements (of x / of the output type). Everything else as for gemv(); FP8_BLOCK needs n % 16 == 0.
+// elements (of x / of the output type). Everything else as for gemv(); FP8_BLOCK needs n % 16 == 0; act BF16
+// only (the reference's grouped output projection wo_a is not activation-quantised).
 struct GemvBatchedParams {
   GemvParams base;
   int batch = 1;
@@ -93,6 +113,7 @@ struct GemvGroupedParams {
   int active_slots_hint = 0;  // slots typically active (decode: the token's pairs), for the split choice; 0 = max_slots
   MoeSlots slots;
   int x_row_div = 1;
+  int x_rows = 0;  // rows of base.x; read for act FP8 without the W4A8 kernel (base.act_scratch [x_rows, k])
   struct Second {
     const void* w = nullptr;
     const void* w_scale = nullptr;

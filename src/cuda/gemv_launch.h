@@ -1,7 +1,11 @@
 // SPDX-License-Identifier: MIT
-// Internal boundary between gemv.cpp (validation, heuristics, errors) and gemv.cu (kernels).
+// Internal boundary between gemv.cpp (validation, heuristics, errors) and the kernels (gemv.cu: bf16 tensor-core
+// kernel for every format; gemv_w4a8.cu: FP4 weights x FP8 activations at m = 1; act_quant).
 #pragma once
 #include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
 
 #include "cuda/gemv.h"
 
@@ -9,10 +13,45 @@ namespace dsv4::detail {
 
 constexpr int kGemvWarps = 8;  // warps per block; split_k of them share one 16-row tile
 
-// Launches the kernel for validated params with a concrete split_k; returns cudaGetLastError().
+// What every gemv kernel reads (one struct for the plain, batched and grouped launches).
+struct KernelArgs {
+  int m, n, k;
+  int split;                    // warps per 16-row tile
+  const uint16_t* x;            // [m, k] bf16
+  const uint8_t* w;             // weight bytes, rows of row_bytes
+  const uint8_t* w_scale;       // format's scale tensor (bytes)
+  void* y;                      // [m, ldy]
+  int64_t ldy;
+  int w_row0;                   // first weight row of the call (FP8: its scale row block is (w_row0 + r) / 128)
+  float y_factor;               // output multiplier (NVFP4: weight_scale_2 * the decoder's bias gap; else 1)
+  bool out_bf16;
+  // batched launches (gemv_batched): blockIdx.y is the batch, which takes the next n weight rows
+  int64_t x_batch_stride, y_batch_stride;
+  // grouped launches (gemv_grouped): blockIdx.y is the slot, blockIdx.z the projection (0 base, 1 second)
+  size_t w_stride, scale_stride;
+  const float* scale_2;         // [E] or nullptr
+  float nvfp4_factor;           // the decoder's bias gap when NVFP4, else 0 (scale_2 unused)
+  const int32_t *slot_count, *slot_expert, *slot_offset, *row_order;
+  int x_row_div;
+  const uint8_t *w_second, *w_scale_second;
+  const float* scale_2_second;
+  void* y_second;
+};
+
+// Launch the kernel for validated params with a concrete split_k; return cudaGetLastError(). With act FP8 the
+// caller has already replaced x by its quantised copy unless gemv_w4a8_supported(p) (then the kernel quantises).
 cudaError_t gemv_launch(const GemvParams& p, int split_k);
 cudaError_t gemv_batched_launch(const GemvBatchedParams& p, int split_k);
 cudaError_t gemv_grouped_launch(const GemvGroupedParams& p, int split_k);
 cudaError_t moe_slots_launch(const MoeSlotsParams& p);
+
+// FP4 weights x FP8 activations (gemv_w4a8.cu): MXFP4 / NVFP4 weights, act FP8, one row per call (grouped: per
+// slot), k <= kW4a8MaxK.
+constexpr int kW4a8MaxK = 16384;
+bool gemv_w4a8_supported(const GemvParams& p);
+cudaError_t gemv_w4a8_launch(const KernelArgs& a, const GemvParams& p, dim3 grid, bool grouped);
+
+// y[r, :] = act_quant_fp8(x[r, :]) as bf16 for r < rows (act_quant_fp8 in gemv.h).
+cudaError_t act_quant_launch(const uint16_t* x, uint16_t* y, int rows, int k, cudaStream_t stream);
 
 }  // namespace dsv4::detail

@@ -93,6 +93,7 @@ struct Case {
   int m, n, k;
   GemvOut out;
   int split_k;  // 0 = heuristic
+  GemvAct act = GemvAct::BF16;
 };
 
 std::string case_name(const Case& c) {
@@ -101,8 +102,23 @@ std::string case_name(const Case& c) {
   s += "_m" + std::to_string(c.m) + "_n" + std::to_string(c.n) + "_k" + std::to_string(c.k);
   s += c.out == GemvOut::F32 ? "_outf32" : "_outbf16";
   s += c.split_k ? "_split" + std::to_string(c.split_k) : "_auto";
+  if (c.act == GemvAct::FP8) s += "_actfp8";
   return s;
 }
+
+// x as the kernels see it: the bf16 values, quantised per row and 128-block for act FP8 (fp8_simulate_block).
+std::vector<double> effective_x(const std::vector<uint16_t>& x, int rows, int k, GemvAct act) {
+  std::vector<float> f(x.size());
+  for (size_t i = 0; i < x.size(); ++i) f[i] = bf16_to_f32(x[i]);
+  if (act == GemvAct::FP8)
+    for (int r = 0; r < rows; ++r)
+      for (int b = 0; b < k; b += 128) fp8_simulate_block(&f[size_t(r) * k + b], std::min(128, k - b));
+  return {f.begin(), f.end()};
+}
+
+// Accumulation bound per sum|x w|: fp32 sums (1e-5), or 2^-13 where FP8 tensor-core partial sums are involved
+// (their adders keep fewer bits than fp32; each 64- or 128-element partial is promoted to fp32).
+double acc_bound_for(const GemvParams& p) { return gemv_uses_w4a8(p) ? 0x1p-13 : 1e-5; }
 
 void PrintTo(const Case& c, std::ostream* os) { *os << case_name(c); }
 
@@ -211,7 +227,8 @@ TEST_P(GemvTest, MatchesFp64Reference) {
   std::mt19937_64 rng(seed);
   const HostProblem h = make_problem(c, rng);
 
-  DeviceBuffer x(h.x.size() * 2), w(h.w.size()), scale(h.scale.size()), y(size_t(c.m) * c.n * 4);
+  DeviceBuffer x(h.x.size() * 2), w(h.w.size()), scale(h.scale.size()), y(size_t(c.m) * c.n * 4),
+      act_scratch(h.x.size() * 2);
   x.upload(h.x.data(), h.x.size() * 2);
   w.upload(h.w.data(), h.w.size());
   if (!h.scale.empty()) scale.upload(h.scale.data(), h.scale.size());
@@ -222,8 +239,10 @@ TEST_P(GemvTest, MatchesFp64Reference) {
   p.x = x.data(), p.w = w.data(), p.w_scale = h.scale.empty() ? nullptr : scale.data();
   p.w_scale_2 = h.scale_2, p.y = y.data();
   p.weight = c.weight, p.fp8_scale = c.fp8_scale, p.out = c.out, p.split_k = c.split_k;
+  p.act = c.act, p.act_scratch = act_scratch.data();
   gemv(p);
   DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+  const std::vector<double> xq = effective_x(h.x, c.m, c.k, c.act);
 
   std::vector<float> got(size_t(c.m) * c.n);
   if (c.out == GemvOut::F32) {
@@ -237,16 +256,17 @@ TEST_P(GemvTest, MatchesFp64Reference) {
   // Bounds: fp32 output  |y - ref| <= 1e-5 * sum|x w|, and ||y - ref|| / ||ref|| <= 1e-5;
   //         bf16 output  |y - ref| <= 4e-3 * |ref| + 1e-5 * sum|x w|, and the norm-wise error <= 4e-3.
   const bool bf16_out = c.out == GemvOut::BF16;
-  const double rel_bound = bf16_out ? 4e-3 : 0.0, acc_bound = 1e-5, norm_bound = bf16_out ? 4e-3 : 1e-5;
+  const double acc_bound = acc_bound_for(p);
+  const double rel_bound = bf16_out ? 4e-3 : 0.0, norm_bound = bf16_out ? 4e-3 : acc_bound;
   double err2 = 0, ref2 = 0, worst_ratio = 0;
   int unwritten = 0, bad = 0;
   for (int mi = 0; mi < c.m; ++mi)
     for (int ni = 0; ni < c.n; ++ni) {
       double ref = 0, absum = 0;
-      const uint16_t* xr = &h.x[size_t(mi) * c.k];
+      const double* xr = &xq[size_t(mi) * c.k];
       const double* wr = &h.w_deq[size_t(ni) * c.k];
       for (int ki = 0; ki < c.k; ++ki) {
-        const double t = double(bf16_to_f32(xr[ki])) * wr[ki];
+        const double t = xr[ki] * wr[ki];
         ref += t;
         absum += std::fabs(t);
       }
@@ -295,6 +315,16 @@ std::vector<Case> all_cases() {
     }
     for (int split : {1, 2, 4, 8}) cases.push_back({f.w, f.s, 8, 301, f.k_wide, GemvOut::F32, split});
     for (int m : {1, 64}) cases.push_back({f.w, f.s, m, 34000, f.k_tall, GemvOut::F32, 0});  // many tiles: split 1
+    // act FP8: the W4A8 kernel (fp4 weights, m = 1) or x quantised into act_scratch first (everything else)
+    for (int m : {1, 3, 64}) {
+      cases.push_back({f.w, f.s, m, 301, f.k_wide, GemvOut::F32, 0, GemvAct::FP8});
+      cases.push_back({f.w, f.s, m, 45, f.k_deep, GemvOut::F32, 0, GemvAct::FP8});
+    }
+    if (f.w == GemvWeight::MXFP4 || f.w == GemvWeight::NVFP4) {
+      cases.push_back({f.w, f.s, 1, 301, f.k_wide, GemvOut::BF16, 0, GemvAct::FP8});
+      cases.push_back({f.w, f.s, 1, 34000, f.k_tall, GemvOut::F32, 0, GemvAct::FP8});
+      for (int split : {1, 2, 4, 8}) cases.push_back({f.w, f.s, 1, 301, f.k_wide, GemvOut::F32, split, GemvAct::FP8});
+    }
   }
   return cases;
 }
@@ -312,6 +342,7 @@ struct GroupedCase {
   int x_row_div;       // k_pick: x rows are tokens (up projections); 1: x rows are pairs (down projection)
   bool one_expert;     // every pick goes to expert 3, twice per token: more rows than a tile -> several passes
   bool second = false; // a second projection in the same launch (w3 next to w1)
+  GemvAct act = GemvAct::BF16;
 };
 
 std::string grouped_name(const GroupedCase& c) {
@@ -320,7 +351,7 @@ std::string grouped_name(const GroupedCase& c) {
   s = s.substr(0, s.find("_m1_")) + "_t" + std::to_string(c.tokens) + "x" + std::to_string(c.k_pick) + "_E" +
       std::to_string(c.experts) + "_n" + std::to_string(c.n) + "_k" + std::to_string(c.k) +
       (c.x_row_div == 1 ? "_pairrows" : "_tokenrows") + (c.one_expert ? "_oneexpert" : "") +
-      (c.second ? "_second" : "");
+      (c.second ? "_second" : "") + (c.act == GemvAct::FP8 ? "_actfp8" : "");
   return s;
 }
 
@@ -353,7 +384,7 @@ TEST_P(GemvGroupedTest, MatchesFp64ReferencePerPair) {
   const int E = c.experts;
   DeviceBuffer dx(x.size() * 2), dw(w_stride * E * projections), ds(std::max<size_t>(s_stride * E * projections, 16)),
       ds2(E * projections * 4), dids(pairs * 4), dy(size_t(pairs) * c.n * 4 * projections), count(4),
-      slot_expert(E * 4), slot_offset((E + 1) * 4), order(pairs * 4);
+      slot_expert(E * 4), slot_offset((E + 1) * 4), order(pairs * 4), act_scratch(x.size() * 2);
   dx.upload(x.data(), x.size() * 2);
   std::vector<float> scale_2;
   for (int e = 0; e < projections * E; ++e) {
@@ -377,6 +408,7 @@ TEST_P(GemvGroupedTest, MatchesFp64ReferencePerPair) {
   g.w_expert_stride = w_stride, g.scale_expert_stride = s_stride, g.scale_2 = ds2.as<float>();
   g.max_slots = std::min(c.experts, pairs);
   g.slots = sp.slots, g.x_row_div = c.x_row_div;
+  g.base.act = c.act, g.base.act_scratch = act_scratch.data(), g.x_rows = x_rows;
   if (c.second) {  // the second projection's experts follow the first's in every buffer
     g.second.w = static_cast<const char*>(dw.data()) + w_stride * E;
     g.second.w_scale = s_stride ? static_cast<const char*>(ds.data()) + s_stride * E : nullptr;
@@ -415,16 +447,18 @@ TEST_P(GemvGroupedTest, MatchesFp64ReferencePerPair) {
 
   std::vector<float> got(size_t(pairs) * c.n * projections);
   dy.download(got.data(), got.size() * 4);
+  const std::vector<double> xq = effective_x(x, x_rows, c.k, c.act);
+  const double acc_bound = acc_bound_for(g.base);
   int bad = 0, unwritten = 0;
   double worst_ratio = 0;
   for (int row = 0; row < pairs * projections; ++row) {
     const int pr = row % pairs, proj = row / pairs;
     const HostProblem& h = expert[proj * E + ids[pr]];
-    const uint16_t* xr = &x[size_t(pr / c.x_row_div) * c.k];
+    const double* xr = &xq[size_t(pr / c.x_row_div) * c.k];
     for (int ni = 0; ni < c.n; ++ni) {
       double ref = 0, absum = 0;
       for (int ki = 0; ki < c.k; ++ki) {
-        const double t = double(bf16_to_f32(xr[ki])) * h.w_deq[size_t(ni) * c.k + ki];
+        const double t = xr[ki] * h.w_deq[size_t(ni) * c.k + ki];
         ref += t;
         absum += std::fabs(t);
       }
@@ -433,7 +467,7 @@ TEST_P(GemvGroupedTest, MatchesFp64ReferencePerPair) {
         ++unwritten;
         continue;
       }
-      const double err = std::fabs(double(v) - ref), allowed = 1e-5 * absum;
+      const double err = std::fabs(double(v) - ref), allowed = acc_bound * absum;
       worst_ratio = std::max(worst_ratio, err / allowed);
       if (err > allowed && ++bad <= 5)
         ADD_FAILURE() << "projection " << proj << " pair " << pr << " (expert " << ids[pr] << ") y[" << ni
@@ -460,6 +494,11 @@ std::vector<GroupedCase> grouped_cases() {
     cases.push_back({w, s, 40, 2, 8, 72, 256, 2, true});       // 80 rows on one expert: two passes over W
     cases.push_back({w, s, 1, 6, 16, 200, 1056, 6, false, true});   // w1 + w3 of a decode step
     cases.push_back({w, s, 64, 6, 16, 136, 512, 6, false, true});   // w1 + w3 of a prefill chunk
+    // act FP8: decode slots (W4A8 for fp4 weights), a slot holding two rows, and quantised x rows (m > 1)
+    cases.push_back({w, s, 1, 6, 16, 200, 1056, 6, false, true, GemvAct::FP8});
+    cases.push_back({w, s, 1, 6, 16, 200, 1056, 1, false, false, GemvAct::FP8});
+    cases.push_back({w, s, 1, 2, 8, 72, 256, 2, true, false, GemvAct::FP8});
+    cases.push_back({w, s, 5, 6, 16, 200, 1056, 1, false, false, GemvAct::FP8});
   }
   return cases;
 }
@@ -615,6 +654,46 @@ GemvParams fake_params(GemvWeight w, int m, int n, int k) {
   return p;
 }
 
+// act_quant_fp8 against fp8_simulate_block, bit for bit: rows of mixed magnitudes (a zero block, a block whose
+// amax sits on a power of two times 448, saturating and subnormal e4m3 codes), in place and out of place.
+TEST(ActQuant, MatchesFp8SimulateBlock) {
+  DSV4_REQUIRE_CUDA();
+  const int rows = 5, k = 1056;  // the last block of each row is partial (32 elements)
+  std::mt19937_64 rng(11);
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  std::vector<uint16_t> x(size_t(rows) * k);
+  for (int r = 0; r < rows; ++r)
+    for (int i = 0; i < k; ++i) {
+      const int block = i / 128;
+      const float mag = std::ldexp(1.0f, (r * 7 + block * 5) % 40 - 24);
+      x[size_t(r) * k + i] = f32_to_bf16(block == 3 && r == 1 ? 0.0f : u(rng) * mag);
+    }
+  x[2 * k + 5] = f32_to_bf16(448.0f * 4.0f);  // amax = 448 * 2^2 exactly
+  std::vector<uint16_t> want(x.size());
+  for (int r = 0; r < rows; ++r) {
+    std::vector<float> f(k);
+    for (int i = 0; i < k; ++i) f[i] = bf16_to_f32(x[size_t(r) * k + i]);
+    for (int b = 0; b < k; b += 128) fp8_simulate_block(&f[b], std::min(128, k - b));
+    for (int i = 0; i < k; ++i) want[size_t(r) * k + i] = f32_to_bf16(f[i]);
+  }
+  DeviceBuffer dx(x.size() * 2), dy(x.size() * 2);
+  dx.upload(x.data(), x.size() * 2);
+  dy.fill_bytes(0xff);
+  act_quant_fp8(dx.data(), dy.data(), rows, k, nullptr);
+  act_quant_fp8(dx.data(), dx.data(), rows, k, nullptr);
+  DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+  for (DeviceBuffer* out : {&dy, &dx}) {
+    std::vector<uint16_t> got(x.size());
+    out->download(got.data(), got.size() * 2);
+    int bad = 0;
+    for (size_t i = 0; i < got.size(); ++i)
+      if (got[i] != want[i] && ++bad <= 5)
+        ADD_FAILURE() << (out == &dx ? "in place" : "out of place") << " element " << i << ": got "
+                      << bf16_to_f32(got[i]) << ", want " << bf16_to_f32(want[i]);
+    EXPECT_EQ(bad, 0);
+  }
+}
+
 TEST(GemvArgs, RejectsBadShapesAndPointers) {
   EXPECT_THROW(gemv(fake_params(GemvWeight::BF16, 65, 16, 64)), Error);   // m > 64
   EXPECT_THROW(gemv(fake_params(GemvWeight::BF16, 1, 16, 0)), Error);     // k == 0
@@ -637,6 +716,14 @@ TEST(GemvArgs, RejectsBadShapesAndPointers) {
     EXPECT_NE(std::string(e.what()).find("mxfp4"), std::string::npos) << e.what();
   }
   EXPECT_NO_THROW(gemv(fake_params(GemvWeight::BF16, 0, 16, 64)));  // empty problem: no launch
+  p = fake_params(GemvWeight::BF16, 3, 16, 64);
+  p.act = GemvAct::FP8;  // needs act_scratch outside the W4A8 kernel
+  EXPECT_THROW(gemv(p), Error);
+  p = fake_params(GemvWeight::NVFP4, 1, 16, 64);
+  p.act = GemvAct::FP8;
+  EXPECT_TRUE(gemv_uses_w4a8(p));
+  p.m = 2;
+  EXPECT_FALSE(gemv_uses_w4a8(p));
 }
 
 TEST(GemvArgs, SplitHeuristic) {

@@ -1,0 +1,315 @@
+// SPDX-License-Identifier: MIT
+// FP4 weights x FP8 activations for one activation row (decode), the official reference's FP4 GEMM (spec 7.3,
+// 8.1): x is quantised per 128-element block with a power-of-two scale (act_quant_fp8 in gemv.h), e2m1 codes
+// become e4m3 exactly, the products run on the FP8 tensor cores (mma.sync m16n8k32 e4m3, fp32 accumulate) and
+// the block scales are applied to fp32 partial sums.
+//
+// Why this is cheaper than the bf16 kernel of gemv.cu: an e2m1 nibble turns into an e4m3 byte by moving bits
+// (5 integer ops per 8 weights, no multiply), and no weight is multiplied by its scale. The price is that a
+// block scale must multiply a partial sum that holds that block alone. With one activation row the B operand has
+// 7 idle columns, so column j carries x only on the k-slots of quad thread j: C[row][j] is then the partial sum of
+// thread j's k range, and threads 0 and 1 of each quad apply the scales of all four threads' blocks.
+//
+// Layout (like gemv.cu): one warp walks a 16-row tile; in each 64-byte chunk of a row (128 elements = one
+// activation block) quad thread t owns bytes 16t..16t+15 = elements 32t..32t+31 as 4 words of 8 nibbles. Word i
+// feeds one mma: its even elements are A slots 4t..4t+3, its odd ones slots 4t+16..4t+19. The block's shared
+// memory holds x in e4m3 with each 8-element group stored as [0 2 4 6 1 3 5 7], so the matching B words are one
+// 8-byte load. NVFP4 words 0-1 and 2-3 are two 16-element scale blocks (two accumulator sets); MXFP4's 32-element
+// block is the whole piece.
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <cstdint>
+
+#include "cuda/dequant.cuh"
+#include "cuda/gemv_launch.h"
+#include "formats/fp8.h"
+
+namespace dsv4::detail {
+namespace {
+
+constexpr int kThreads = kGemvWarps * 32;
+constexpr int kChunkBytes = 64;  // one row's bytes per chunk: 4 quad threads x 16 bytes
+constexpr int kChunkK = 128;     // elements per chunk = the activation quantisation block
+constexpr int kUnroll = 4;       // chunks loaded per thread before the first is used
+constexpr float kBiasGap = 64.0f;  // the e4m3 bytes below hold e2m1 * 2^-6
+
+// Eight e2m1 nibbles (element j in nibble j) -> e4m3 bytes of elements 0,2,4,6 (even) and 1,3,5,7 (odd), each
+// e2m1 * 2^-6: the magnitude bits (e1 e0 m) move to e4m3 bits 4..2 (the two low exponent bits and the top
+// mantissa bit) and the sign to bit 7, so e2m1's subnormal 0.5 lands on e4m3's subnormal 2^-7.
+__device__ __forceinline__ void e2m1x8_to_e4m3(uint32_t q, uint32_t& even, uint32_t& odd) {
+  even = ((q << 2) & 0x1C1C1C1Cu) | ((q << 4) & 0x80808080u);
+  odd = ((q >> 2) & 0x1C1C1C1Cu) | (q & 0x80808080u);
+}
+
+__device__ __forceinline__ void mma_e4m3(float c[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Two floats -> e4m3 bytes (round to nearest even, saturating at +-448 like round_e4m3): lo in the low byte.
+__device__ __forceinline__ uint32_t f32x2_to_e4m3x2(float lo, float hi) {
+  uint16_t r;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+__device__ __forceinline__ float e4m3_byte_to_f32(uint32_t b) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(b & 0xff), __NV_E4M3);
+  return __half2float(__half(__half_raw{h.x}));
+}
+
+// One activation row -> xq (e4m3, groups of 8 permuted [0 2 4 6 1 3 5 7], zero past k) and xs (block scales):
+// act_quant_fp8 of gemv.h, with the scale formula of src/formats (pow2_scale) and the same e4m3 rounding.
+// Eight lanes share a block (16 elements each), so one pass of the block quantises 32 blocks with short chains:
+// this runs before the block's first mma, and its latency is paid once per block.
+__device__ void quantise_row(const uint16_t* x, int k, int n_chunks, uint8_t* xq, float* xs) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  constexpr int kBlocksPerPass = kGemvWarps * 4;
+  for (int b0 = 0; b0 < n_chunks; b0 += kBlocksPerPass) {
+    const int b = b0 + warp * 4 + (lane >> 3);
+    const int e0 = b * kChunkK + (lane & 7) * 16;  // k is a multiple of 32: 16 elements are all in or all out
+    uint32_t w[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    if (b < n_chunks && e0 < k) {
+      const uint4* src = reinterpret_cast<const uint4*>(x + e0);
+      const uint4 lo = src[0], hi = src[1];
+      w[0] = lo.x, w[1] = lo.y, w[2] = lo.z, w[3] = lo.w, w[4] = hi.x, w[5] = hi.y, w[6] = hi.z, w[7] = hi.w;
+    }
+    float v[16];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[2 * i] = __uint_as_float(w[i] << 16), v[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    float amax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(v[i]));
+    for (int o = 4; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    if (b >= n_chunks) continue;  // after the shuffles: whole 8-lane groups leave together
+    const float s = pow2_scale(amax, kE4M3Max, 1e-4f);
+    const float inv = 1.0f / s;  // a power of two: x * inv == x / s
+    if ((lane & 7) == 0) xs[b] = s;
+    uint32_t q[4];  // per group of 8: even elements, then odd ones
+#pragma unroll
+    for (int grp = 0; grp < 2; ++grp) {
+      const float* g8 = v + 8 * grp;
+      q[2 * grp] = f32x2_to_e4m3x2(g8[0] * inv, g8[2] * inv) | f32x2_to_e4m3x2(g8[4] * inv, g8[6] * inv) << 16;
+      q[2 * grp + 1] = f32x2_to_e4m3x2(g8[1] * inv, g8[3] * inv) | f32x2_to_e4m3x2(g8[5] * inv, g8[7] * inv) << 16;
+    }
+    *reinterpret_cast<uint4*>(xq + e0) = make_uint4(q[0], q[1], q[2], q[3]);
+  }
+}
+
+template <bool kNv, bool kGrouped>
+__global__ void __launch_bounds__(kThreads, 2) gemv_w4a8_kernel(const KernelArgs a) {
+  __shared__ __align__(16) uint8_t xq[kW4a8MaxK];
+  __shared__ float xs[kW4a8MaxK / kChunkK];
+  __shared__ float red[kGemvWarps][16];
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int split = a.split, tiles_per_block = kGemvWarps / split;
+  const int tile = warp / split, part = warp % split;
+  const int row0 = (blockIdx.x * tiles_per_block + tile) * 16;
+  const int r_lo = row0 + g, r_hi = row0 + g + 8;
+  const bool ok_lo = r_lo < a.n, ok_hi = r_hi < a.n;
+  const int n_chunks = (a.k + kChunkK - 1) / kChunkK;
+  const size_t row_bytes = size_t(a.k) / 2, scale_ld = size_t(a.k) / (kNv ? 16 : 32);
+
+  const uint8_t* w_base = a.w;
+  const uint8_t* w_scale = a.w_scale;
+  float y_factor = a.y_factor;
+  int m_rows = a.m, order0 = 0;
+  if constexpr (kGrouped) {
+    const int s = blockIdx.y;
+    if (s >= __ldg(a.slot_count)) return;  // the whole block, before any barrier
+    const int e = __ldg(a.slot_expert + s);
+    order0 = __ldg(a.slot_offset + s);
+    m_rows = __ldg(a.slot_offset + s + 1) - order0;
+    const float* scale_2 = a.scale_2;
+    if (blockIdx.z == 1) {
+      w_base = a.w_second;
+      w_scale = a.w_scale_second;
+      scale_2 = a.scale_2_second;
+    }
+    w_base += size_t(e) * a.w_stride;
+    w_scale += size_t(e) * a.scale_stride;
+    if (scale_2) y_factor = __ldg(scale_2 + e) * a.nvfp4_factor;
+  }
+  w_base += size_t(a.w_row0) * row_bytes;
+  w_scale += size_t(a.w_row0) * scale_ld;
+  const uint8_t* w_lo = w_base + size_t(r_lo) * row_bytes + t * 16;
+  const uint8_t* w_hi = w_lo + 8 * row_bytes;
+  // Threads 0 and 1 of a quad read the scales of threads 2t and 2t+1 (the columns they hold).
+  const uint8_t* s_lo = w_scale + size_t(r_lo) * scale_ld + (kNv ? 4 : 2) * t;
+  const uint8_t* s_hi = s_lo + 8 * scale_ld;
+  auto pair_of = [&](int row) { return kGrouped ? __ldg(a.row_order + order0 + row) : row; };
+
+  // The weight stream of a group of kUnroll chunks: raw codes and (threads 0, 1 of each quad) the scale bytes of
+  // quad threads 2t and 2t+1 (NVFP4: 4 e4m3 bytes; MXFP4: 2 e8m0 bytes). A block past k keeps zero weights and scale.
+  uint4 raw_lo[kUnroll], raw_hi[kUnroll];
+  uint32_t sc_lo[kUnroll], sc_hi[kUnroll];
+  auto load_group = [&](int c0) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int c = c0 + u * split;
+      const bool in_k = c < n_chunks && c * kChunkK + t * 32 < a.k;
+      const uint4 zero = make_uint4(0, 0, 0, 0);
+      raw_lo[u] = in_k && ok_lo ? dq::load_weights(w_lo + size_t(c) * kChunkBytes) : zero;
+      raw_hi[u] = in_k && ok_hi ? dq::load_weights(w_hi + size_t(c) * kChunkBytes) : zero;
+      sc_lo[u] = sc_hi[u] = 0;
+      if (t < 2 && c < n_chunks) {
+        // The scale bytes of threads 2t and 2t+1; a block past k holds zero weights (its scale stays 0).
+        const int e_first = c * kChunkK + 64 * t;  // first element of thread 2t's piece
+        if constexpr (kNv) {
+          const size_t off = size_t(c) * 8;
+#pragma unroll
+          for (int j = 0; j < 2; ++j)
+            if (e_first + 32 * j < a.k) {
+              const uint32_t lo = ok_lo ? __ldg(reinterpret_cast<const uint16_t*>(s_lo + off) + j) : 0;
+              const uint32_t hi = ok_hi ? __ldg(reinterpret_cast<const uint16_t*>(s_hi + off) + j) : 0;
+              sc_lo[u] |= lo << (16 * j);
+              sc_hi[u] |= hi << (16 * j);
+            }
+        } else {
+          const size_t off = size_t(c) * 4;
+#pragma unroll
+          for (int j = 0; j < 2; ++j)
+            if (e_first + 32 * j < a.k) {
+              sc_lo[u] |= uint32_t(ok_lo ? __ldg(s_lo + off + j) : 0) << (8 * j);
+              sc_hi[u] |= uint32_t(ok_hi ? __ldg(s_hi + off + j) : 0) << (8 * j);
+            }
+        }
+      }
+    }
+  };
+  float acc_lo, acc_hi;
+  auto compute_group = [&](int c0) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int c = c0 + u * split;
+      if (c >= n_chunks) break;  // warp-uniform: every lane joins each mma.sync
+      // B: column g carries x only on the slots of quad thread g (this thread's own slots when g == t).
+      uint4 xv[2] = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
+      if (g == t) {
+        const uint4* xp = reinterpret_cast<const uint4*>(xq + c * kChunkK + 32 * t);
+        xv[0] = xp[0], xv[1] = xp[1];
+      }
+      const uint32_t xb[8] = {xv[0].x, xv[0].y, xv[0].z, xv[0].w, xv[1].x, xv[1].y, xv[1].z, xv[1].w};
+      const uint32_t wl[4] = {raw_lo[u].x, raw_lo[u].y, raw_lo[u].z, raw_lo[u].w};
+      const uint32_t wh[4] = {raw_hi[u].x, raw_hi[u].y, raw_hi[u].z, raw_hi[u].w};
+      float ca[4] = {0.0f, 0.0f, 0.0f, 0.0f}, cb[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        uint32_t el, ol, eh, oh;
+        e2m1x8_to_e4m3(wl[i], el, ol);
+        e2m1x8_to_e4m3(wh[i], eh, oh);
+        mma_e4m3(kNv && i >= 2 ? cb : ca, el, eh, ol, oh, xb[2 * i], xb[2 * i + 1]);
+      }
+      // ca / cb [0], [1]: row lo, threads 2t / 2t+1; [2], [3]: row hi. Zero for t >= 2 (idle columns).
+      float part_lo, part_hi;
+      if constexpr (kNv) {  // bytes: 2t block A, 2t block B, 2t+1 block A, 2t+1 block B
+        part_lo = ca[0] * e4m3_byte_to_f32(sc_lo[u]) + cb[0] * e4m3_byte_to_f32(sc_lo[u] >> 8) +
+                  ca[1] * e4m3_byte_to_f32(sc_lo[u] >> 16) + cb[1] * e4m3_byte_to_f32(sc_lo[u] >> 24);
+        part_hi = ca[2] * e4m3_byte_to_f32(sc_hi[u]) + cb[2] * e4m3_byte_to_f32(sc_hi[u] >> 8) +
+                  ca[3] * e4m3_byte_to_f32(sc_hi[u] >> 16) + cb[3] * e4m3_byte_to_f32(sc_hi[u] >> 24);
+      } else {  // bytes: the e8m0 scales of threads 2t, 2t+1
+        part_lo = ca[0] * e8m0_to_f32(uint8_t(sc_lo[u])) + ca[1] * e8m0_to_f32(uint8_t(sc_lo[u] >> 8));
+        part_hi = ca[2] * e8m0_to_f32(uint8_t(sc_hi[u])) + ca[3] * e8m0_to_f32(uint8_t(sc_hi[u] >> 8));
+      }
+      const float sx = xs[c];
+      acc_lo = fmaf(part_lo, sx, acc_lo);
+      acc_hi = fmaf(part_hi, sx, acc_hi);
+    }
+  };
+
+  for (int rb = 0; rb < m_rows; ++rb) {  // one row per plain call; a grouped slot may hold several
+    if (rb > 0) __syncthreads();  // the previous row's reads of xq, xs and red are done
+    const int step = split * kUnroll;
+    // The first group's loads go out before x is quantised, so the DRAM stream starts at once.
+    if (row0 < a.n) load_group(part);
+    const int x_row = kGrouped ? pair_of(rb) / a.x_row_div : rb;
+    quantise_row(a.x + size_t(x_row) * a.k, a.k, n_chunks, xq, xs);
+    __syncthreads();
+    acc_lo = acc_hi = 0.0f;
+    if (row0 < a.n) {
+      for (int c0 = part; c0 < n_chunks; c0 += step) {
+        compute_group(c0);
+        if (c0 + step < n_chunks) load_group(c0 + step);
+      }
+    }
+    acc_lo += __shfl_xor_sync(0xffffffffu, acc_lo, 1);  // threads 0 + 1 of the quad (2 and 3 hold zeros)
+    acc_hi += __shfl_xor_sync(0xffffffffu, acc_hi, 1);
+    if (t == 0) {
+      red[warp][g] = acc_lo;
+      red[warp][g + 8] = acc_hi;
+    }
+    __syncthreads();
+    const int rows_in_block = tiles_per_block * 16;
+    const int r = threadIdx.x;
+    const int n = blockIdx.x * rows_in_block + r;
+    if (r < rows_in_block && n < a.n) {
+      float s = 0.0f;
+      for (int p = 0; p < split; ++p) s += red[(r / 16) * split + p][r % 16];
+      s *= y_factor;
+      void* y = kGrouped && blockIdx.z == 1 ? a.y_second : a.y;
+      const int64_t out = int64_t(pair_of(rb)) * a.ldy + n;
+      if (a.out_bf16)
+        static_cast<uint16_t*>(y)[out] = f32_to_bf16(s);
+      else
+        static_cast<float*>(y)[out] = s;
+    }
+  }
+}
+
+// One warp per (row, 128-block): y = bf16(act_quant_fp8(x)), bit-identical to fp8_simulate_block on bf16 input.
+__global__ void act_quant_kernel(const uint16_t* x, uint16_t* y, int rows, int k) {
+  const int lane = threadIdx.x & 31;
+  const int blocks_per_row = (k + kChunkK - 1) / kChunkK;
+  const int64_t item = int64_t(blockIdx.x) * (blockDim.x / 32) + (threadIdx.x >> 5);
+  if (item >= int64_t(rows) * blocks_per_row) return;
+  const int64_t row = item / blocks_per_row;
+  const int e0 = int(item % blocks_per_row) * kChunkK + lane * 4;
+  float v[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  const bool in_k = e0 < k;  // k is a multiple of 8 here; the lane's 4 elements are checked one by one below
+  for (int j = 0; j < 4; ++j)
+    if (e0 + j < k) v[j] = bf16_to_f32(x[row * k + e0 + j]);
+  float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  const float s = pow2_scale(amax, kE4M3Max, 1e-4f);
+  if (!in_k) return;
+  for (int j = 0; j < 4; ++j)
+    if (e0 + j < k) y[row * k + e0 + j] = f32_to_bf16(round_e4m3(v[j] / s) * s);
+}
+
+}  // namespace
+
+bool gemv_w4a8_supported(const GemvParams& p) {
+  return p.act == GemvAct::FP8 && (p.weight == GemvWeight::MXFP4 || p.weight == GemvWeight::NVFP4) && p.m == 1 &&
+         p.k <= kW4a8MaxK;
+}
+
+cudaError_t gemv_w4a8_launch(const KernelArgs& args, const GemvParams& p, dim3 grid, bool grouped) {
+  KernelArgs a = args;
+  const bool nv = p.weight == GemvWeight::NVFP4;
+  a.y_factor = (nv ? p.w_scale_2 : 1.0f) * kBiasGap;
+  a.nvfp4_factor = nv ? kBiasGap : 0.0f;
+  cudaStream_t stream = p.stream;
+  grid.x = (a.n + kGemvWarps / a.split * 16 - 1) / (kGemvWarps / a.split * 16);
+  if (nv && grouped) gemv_w4a8_kernel<true, true><<<grid, kThreads, 0, stream>>>(a);
+  else if (nv) gemv_w4a8_kernel<true, false><<<grid, kThreads, 0, stream>>>(a);
+  else if (grouped) gemv_w4a8_kernel<false, true><<<grid, kThreads, 0, stream>>>(a);
+  else gemv_w4a8_kernel<false, false><<<grid, kThreads, 0, stream>>>(a);
+  return cudaGetLastError();
+}
+
+cudaError_t act_quant_launch(const uint16_t* x, uint16_t* y, int rows, int k, cudaStream_t stream) {
+  const int64_t items = int64_t(rows) * ((k + kChunkK - 1) / kChunkK);
+  constexpr int kWarpsPerBlock = 8;
+  if (items == 0) return cudaSuccess;
+  act_quant_kernel<<<unsigned((items + kWarpsPerBlock - 1) / kWarpsPerBlock), kWarpsPerBlock * 32, 0, stream>>>(
+      x, y, rows, k);
+  return cudaGetLastError();
+}
+
+}  // namespace dsv4::detail
