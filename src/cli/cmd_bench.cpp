@@ -65,6 +65,7 @@ struct BenchArgs {
   std::string json_path;
   bool plan_only = false;
   bool profile = false;  // one more decode step with an event after every launch site
+  std::string act_quant = "none";  // --act-quant: fp8 runs the fp4 decode GEMVs as W4A8
 };
 
 // ---- accounting -------------------------------------------------------------------------------------------
@@ -267,6 +268,7 @@ void write_json(const BenchArgs& a, const json& report) {
 json args_json(const BenchArgs& a, const ModelConfig& c) {
   return {{"experts_per_layer", a.experts}, {"prefill", a.prefill}, {"decode_context", a.decode_context},
           {"decode_steps", a.decode_steps}, {"max_context", a.max_context}, {"seed", a.seed},
+          {"act_quant", a.act_quant},
           {"config", c.summary()}, {"bf16_dense_flops", kBf16DenseFlops}, {"prefill_chunk", kPrefillChunk}};
 }
 
@@ -441,8 +443,11 @@ int run_bench(const BenchArgs& a) {
   auto start = std::chrono::steady_clock::now();
   ModelConfig config = flash_shaped_config(a.experts);
   ModelWeights weights = synthetic_weights(config, a.seed);
-  const Model model(std::move(config), std::move(weights));
-  fmt::print("model: {} (host tensors built in {:.1f} s)\n", model.config().summary(), seconds_since(start));
+  Numerics numerics;
+  numerics.act = parse_act_quant(a.act_quant);
+  const Model model(std::move(config), std::move(weights), numerics);
+  fmt::print("model: {} (host tensors built in {:.1f} s); activations of the FP8/FP4 linears: {}\n",
+             model.config().summary(), seconds_since(start), a.act_quant);
 
   json report = args_json(a, model.config());
   report["device"] = info.name;
@@ -480,6 +485,9 @@ void add_bench_command(CLI::App& app, Handler& handler) {
                   "Tokens of state preallocated (default: the longest prompt or decode context + steps)");
   cmd->add_option("--seed", args->seed, "Seed of the weights and token ids")->capture_default_str();
   cmd->add_option("--json", args->json_path, "Also write every number to this JSON file");
+  cmd->add_option("--act-quant", args->act_quant,
+                  "Inputs of the FP8/FP4 linears: none, or fp8 (official numerics; NVFP4 decode then runs W4A8)")
+      ->capture_default_str()->check(CLI::IsMember({"none", "fp8"}));
   cmd->add_flag("--profile", args->profile,
                 "After the timed decode steps, time every launch site of one more step (events, no graph)");
   cmd->add_flag("--plan-only", args->plan_only,

@@ -19,13 +19,19 @@ void add_engine_options(CLI::App* cmd, EngineOptions& o) {
       ->capture_default_str()->check(CLI::IsMember({"fp8", "bf16", "f32"}));
   cmd->add_option("--indexer-dtype", o.indexer_dtype, "Indexer q/k storage: fp4 (official), bf16, f32")
       ->capture_default_str()->check(CLI::IsMember({"fp4", "bf16", "f32"}));
+  cmd->add_option("--act-quant", o.act_quant,
+                  "Inputs of the FP8/FP4 linears: none, or fp8 (the official per-128-block quantisation; on CUDA "
+                  "the fp4 weights then run the W4A8 kernel at decode)")
+      ->capture_default_str()->check(CLI::IsMember({"none", "fp8"}));
 }
 
 Model load_model(const EngineOptions& o) {
   // The CUDA runner uploads the checkpoint's encodings as they are; only the CPU needs every weight in fp32.
   const WeightLoad load = o.device == "cuda" ? WeightLoad::KeepLinearsPacked : WeightLoad::DecodeAll;
   Model model =
-      Model::load(o.model_dir, {parse_kv_storage(o.kv_dtype), parse_indexer_storage(o.indexer_dtype)}, load);
+      Model::load(o.model_dir,
+                  {parse_kv_storage(o.kv_dtype), parse_indexer_storage(o.indexer_dtype), parse_act_quant(o.act_quant)},
+                  load);
   spdlog::info("model {}: {}", o.model_dir, model.config().summary());
   return model;
 }

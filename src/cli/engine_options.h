@@ -15,7 +15,8 @@
 namespace dsv4::cli {
 
 struct EngineOptions {
-  std::string model_dir, device = "cpu", kv_dtype = "fp8", indexer_dtype = "fp4";
+  std::string model_dir, device = "cpu", kv_dtype = "fp8", indexer_dtype = "fp4",
+              act_quant = "none";
   int max_context = 8192;
 
   static EngineOptions with_max_context(int tokens) {

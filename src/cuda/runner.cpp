@@ -136,28 +136,42 @@ class CudaRunner final : public SequenceRunner {
     gpu::row_op(p, stream_);
     launched(site);
   }
-  // y[m, :] = x[m, k] · Wᵀ with bf16 x (gemv: m <= 64 by construction of the chunk size).
-  void linear(const char* site, const DeviceLinear& w, const void* x, void* y, int m, GemvOut out, int row0 = 0,
-              int rows = -1) {
-    GemvParams p = w.params(x, y, m, out, 0, row0, rows);
+  // The activation quantisation of one of the reference's FP8/FP4 linears (Numerics::act) on p.
+  GemvParams quantised(GemvParams p) const {
+    p.act = act_;
+    p.act_scratch = act_scratch_.data();
+    return p;
+  }
+  // y[m, :] = x[m, k] · Wᵀ with bf16 x (gemv: m <= 64 by construction of the chunk size); `fp8_linear`: one of the
+  // reference's FP8/FP4 linears, whose input is quantised under --act-quant fp8.
+  void linear(const char* site, const DeviceLinear& w, const void* x, void* y, int m, GemvOut out,
+              bool fp8_linear = false) {
+    GemvParams p = w.params(x, y, m, out);
     p.stream = stream_;
-    gemv(p);
+    gemv(fp8_linear ? quantised(p) : p);
     launched(site);
   }
-  // Every part of a fused projection into its columns of y [m, f.n] (fp32).
-  void linear(const char* site, const FusedLinear& f, const void* x, float* y, int m) {
+  // Every part of a fused projection into its columns of y [m, f.n] (fp32); columns below fp8_rows belong to
+  // FP8/FP4 linears of the reference (a part that straddles the boundary runs as two calls).
+  void linear(const char* site, const FusedLinear& f, const void* x, float* y, int m, int fp8_rows = 0) {
+    if (act_ == GemvAct::BF16) fp8_rows = 0;
     for (const FusedLinear::Part& part : f.parts) {
-      GemvParams p = part.weight.params(x, y + part.row0, m, GemvOut::F32, f.n);
-      p.stream = stream_;
-      gemv(p);
-      launched(site);
+      const int end = part.row0 + part.weight.n, split = std::clamp(fp8_rows, part.row0, end) - part.row0;
+      for (const auto& [row0, rows, fp8] : {std::tuple{0, split, true}, {split, part.weight.n - split, false}}) {
+        if (rows == 0) continue;
+        GemvParams p = part.weight.params(x, y + part.row0 + row0, m, GemvOut::F32, f.n, row0, rows);
+        p.stream = stream_;
+        gemv(fp8 ? quantised(p) : p);
+        launched(site);
+      }
     }
   }
   // y[pair, :] = x[pair / x_row_div, :] · W_eᵀ for the routed pairs of the moe_slots arrays.
   // second / y_second: another projection of the same x and routing in the same launch (w3 next to w1).
   // active_slots: at most this many experts hold pairs (the chunk's pairs), for the kernel's split choice.
-  void linear_grouped(const char* site, const DeviceExperts& w, const void* x, int x_row_div, void* y, int max_rows,
-                      int active_slots, GemvOut out, const DeviceExperts* second = nullptr,
+  // x_rows: the rows of x (for the activation quantisation outside the W4A8 kernel).
+  void linear_grouped(const char* site, const DeviceExperts& w, const void* x, int x_row_div, int x_rows, void* y,
+                      int max_rows, int active_slots, GemvOut out, const DeviceExperts* second = nullptr,
                       void* y_second = nullptr) {
     GemvGroupedParams g;
     g.base.m = max_rows;
@@ -178,6 +192,8 @@ class CudaRunner final : public SequenceRunner {
     g.active_slots_hint = active_slots;
     g.slots = slots_;
     g.x_row_div = x_row_div;
+    g.x_rows = x_rows;
+    g.base = quantised(g.base);  // the routed and shared experts are FP8/FP4 linears of the reference
     if (second) {
       DSV4_CHECK(second->format == w.format && second->fp8_scale == w.fp8_scale && second->n == w.n &&
                      second->k == w.k && second->w_stride == w.w_stride && second->scale_stride == w.scale_stride,
@@ -199,6 +215,7 @@ class CudaRunner final : public SequenceRunner {
   const Model& model_;
   const ModelConfig& c_;
   const Numerics numerics_;
+  const GemvAct act_;  // FP8 under Numerics::act == FP8: the inputs of the reference's FP8/FP4 linears
   int max_context_ = 0, window_slots_ = 0;
   int64_t n_tokens_ = 0;
   size_t state_bytes_ = 0;
@@ -221,7 +238,8 @@ class CudaRunner final : public SequenceRunner {
   DeviceBuffer tokens_, streams_, mix_, post_, comb_, normed_, normed_bf16_, y_x_, qr_bf16_, y_q_, kv_chunk_,
       index_w_, scores_, selected_, o_grouped_, z_, attn_out_, router_logits_, expert_ids_,
       expert_weights_, slot_count_, slot_expert_, slot_offset_, row_order_, expert_gate_, expert_up_, h_, y_pairs_,
-      shared_y13_, h_shared_, shared_out_, head_in_, logits_, attention_scratch_, pair_weights_;
+      shared_y13_, h_shared_, shared_out_, head_in_, logits_, attention_scratch_, pair_weights_,
+      act_scratch_;
   MoeSlots slots_;     // views of slot_count_ .. row_order_
   int max_slots_ = 1;  // grouped-gemv grid: min(experts, picks of a full chunk)
   int max_entries_ = 1;  // largest compressed-entry count of any layer (scores scratch row length)
@@ -242,7 +260,10 @@ class CudaRunner final : public SequenceRunner {
 };
 
 CudaRunner::CudaRunner(const Model& model, int max_context, CudaRunnerOptions options)
-    : model_(model), c_(model.config()), numerics_(model.numerics()), max_context_(max_context), options_(options) {
+    : model_(model), c_(model.config()), numerics_(model.numerics()),
+      act_(model.numerics().act == ActQuant::FP8 ? GemvAct::FP8 : GemvAct::BF16),
+      max_context_(max_context),
+      options_(options) {
   DSV4_CHECK(cuda_available(), "--device cuda: no usable CUDA device or driver");
   DSV4_CHECK(max_context > 0, "--max-context must be positive, got {}", max_context);
   const ModelConfig& c = c_;
@@ -444,13 +465,16 @@ CudaRunner::CudaRunner(const Model& model, int max_context, CudaRunnerOptions op
       attention_scratch = std::max(attention_scratch, gpu::attention_scratch_floats(ap));
     }
   attention_scratch_ = zeros(attention_scratch * f);
+  if (act_ == GemvAct::FP8)  // the largest input of a quantised linear (bf16)
+    act_scratch_ = zeros(C * std::max({D, c.q_lora_rank, c.o_groups * c.o_lora_rank, pairs * max_inter, max_shared}) *
+                         b16);
   for (const DeviceBuffer* b : {&tokens_, &streams_, &mix_, &post_, &comb_, &normed_, &normed_bf16_, &y_x_,
                                 &qr_bf16_, &y_q_, &kv_chunk_, &index_w_, &scores_, &selected_, &o_grouped_,
                                 &z_, &attn_out_, &router_logits_, &expert_ids_, &expert_weights_,
                                 &slot_count_, &slot_expert_, &slot_offset_, &row_order_, &expert_gate_, &expert_up_,
                                 &h_, &y_pairs_, &shared_y13_, &h_shared_, &shared_out_, &head_in_, &logits_,
-                                &attention_scratch_, &pair_weights_})
-    stats_.workspace_bytes += b->size();
+                                &attention_scratch_, &pair_weights_, &act_scratch_})
+    stats_.workspace_bytes += bytes_of(*b);
   pos_ = zeros(sizeof(int64_t));
   DSV4_CUDA_CHECK(cudaMallocHost(&host_tokens_, C * sizeof(int32_t)));
   DSV4_CUDA_CHECK(cudaMallocHost(&host_pos_, sizeof(int64_t)));
@@ -632,7 +656,7 @@ void CudaRunner::attention_block(int l, int n, int64_t pos0, const int64_t* pos_
   launched("attn: hc_pre + norm");
 
   // 3.2 / 3.3 / 3.5 input projections in one GEMM, then q_norm and the q projections in another.
-  linear("attn: gemv x-side [wq_a|wkv|compressors]", d.w_x, normed_bf16_.data(), y_x, n);
+  linear("attn: gemv x-side [wq_a|wkv|compressors]", d.w_x, normed_bf16_.data(), y_x, n, c.q_lora_rank + hd);
   RowOpParams qn;
   qn.x = y_x;
   qn.x_token_stride = d.n_x;
@@ -643,7 +667,7 @@ void CudaRunner::attention_block(int l, int n, int64_t pos0, const int64_t* pos_
   qn.weight = d.q_norm.as<float>();
   qn.eps = c.rms_norm_eps;
   row_op("attn: q_norm", qn);
-  linear("attn: gemv q-side [wq_b|indexer wq_b]", d.w_q, qr_bf16_.data(), y_q, n);
+  linear("attn: gemv q-side [wq_b|indexer wq_b]", d.w_q, qr_bf16_.data(), y_q, n, d.n_q);
 
   RowOpParams q;  // per-head norm (no weight) + RoPE, in place
   q.x = q.y = y_q;
@@ -791,7 +815,7 @@ void CudaRunner::attention_block(int l, int n, int64_t pos0, const int64_t* pos_
   wo_a.y_batch_stride = ol;
   gemv_batched(wo_a);
   launched("attn: gemv wo_a (batched over groups)");
-  linear("attn: gemv wo_b", d.wo_b, z_.data(), attn_out_.data(), n, GemvOut::F32);
+  linear("attn: gemv wo_b", d.wo_b, z_.data(), attn_out_.data(), n, GemvOut::F32, true);
 
   gpu::hc_post(attn_out_.as<float>(), 1, nullptr, post_.as<float>(), comb_.as<float>(), n, hc, D, streams_.as<float>(),
                stream_);
@@ -847,7 +871,7 @@ void CudaRunner::ffn_block(int l, int n) {
   }
   moe_slots(slots);
   launched("ffn: moe_slots");
-  linear_grouped("ffn: grouped gemv w1 + w3", d.w1, normed_bf16_.data(), pairs, expert_gate_.data(), n, n * pairs,
+  linear_grouped("ffn: grouped gemv w1 + w3", d.w1, normed_bf16_.data(), pairs, n, expert_gate_.data(), n, n * pairs,
                  GemvOut::F32,
                  &d.w3, expert_up_.data());
   gpu::SwigluParams sw;
@@ -861,12 +885,13 @@ void CudaRunner::ffn_block(int l, int n) {
   sw.h = h_.as<uint16_t>();
   gpu::swiglu(sw, stream_);
   launched("ffn: swiglu");
-  linear_grouped("ffn: grouped gemv w2", d.w2, h_.data(), 1, y_pairs_.data(), n, n * pairs, GemvOut::F32);
+  linear_grouped("ffn: grouped gemv w2", d.w2, h_.data(), 1, n * pairs, y_pairs_.data(), n, n * pairs, GemvOut::F32);
 
   const bool shared = d.shared_inter > 0 && !d.shared_grouped;
   if (shared) {
     const int si = d.shared_inter;
-    linear("ffn: gemv shared [w1|w3]", d.shared_w13, normed_bf16_.data(), shared_y13_.as<float>(), n);
+    linear("ffn: gemv shared [w1|w3]", d.shared_w13, normed_bf16_.data(), shared_y13_.as<float>(), n,
+           d.shared_w13.n);
     gpu::SwigluParams ss;
     ss.gate = shared_y13_.as<float>();
     ss.up = shared_y13_.as<float>() + si;
@@ -877,7 +902,7 @@ void CudaRunner::ffn_block(int l, int n) {
     ss.h = h_shared_.as<uint16_t>();
     gpu::swiglu(ss, stream_);
     launched("ffn: shared swiglu");
-    linear("ffn: gemv shared w2", d.shared_w2, h_shared_.data(), shared_out_.data(), n, GemvOut::F32);
+    linear("ffn: gemv shared w2", d.shared_w2, h_shared_.data(), shared_out_.data(), n, GemvOut::F32, true);
   }
   gpu::hc_post(y_pairs_.as<float>(), pairs, shared ? shared_out_.as<float>() : nullptr, post_.as<float>(),
                comb_.as<float>(), n, hc, D, streams_.as<float>(), stream_);

@@ -11,6 +11,7 @@
 #include <numbers>
 
 #include "core/check.h"
+#include "formats/fp8.h"
 #include "io/safetensors.h"
 
 namespace dsv4 {
@@ -30,6 +31,25 @@ cpu::IndexerStorage parse_indexer_storage(const std::string& name) {
   if (name == "f32") return cpu::IndexerStorage::F32;
   DSV4_FAIL("unknown indexer dtype \"{}\" (expected fp4, bf16 or f32)", name);
 }
+
+ActQuant parse_act_quant(const std::string& name) {
+  if (name == "none") return ActQuant::None;
+  if (name == "fp8") return ActQuant::FP8;
+  DSV4_FAIL("unknown activation quantisation \"{}\" (expected none or fp8)", name);
+}
+
+namespace {
+
+// The input of an FP8/FP4 linear (8.1): x itself, or its quantised copy in `buf` (rows of k values).
+const float* linear_input(ActQuant act, const float* x, int rows, int k, std::vector<float>& buf) {
+  if (act == ActQuant::None) return x;
+  buf.assign(x, x + size_t(rows) * k);
+  for (int r = 0; r < rows; ++r)
+    for (int b = 0; b < k; b += 128) fp8_simulate_block(&buf[size_t(r) * k + b], std::min(128, k - b));
+  return buf.data();
+}
+
+}  // namespace
 
 std::vector<float> rope_inv_freq(const RopeConfig& rope, int dim) {
   std::vector<float> inv(dim / 2);
@@ -225,10 +245,12 @@ void Model::attention(int l, const float* x, Chunk& chunk, SequenceState& state,
   const float* inv_freq = c.has_compressor(l) ? inv_freq_compress_.data() : inv_freq_main_.data();
 
   // 3.2 query path
-  std::vector<float> qr(size_t(n) * c.q_lora_rank), q(size_t(n) * H * hd);
-  gemm_nt(x, A.wq_a.data.data(), qr.data(), n, c.q_lora_rank, D);
+  std::vector<float> qr(size_t(n) * c.q_lora_rank), q(size_t(n) * H * hd), x_act, qr_act;
+  const float* x_in = linear_input(numerics_.act, x, n, D, x_act);
+  gemm_nt(x_in, A.wq_a.data.data(), qr.data(), n, c.q_lora_rank, D);
   cpu::rms_norm(qr.data(), A.q_norm.data(), qr.data(), n, c.q_lora_rank, c.rms_norm_eps);
-  gemm_nt(qr.data(), A.wq_b.data.data(), q.data(), n, H * hd, c.q_lora_rank);
+  const float* qr_in = linear_input(numerics_.act, qr.data(), n, c.q_lora_rank, qr_act);
+  gemm_nt(qr_in, A.wq_b.data.data(), q.data(), n, H * hd, c.q_lora_rank);
   cpu::rms_norm(q.data(), nullptr, q.data(), n * H, hd, c.rms_norm_eps);
   for (int t = 0; t < n; ++t)
     for (int h = 0; h < H; ++h)
@@ -237,7 +259,7 @@ void Model::attention(int l, const float* x, Chunk& chunk, SequenceState& state,
 
   // 3.3 KV path (one head, K = V)
   std::vector<float> kv(size_t(n) * hd);
-  gemm_nt(x, A.wkv.data.data(), kv.data(), n, hd, D);
+  gemm_nt(x_in, A.wkv.data.data(), kv.data(), n, hd, D);
   cpu::rms_norm(kv.data(), A.kv_norm.data(), kv.data(), n, hd, c.rms_norm_eps);
   for (int t = 0; t < n; ++t) {
     cpu::rope_interleaved(&kv[size_t(t) * hd + nope], rd, inv_freq, chunk.pos0 + t, false);
@@ -270,7 +292,7 @@ void Model::attention(int l, const float* x, Chunk& chunk, SequenceState& state,
                          cpu::round_indexer(entry, ihd, numerics_.indexer);
                        });
     qi.resize(size_t(n) * nh * ihd);
-    gemm_nt(qr.data(), I.wq_b.data.data(), qi.data(), n, nh * ihd, c.q_lora_rank);
+    gemm_nt(qr_in, I.wq_b.data.data(), qi.data(), n, nh * ihd, c.q_lora_rank);
     for (int t = 0; t < n; ++t)
       for (int h = 0; h < nh; ++h) {
         float* qh = &qi[(size_t(t) * nh + h) * ihd];
@@ -356,7 +378,8 @@ void Model::attention(int l, const float* x, Chunk& chunk, SequenceState& state,
   for (int g = 0; g < G; ++g)
     cpu::gemm_nt_strided(o.data() + size_t(g) * group_width, H * hd, A.wo_a.row(g * ol), z.data() + size_t(g) * ol,
                          G * ol, n, ol, group_width);
-  gemm_nt(z.data(), A.wo_b.data.data(), out, n, D, G * ol);
+  std::vector<float> z_act;
+  gemm_nt(linear_input(numerics_.act, z.data(), n, G * ol, z_act), A.wo_b.data.data(), out, n, D, G * ol);
 }
 
 void Model::moe(int l, const float* x, const Chunk& chunk, float* out) const {
@@ -416,22 +439,26 @@ void Model::moe(int l, const float* x, const Chunk& chunk, float* out) const {
     std::vector<float> xs(size_t(m) * D), g(size_t(m) * I), u(size_t(m) * I), y(size_t(m) * D);
     for (int i = 0; i < m; ++i) std::copy_n(x + size_t(tokens[i].first) * D, D, &xs[size_t(i) * D]);
     const ExpertWeights& W = M.experts[e];
-    gemm_nt(xs.data(), W.w1.data.data(), g.data(), m, I, D);
-    gemm_nt(xs.data(), W.w3.data.data(), u.data(), m, I, D);
+    std::vector<float> xs_act, g_act;
+    const float* xs_in = linear_input(numerics_.act, xs.data(), m, D, xs_act);
+    gemm_nt(xs_in, W.w1.data.data(), g.data(), m, I, D);
+    gemm_nt(xs_in, W.w3.data.data(), u.data(), m, I, D);
     swiglu(g.data(), u.data(), m * I);
     for (int i = 0; i < m; ++i)
       for (int j = 0; j < I; ++j) g[size_t(i) * I + j] *= tokens[i].second;
-    gemm_nt(g.data(), W.w2.data.data(), y.data(), m, D, I);
+    gemm_nt(linear_input(numerics_.act, g.data(), m, I, g_act), W.w2.data.data(), y.data(), m, D, I);
     for (int i = 0; i < m; ++i)
       for (int d = 0; d < D; ++d) out[size_t(tokens[i].first) * D + d] += y[size_t(i) * D + d];
   }
   if (M.shared) {  // the shared expert is clamped too (current official revision)
     const int Is = M.shared->w1.rows;
-    std::vector<float> g(size_t(n) * Is), u(size_t(n) * Is);
-    gemm_nt(x, M.shared->w1.data.data(), g.data(), n, Is, D);
-    gemm_nt(x, M.shared->w3.data.data(), u.data(), n, Is, D);
+    std::vector<float> g(size_t(n) * Is), u(size_t(n) * Is), x_act, g_act;
+    const float* x_in = linear_input(numerics_.act, x, n, D, x_act);
+    gemm_nt(x_in, M.shared->w1.data.data(), g.data(), n, Is, D);
+    gemm_nt(x_in, M.shared->w3.data.data(), u.data(), n, Is, D);
     swiglu(g.data(), u.data(), n * Is);
-    cpu::gemm_nt_accumulate(g.data(), M.shared->w2.data.data(), out, n, D, Is);
+    cpu::gemm_nt_accumulate(linear_input(numerics_.act, g.data(), n, Is, g_act), M.shared->w2.data.data(), out, n, D,
+                            Is);
   }
 }
 

@@ -16,13 +16,22 @@
 
 namespace dsv4 {
 
+// Activation quantisation of the linears the official reference runs in FP8/FP4 (spec 8.1: wq_a, wkv, wq_b,
+// indexer wq_b, wo_b, routed and shared experts; not wo_a, the compressor, the router gate, weights_proj, head).
+enum class ActQuant {
+  None,  // the input as computed (fp32 here; bf16 on CUDA)
+  FP8,   // per row and 128-block: fp8_simulate_block (e4m3, power-of-two scale), like the official act_quant
+};
+
 struct Numerics {
   cpu::KvStorage kv = cpu::KvStorage::FP8;                 // --kv-dtype fp8|bf16|f32
   cpu::IndexerStorage indexer = cpu::IndexerStorage::FP4;  // --indexer-dtype fp4|bf16|f32
+  ActQuant act = ActQuant::None;                           // --act-quant none|fp8
 };
 
 cpu::KvStorage parse_kv_storage(const std::string& name);            // "fp8", "bf16", "f32"
 cpu::IndexerStorage parse_indexer_storage(const std::string& name);  // "fp4", "bf16", "f32"
+ActQuant parse_act_quant(const std::string& name);                   // "none", "fp8"
 
 // Receives named intermediates ("attn_norm", layer, [rows, cols]) when set; layer -1 = not per layer.
 using TraceFn = std::function<void(const std::string& name, int layer, const float* data, int rows, int cols)>;

@@ -380,7 +380,7 @@ double top2_margin(const float* v, int n) {
 // The CUDA runner on `model` against the CPU runner on `reference` (the same weights as the GPU holds them).
 CudaRunnerStats compare_runners(const std::string& name, const std::string& source, const Model& model,
                                 const Model& reference, int prompt_len, int decode_steps, double rel_tol,
-                                double min_fraction) {
+                                double min_fraction, double* prefill_median = nullptr) {
   const ModelConfig& c = model.config();
   const Numerics numerics = model.numerics();
   const int V = c.vocab_size, max_context = prompt_len + decode_steps + 8;
@@ -461,7 +461,7 @@ CudaRunnerStats compare_runners(const std::string& name, const std::string& sour
   EXPECT_EQ(same, compared) << "free-running greedy diverged before any near-tie";
 
   const CudaRunnerStats st = cuda_runner_stats(*gpu);
-  std::printf("[cuda-model] %s (%s) kv=%d indexer=%d prompt=%d decode=%d\n"
+  std::printf("[cuda-model] %s (%s) kv=%d indexer=%d act=%d prompt=%d decode=%d\n"
               "[cuda-model]   prefill max|diff| %.3g (max|logit| %.3g, rel %.3g; per-row median %.3g, p90 %.3g); "
               "decode max|diff| %.3g (rel %.3g; median %.3g, p90 %.3g); rows within tol %.0e rel: prefill %.0f%%, "
               "decode %.0f%%\n"
@@ -469,7 +469,7 @@ CudaRunnerStats compare_runners(const std::string& name, const std::string& sour
               "[cuda-model]   decode graph %.1f tok/s (%.3f ms/token incl. logits copy, %lld launch = %lld kernels), "
               "direct %.1f tok/s (%lld launches/token), graph vs direct max|diff| %.3g\n"
               "[cuda-model]   weights %.2f MiB, workspaces %.2f MiB, state %.2f MiB\n",
-              name.c_str(), source.c_str(), int(numerics.kv), int(numerics.indexer), prompt_len, decode_steps,
+              name.c_str(), source.c_str(), int(numerics.kv), int(numerics.indexer), int(numerics.act), prompt_len, decode_steps,
               prefill.max_abs, prefill.max_ref, prefill.max_abs / prefill.max_ref, prefill.quantile(0.5),
               prefill.quantile(0.9), decode.max_abs, decode.max_abs / decode.max_ref, decode.quantile(0.5),
               decode.quantile(0.9), rel_tol, 100 * prefill.fraction_within(rel_tol * prefill.max_ref),
@@ -482,6 +482,7 @@ CudaRunnerStats compare_runners(const std::string& name, const std::string& sour
   // so the bound is on most rows, the max is reported.
   EXPECT_GE(prefill.fraction_within(rel_tol * prefill.max_ref), min_fraction);
   EXPECT_GE(decode.fraction_within(rel_tol * decode.max_ref), min_fraction);
+  if (prefill_median) *prefill_median = prefill.quantile(0.5);
   return st;
 }
 
@@ -546,8 +547,27 @@ void check_quantised(const std::string& variant, QuantTarget target, bool all_li
     for (const Matrix* m : {&L.attn.wq_a, &L.attn.wq_b, &L.attn.wkv, &L.attn.wo_a, &L.attn.wo_b, &L.ffn.experts[0].w1})
       n_packed += m->packed.has_value(), ++n_linear;
   }
-  const CudaRunnerStats st =
-      compare_runners("tiny-flash " + variant, "quantised " + out.string(), packed, reference, 150, 30, 5e-2, 0.65);
+  double median = 0;
+  const CudaRunnerStats st = compare_runners("tiny-flash " + variant, "quantised " + out.string(), packed, reference,
+                                             150, 30, 5e-2, 0.65, &median);
+  if (numerics.act == ActQuant::FP8) {
+    // The GPU must quantise the inputs of the same linears as the CPU: its distance to the CPU with act fp8 has to
+    // stay well below the distance between the CPU with and without it.
+    Numerics plain = numerics;
+    plain.act = ActQuant::None;
+    const Model reference_plain(decoded.config(), bf16_linears(decoded.weights()), plain);
+    const int V = reference.config().vocab_size;
+    std::mt19937 rng(99);
+    std::uniform_int_distribution<int32_t> token(2, V - 1);
+    std::vector<int32_t> prompt(150);
+    for (int32_t& t : prompt) t = token(rng);
+    SequenceState a = reference.new_sequence(150), b = reference_plain.new_sequence(150);
+    Diff act_effect;
+    act_effect.add(reference.forward(a, prompt, false), reference_plain.forward(b, prompt, false), V);
+    std::printf("[cuda-quant] %s: per-row median logit error GPU vs CPU (both act fp8) %.3g; CPU act fp8 vs none "
+                "%.3g\n", variant.c_str(), median, act_effect.quantile(0.5));
+    EXPECT_LT(median, 0.5 * act_effect.quantile(0.5));
+  }
   const CudaRunnerStats bf16 = cuda_runner_stats(*make_cuda_runner(decoded, 64));
   std::printf("[cuda-quant] %s: %d of %d sampled linears packed; weights on the GPU %.3f MiB vs %.3f MiB as bf16\n",
               variant.c_str(), n_packed, n_linear, st.weight_bytes / 1048576.0, bf16.weight_bytes / 1048576.0);
@@ -566,6 +586,11 @@ TEST(CudaModel, QuantisedNvfp4Experts) {
 TEST(CudaModel, QuantisedNvfp4AllLinears) {
   DSV4_REQUIRE_CUDA();
   check_quantised("nvfp4-all", QuantTarget::Nvfp4, true, kDefault);
+}
+// --act-quant fp8: the W4A8 kernel at decode (m = 1), act_quant + the bf16-activation kernels elsewhere.
+TEST(CudaModel, QuantisedNvfp4AllLinearsActFp8) {
+  DSV4_REQUIRE_CUDA();
+  check_quantised("nvfp4-all-a8", QuantTarget::Nvfp4, true, {kDefault.kv, kDefault.indexer, ActQuant::FP8});
 }
 TEST(CudaModel, QuantisedDeepSeekFp8Fp4) {
   DSV4_REQUIRE_CUDA();
