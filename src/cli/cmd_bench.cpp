@@ -1,9 +1,11 @@
 // SPDX-License-Identifier: MIT
 // `dsv4 bench`: a random model with the real V4-Flash shapes (fewer routed experts per layer so that it fits one
 // GPU; batch-1 decode reads 6 of them whatever the count) on the CUDA runner, in NVFP4 and BF16. Reports prefill
-// tokens/s (1K / 8K / 32K prompts) and batch-1 decode tokens/s, each against its roofline:
-//   decode   bytes that must be read per token (weights of the 6 + 1 experts, attention, fp32 mixes, KV at the
-//            decode context, lm_head, one embedding row) / copy bandwidth measured in the same run
+// tokens/s (1K / 8K / 32K prompts) and decode tokens/s at batch 1, 8, 32, each against its roofline:
+//   decode   bytes that must be read per step (weights of the experts the batch's tokens pick, expected under
+//            uniform routing: 6 at batch 1; the shared expert, attention, fp32 mixes, lm_head once; KV at the
+//            decode context and one embedding row per sequence) / copy bandwidth measured in the same run, times
+//            the batch. Batches > 1 are sequences copied from the batch-1 one (same context, no B prefills).
 //   prefill  FLOPs per token (2 x active params + attention) / the bf16 tensor-core rate, and the weight-streaming
 //            bound of the runner's chunked prefill (every chunk of kCudaMaxChunk tokens reads the weights once)
 // docs/bench.md explains the accounting. `--plan-only` prints the accounting without a GPU.
@@ -60,6 +62,7 @@ struct BenchArgs {
   std::vector<int> prefill = {1024, 8192, 32768};
   int decode_context = 8192;
   int decode_steps = 64;
+  std::vector<int> decode_batch = {1, 8, 32};
   int max_context = 0;  // 0 = max(prefill lengths, decode context + warm-up + steps)
   uint64_t seed = 1;
   std::string json_path;
@@ -157,38 +160,43 @@ double total_flops(const std::vector<CostLine>& lines) {
   return s;
 }
 
-// Bytes read and FLOPs of one batch-1 decode step at position `pos`, in the sizes the CUDA runner stores: linear
-// weights in `f`, embedding and lm_head bf16, mixes / gate / weights_proj fp32, KV and indexer keys fp32.
-std::vector<CostLine> decode_token_cost(const ModelConfig& c, BenchFormat f, int64_t pos) {
-  const LinearElements e = linear_elements(c);
-  const double w = linear_bytes_per_element(f), f32 = 4, bf16 = 2;
-  const AttendedKeys k = attended_keys(c, pos);
-  const double kv_entry = c.head_dim * f32, index_entry = c.index_head_dim * f32;
-  const double key_flops = 4.0 * c.n_heads * c.head_dim;
-  const int top_k = c.n_experts_per_tok;
-  return {
-      {"attention wq_a wq_b wkv wo_a wo_b", e.attention * w, 2 * e.attention},
-      {"KV compressors wkv wgate", e.compressors * w, 2 * e.compressors},
-      {"indexer wq_b + compressor", e.indexer * w, 2 * e.indexer},
-      {fmt::format("routed experts ({} of {})", top_k, c.n_routed_experts), top_k * e.routed_expert * w,
-       2 * top_k * e.routed_expert},
-      {"shared expert", e.shared * w, 2 * e.shared},
-      {"fp32 mHC fn, router gate, weights_proj", e.fp32 * f32, 2 * e.fp32},
-      {"fp32 norms, sinks, biases, ape rows", e.vectors * f32, 0},
-      {"lm_head (bf16)", e.head * bf16, 2 * e.head},
-      {"embedding row (bf16)", e.embed_row * bf16, 0},
-      {"KV window entries (fp32)", k.window * kv_entry, k.window * key_flops},
-      {"KV CSA top-k entries (fp32)", k.csa * kv_entry, k.csa * key_flops},
-      {"KV HCA entries (fp32)", k.hca * kv_entry, k.hca * key_flops},
-      {"indexer keys (fp32)", k.index_keys * index_entry,
-       k.index_keys * 2.0 * c.index_n_heads * c.index_head_dim},
-  };
-}
-
-// Expected distinct experts a chunk of `tokens` tokens touches in one layer under uniform random routing.
+// Expected distinct experts a chunk of `tokens` tokens touches in one layer under uniform random routing
+// (exactly k for one token).
 double experts_touched(const ModelConfig& c, int tokens) {
   const double E = c.n_routed_experts;
   return E * (1.0 - std::pow(1.0 - c.n_experts_per_tok / E, tokens));
+}
+
+// Bytes read and FLOPs of one decode step of `batch` sequences, each at position `pos`, in the sizes the CUDA
+// runner stores: linear weights in `f` (read once per step; routed experts: those the batch touches), embedding
+// and lm_head bf16, mixes / gate / weights_proj fp32, KV and indexer keys fp32 (read per sequence).
+std::vector<CostLine> decode_step_cost(const ModelConfig& c, BenchFormat f, int64_t pos, int batch = 1) {
+  const LinearElements e = linear_elements(c);
+  const double w = linear_bytes_per_element(f), f32 = 4, bf16 = 2, B = batch;
+  const AttendedKeys k = attended_keys(c, pos);
+  const double kv_entry = c.head_dim * f32, index_entry = c.index_head_dim * f32;
+  const double key_flops = 4.0 * c.n_heads * c.head_dim;
+  const double touched = experts_touched(c, batch);
+  const std::string routed = batch == 1 ? fmt::format("routed experts ({} of {})", c.n_experts_per_tok,
+                                                      c.n_routed_experts)
+                                        : fmt::format("routed experts ({:.1f} of {} touched)", touched,
+                                                      c.n_routed_experts);
+  return {
+      {"attention wq_a wq_b wkv wo_a wo_b", e.attention * w, 2 * B * e.attention},
+      {"KV compressors wkv wgate", e.compressors * w, 2 * B * e.compressors},
+      {"indexer wq_b + compressor", e.indexer * w, 2 * B * e.indexer},
+      {routed, touched * e.routed_expert * w, 2 * B * c.n_experts_per_tok * e.routed_expert},
+      {"shared expert", e.shared * w, 2 * B * e.shared},
+      {"fp32 mHC fn, router gate, weights_proj", e.fp32 * f32, 2 * B * e.fp32},
+      {"fp32 norms, sinks, biases, ape rows", e.vectors * f32, 0},
+      {"lm_head (bf16)", e.head * bf16, 2 * B * e.head},
+      {"embedding rows (bf16)", B * e.embed_row * bf16, 0},
+      {"KV window entries (fp32)", B * k.window * kv_entry, B * k.window * key_flops},
+      {"KV CSA top-k entries (fp32)", B * k.csa * kv_entry, B * k.csa * key_flops},
+      {"KV HCA entries (fp32)", B * k.hca * kv_entry, B * k.hca * key_flops},
+      {"indexer keys (fp32)", B * k.index_keys * index_entry,
+       B * k.index_keys * 2.0 * c.index_n_heads * c.index_head_dim},
+  };
 }
 
 struct PrefillBounds {
@@ -237,16 +245,21 @@ void validate(BenchArgs& a) {
   for (int len : a.prefill) DSV4_CHECK(len > 0, "dsv4 bench: --prefill length {} must be positive", len);
   DSV4_CHECK(a.decode_context >= 0, "dsv4 bench: --decode-context {} must be >= 0", a.decode_context);
   DSV4_CHECK(a.decode_steps > 0, "dsv4 bench: --decode-steps {} must be positive", a.decode_steps);
+  DSV4_CHECK(!a.decode_batch.empty(), "dsv4 bench: --decode-batch lists no batch size");
+  for (int b : a.decode_batch)
+    DSV4_CHECK(b >= 1 && b <= 64, "dsv4 bench: --decode-batch {} must be in [1, 64] (one chunk of the runner)", b);
+  // Sequence 0 goes on from batch to batch (the others are copied from it).
   const int needed = std::max(*std::max_element(a.prefill.begin(), a.prefill.end()),
-                              a.decode_context + kDecodeWarmupSteps + a.decode_steps + (a.profile ? 1 : 0));
+                              a.decode_context + int(a.decode_batch.size()) * (kDecodeWarmupSteps + a.decode_steps) +
+                                  (a.profile ? 1 : 0));
   if (a.max_context == 0) a.max_context = needed;
   DSV4_CHECK(a.max_context >= needed, "dsv4 bench: --max-context {} is below the {} tokens the runs need",
              a.max_context, needed);
 }
 
-void print_cost_table(const std::vector<CostLine>& lines, BenchFormat f, int64_t pos) {
-  fmt::print("\nbytes read per decoded token, batch 1, {} linears, position {}:\n", format_name(f), pos);
-  fmt::print("  {:<42} {:>10} {:>10}\n", "component (all layers)", "GB/token", "GFLOP");
+void print_cost_table(const std::vector<CostLine>& lines, BenchFormat f, int64_t pos, int batch = 1) {
+  fmt::print("\nbytes read per decode step, batch {}, {} linears, position {}:\n", batch, format_name(f), pos);
+  fmt::print("  {:<42} {:>10} {:>10}\n", "component (all layers)", "GB/step", "GFLOP");
   for (const CostLine& l : lines) fmt::print("  {:<42} {:>10.4f} {:>10.3f}\n", l.name, l.bytes / 1e9, l.flops / 1e9);
   fmt::print("  {:<42} {:>10.4f} {:>10.3f}\n", "total", total_bytes(lines) / 1e9, total_flops(lines) / 1e9);
 }
@@ -267,7 +280,8 @@ void write_json(const BenchArgs& a, const json& report) {
 
 json args_json(const BenchArgs& a, const ModelConfig& c) {
   return {{"experts_per_layer", a.experts}, {"prefill", a.prefill}, {"decode_context", a.decode_context},
-          {"decode_steps", a.decode_steps}, {"max_context", a.max_context}, {"seed", a.seed},
+          {"decode_steps", a.decode_steps}, {"decode_batch", a.decode_batch}, {"max_context", a.max_context},
+          {"seed", a.seed},
           {"act_quant", a.act_quant},
           {"config", c.summary()}, {"bf16_dense_flops", kBf16DenseFlops}, {"prefill_chunk", kPrefillChunk}};
 }
@@ -279,8 +293,15 @@ int run_plan(const BenchArgs& a) {
   json report = args_json(a, config);
   for (BenchFormat f : parse_formats(a.format)) {
     const int64_t pos = decode_mean_position(a);
-    const std::vector<CostLine> lines = decode_token_cost(config, f, pos);
+    const std::vector<CostLine> lines = decode_step_cost(config, f, pos);
     print_cost_table(lines, f, pos);
+    json batches = json::array();
+    for (int B : a.decode_batch) {
+      const std::vector<CostLine> step = decode_step_cost(config, f, pos, B);
+      fmt::print("  decode batch {:>2}: {:.2f} GB per step, {:.2f} GB per token\n", B, total_bytes(step) / 1e9,
+                 total_bytes(step) / 1e9 / B);
+      batches.push_back({{"batch", B}, {"bytes_per_step", total_bytes(step)}, {"flops_per_step", total_flops(step)}});
+    }
     json prefill = json::array();
     for (int len : a.prefill) {
       const PrefillBounds b = prefill_bounds(config, f, len, 0);
@@ -293,7 +314,8 @@ int run_plan(const BenchArgs& a) {
     }
     report["formats"][format_name(f)] = {{"decode_position", pos}, {"decode_bytes_per_token", total_bytes(lines)},
                                          {"decode_flops_per_token", total_flops(lines)},
-                                         {"decode_components", cost_json(lines)}, {"prefill", prefill}};
+                                         {"decode_components", cost_json(lines)}, {"decode_batches", batches},
+                                         {"prefill", prefill}};
   }
   write_json(a, report);
   return 0;
@@ -360,6 +382,7 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
   CudaRunnerOptions options;
   options.synthetic_format = f == BenchFormat::NVFP4 ? GemvWeight::NVFP4 : GemvWeight::BF16;
   options.synthetic_seed = a.seed;
+  options.sequences = *std::max_element(a.decode_batch.begin(), a.decode_batch.end());
   fmt::print("\n=== {} ===\n", format_name(f));
   std::fflush(stdout);
   auto start = std::chrono::steady_clock::now();
@@ -400,35 +423,45 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
 
   runner->reset();
   if (a.decode_context > 0) runner->forward(random_tokens(rng, a.decode_context, c.vocab_size), true);
-  std::vector<int32_t> token = random_tokens(rng, 1, c.vocab_size);
-  for (int i = 0; i < kDecodeWarmupSteps; ++i) runner->forward(token, true);
-  start = std::chrono::steady_clock::now();
-  for (int i = 0; i < a.decode_steps; ++i) {
-    token[0] = int32_t((token[0] + 7919) % c.vocab_size);  // a different token each step, no sampling cost
-    runner->forward(token, true);
+  // Batch 1 through forward() (the single-sequence path generate uses); larger batches are copies of sequence 0
+  // at its current length, stepped together with decode_batch.
+  json decodes = json::array();
+  std::vector<int32_t> tokens = random_tokens(rng, 64, c.vocab_size);
+  for (int B : a.decode_batch) {
+    for (int b = 1; b < B; ++b) cuda_runner_copy_sequence(*runner, 0, b);
+    auto step = [&] {
+      for (int b = 0; b < B; ++b) tokens[b] = int32_t((tokens[b] + 7919) % c.vocab_size);  // no sampling cost
+      if (B == 1)
+        runner->forward(std::span<const int32_t>(tokens.data(), 1), true);
+      else
+        cuda_runner_decode_batch(*runner, std::span<const int32_t>(tokens.data(), B));
+    };
+    for (int i = 0; i < kDecodeWarmupSteps; ++i) step();  // the first step captures the graph of this batch size
+    const int64_t pos = runner->n_tokens() + a.decode_steps / 2;
+    start = std::chrono::steady_clock::now();
+    for (int i = 0; i < a.decode_steps; ++i) step();
+    const double seconds = seconds_since(start);
+    const CudaRunnerStats stats = cuda_runner_stats(*runner);
+    const int64_t kernels = stats.last_forward_replayed_graph ? stats.graph_kernels : stats.launches_last_forward;
+    const std::vector<CostLine> lines = decode_step_cost(c, f, pos, B);
+    const double bytes = total_bytes(lines), tok_s = double(B) * a.decode_steps / seconds;
+    const double roofline = B * bandwidth / bytes;
+    if (B == a.decode_batch.front()) print_cost_table(lines, f, pos, B);
+    fmt::print("\ndecode batch {} at context {}: {:.1f} tok/s ({:.3f} ms/step), {} kernels per step{}; roofline "
+               "{:.1f} tok/s ({:.2f} GB/step at {:.0f} GB/s) -> {:.3f} of roofline\n",
+               B, pos, tok_s, 1e3 * seconds / a.decode_steps, kernels,
+               stats.last_forward_replayed_graph ? " (graph replay)" : "", roofline, bytes / 1e9, bandwidth_gbs,
+               tok_s / roofline);
+    decodes.push_back({{"batch", B}, {"context", a.decode_context}, {"steps", a.decode_steps},
+                       {"mean_position", pos}, {"seconds", seconds}, {"tok_s", tok_s},
+                       {"ms_per_step", 1e3 * seconds / a.decode_steps}, {"kernels_per_step", kernels},
+                       {"graph_replay", stats.last_forward_replayed_graph}, {"bytes_per_step", bytes},
+                       {"flops_per_step", total_flops(lines)}, {"components", cost_json(lines)},
+                       {"roofline_tok_s", roofline}, {"fraction_of_roofline", tok_s / roofline}});
+    if (a.profile && B == 1)
+      report["decode_profile"] = profile_decode_step(*runner, tokens[0], 1e3 * seconds / a.decode_steps);
   }
-  const double seconds = seconds_since(start);
-  const CudaRunnerStats stats = cuda_runner_stats(*runner);
-  const int64_t kernels = stats.last_forward_replayed_graph ? stats.graph_kernels : stats.launches_last_forward;
-  const int64_t pos = decode_mean_position(a);
-  const std::vector<CostLine> lines = decode_token_cost(c, f, pos);
-  const double bytes = total_bytes(lines), tok_s = a.decode_steps / seconds, roofline = bandwidth / bytes;
-  print_cost_table(lines, f, pos);
-  fmt::print("\ndecode batch 1 at context {}: {:.1f} tok/s ({:.3f} ms/token), {} kernels per token{}; roofline "
-             "{:.1f} tok/s ({:.2f} GB/token at {:.0f} GB/s) -> {:.3f} of roofline\n",
-             a.decode_context, tok_s, 1e3 * seconds / a.decode_steps, kernels,
-             stats.last_forward_replayed_graph ? " (graph replay)" : "", roofline, bytes / 1e9, bandwidth_gbs,
-             tok_s / roofline);
-  fmt::print("decode batch 8, 32: not measured (the CUDA runner runs one sequence)\n");
-  report["decode"] = {{"batch", 1}, {"context", a.decode_context}, {"steps", a.decode_steps},
-                      {"mean_position", pos}, {"seconds", seconds}, {"tok_s", tok_s},
-                      {"ms_per_token", 1e3 * seconds / a.decode_steps}, {"kernels_per_token", kernels},
-                      {"graph_replay", stats.last_forward_replayed_graph}, {"bytes_per_token", bytes},
-                      {"flops_per_token", total_flops(lines)}, {"components", cost_json(lines)},
-                      {"roofline_tok_s", roofline}, {"fraction_of_roofline", tok_s / roofline}};
-  report["decode_batch_8"] = "not measured: the CUDA runner runs one sequence";
-  report["decode_batch_32"] = "not measured: the CUDA runner runs one sequence";
-  if (a.profile) report["decode_profile"] = profile_decode_step(*runner, token[0], 1e3 * seconds / a.decode_steps);
+  report["decode"] = decodes;
   return report;
 }
 
@@ -480,7 +513,11 @@ void add_bench_command(CLI::App& app, Handler& handler) {
       ->delimiter(',')->capture_default_str();
   cmd->add_option("--decode-context", args->decode_context, "Tokens prefilled before the timed decode steps")
       ->capture_default_str();
-  cmd->add_option("--decode-steps", args->decode_steps, "Timed 1-token decode steps")->capture_default_str();
+  cmd->add_option("--decode-steps", args->decode_steps, "Timed decode steps per batch size")->capture_default_str();
+  cmd->add_option("--decode-batch", args->decode_batch,
+                  "Decode batch sizes to time, comma-separated (sequences at the decode context, one token each "
+                  "per step)")
+      ->delimiter(',')->capture_default_str();
   cmd->add_option("--max-context", args->max_context,
                   "Tokens of state preallocated (default: the longest prompt or decode context + steps)");
   cmd->add_option("--seed", args->seed, "Seed of the weights and token ids")->capture_default_str();

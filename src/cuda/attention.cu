@@ -68,7 +68,7 @@ __device__ void inverse_rope(float* o, const AttentionParams& p, int64_t pos) {
 // o (normalised, de-rotated) -> bf16, grouped for the output projection [groups, n, heads_per_group · dim].
 __device__ void store_grouped(const float* o, const AttentionParams& p, int h, int t) {
   const int heads_per_group = p.heads / p.groups, g = h / heads_per_group, width = heads_per_group * p.dim;
-  uint16_t* out = p.out + (int64_t(g) * p.n + t) * width + (h % heads_per_group) * p.dim;
+  uint16_t* out = p.out + (int64_t(g) * (p.out_rows ? p.out_rows : p.n) + t) * width + (h % heads_per_group) * p.dim;
   for (int i = threadIdx.x; i < p.dim; i += blockDim.x) out[i] = f32_to_bf16(o[i]);
 }
 

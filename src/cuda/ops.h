@@ -32,7 +32,8 @@ enum class RowRound {
 // Graph-replayable decode: pos_device (when set) replaces pos0 with a position read on the device, and
 // emit_ratio = r > 0 (one row, tokens = heads = 1) finishes a compressor entry only on the steps that complete
 // one: when (pos + 1) % r == 0 the row is entry b = pos / r (x and y advanced by b row strides, RoPE at b·r),
-// otherwise the launch does nothing.
+// otherwise the launch does nothing. Batched decode (rows of different sequences): pos_rows (device, [tokens])
+// gives token t its own position and replaces pos0 + t · pos_step (not combined with emit_ratio).
 struct RowOpParams {
   const float* x = nullptr;
   int64_t x_token_stride = 0, x_head_stride = 0;
@@ -51,6 +52,7 @@ struct RowOpParams {
   RowRound round = RowRound::None;
   const int64_t* pos_device = nullptr;
   int emit_ratio = 0;
+  const int64_t* pos_rows = nullptr;
 };
 void row_op(const RowOpParams& p, cudaStream_t stream);
 
@@ -158,7 +160,8 @@ void indexer_topk(const IndexerTopkParams& p, cudaStream_t stream);
 //   else all (p+1)/ratio; none when ratio == 0);
 //   o = Σ_j softmax_j(q·k_j·scale | sink_h) k_j, then inverse RoPE at p on the last rope_dim dims.
 // Output bf16, grouped for the output projection: head h of token t goes to out[g][t][(h % hpg)·dim + i] with
-// hpg = heads / groups, g = h / hpg  (layout [groups, n, hpg·dim]). dim <= 512, dim % 32 == 0.
+// hpg = heads / groups, g = h / hpg  (layout [groups, out_rows, hpg·dim], out_rows = n unless set: a call for
+// one sequence's rows of a batched decode writes its rows of the whole batch's array). dim <= 512, dim % 32 == 0.
 // Few tokens (decode): the keys of each (token, head) are split over attention_splits(p) blocks whose partials go
 // to `scratch` (attention_scratch_floats(p) floats), then merged in a second launch. The split count depends
 // only on host-known fields (n, heads, window, ratio, topk or max_entries), so graph replays keep their shape.
@@ -181,6 +184,7 @@ struct AttentionParams {
   uint16_t* out = nullptr;
   const int64_t* pos_device = nullptr;  // when set, pos0 is read here (graph replay)
   int max_entries = 0;        // capacity of `compressed` (bounds the keys when selected == nullptr)
+  int out_rows = 0;           // rows per group of `out` (0 = n)
   float* scratch = nullptr;   // split partials, see above
 };
 void attention(const AttentionParams& p, cudaStream_t stream);

@@ -134,7 +134,7 @@ __global__ void row_op_kernel(RowOpParams p, int lanes, int rows_per_block) {
     rotate[k] = first + 2 * k >= nope && pair < half_rope;
     cos_a[k] = 1.0f, sin_a[k] = 0.0f;
     if (rotate[k]) {
-      const int64_t position = pos0 + int64_t(t) * p.pos_step;
+      const int64_t position = p.pos_rows ? p.pos_rows[t] : pos0 + int64_t(t) * p.pos_step;
       const float angle = __fmul_rn(float(position), p.inv_freq[pair]);
       double s, c;
       sincos(double(angle), &s, &c);

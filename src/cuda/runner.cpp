@@ -21,6 +21,7 @@
 #include <cstring>
 #include <string>
 #include <limits>
+#include <map>
 #include <optional>
 #include <vector>
 
@@ -68,11 +69,11 @@ struct HcDevice {
                                                  scale(upload_f32(w.scale)) {}
 };
 
-// Compressor weights plus its partial-block state ([rows, width] kv and score) on the device.
+// Compressor weights; its partial-block state ([rows, width] kv and score) is per sequence (SequenceDevice).
 struct CompressorDevice {
   int ratio = 0, dim = 0, rows = 0, width = 0;
   bool overlap = false;
-  DeviceBuffer ape, norm, state_kv, state_score;
+  DeviceBuffer ape, norm;
 };
 
 struct LayerDevice {
@@ -99,10 +100,36 @@ struct LayerDevice {
   FusedLinear shared_w13;  // [w1 | w3] of the shared expert
   DeviceLinear shared_w2;
   int shared_inter = 0;
-  // sequence state
-  DeviceBuffer window, compressed, index_keys;
 
   LayerDevice(const LayerWeights& w) : hc_attn(w.hc_attn), hc_ffn(w.hc_ffn) {}
+};
+
+// One sequence's state, with the CPU layout and sizes of model/state.h: per layer the window ring, the compressed
+// KV, the indexer keys and the two compressors' partial-block states (kv 0 and scores -inf at sequence start).
+struct SequenceDevice {
+  struct Layer {
+    DeviceBuffer window, compressed, index_keys;
+    DeviceBuffer compressor_kv, compressor_score, index_compressor_kv, index_compressor_score;
+  };
+  std::vector<Layer> layers;
+  int64_t n_tokens = 0;
+
+  template <class F>
+  void for_each_buffer(F&& f) {
+    for (Layer& l : layers)
+      for (DeviceBuffer* b : {&l.window, &l.compressed, &l.index_keys, &l.compressor_kv, &l.compressor_score,
+                              &l.index_compressor_kv, &l.index_compressor_score})
+        f(*b);
+  }
+};
+
+// Rows row0 .. row0 + n of the chunk being enqueued are positions pos0.. of sequence `seq` (pos0 read from
+// pos_device when set: graph-replayable steps). A prefill chunk is one part; a batched decode step one part per
+// sequence, one row each.
+struct ChunkPart {
+  int seq = 0, row0 = 0, n = 0;
+  int64_t pos0 = 0;
+  const int64_t* pos_device = nullptr;
 };
 
 size_t bytes_of(const DeviceBuffer& b) { return b.data() ? b.size() : 0; }
@@ -114,21 +141,45 @@ class CudaRunner final : public SequenceRunner {
 
   const ModelConfig& config() const override { return c_; }
   std::vector<float> forward(std::span<const int32_t> tokens, bool last_only) override;
-  int64_t n_tokens() const override { return n_tokens_; }
+  int64_t n_tokens() const override { return seqs_[current_seq_].n_tokens; }
   int max_context() const override { return max_context_; }
   void reset() override;
   size_t state_bytes() const override { return state_bytes_; }
   CudaRunnerStats stats() const { return stats_; }
   std::vector<LaunchTiming> profile_step(int32_t token);
+  int sequences() const { return int(seqs_.size()); }
+  void select_sequence(int seq);
+  std::vector<float> decode_batch(std::span<const int32_t> tokens);
+  void copy_sequence(int from, int to);
 
  private:
   enum class Rows { None, Last, All };  // logits rows a chunk returns
+  // A captured decode step: one token for each of `count` sequences from `first` on.
+  struct DecodeGraph {
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    int64_t kernels = 0;
+  };
   void run_chunk(std::span<const int32_t> tokens, int64_t pos0, Rows rows, std::vector<float>& logits);
-  // Everything from the token upload to the logits download, asynchronously. pos_device != nullptr: positions
-  // are read from device memory and entry finishing is decided on the device (graph capture of decode steps).
-  void enqueue_chunk(int n, int64_t pos0, const int64_t* pos_device, Rows rows);
-  void attention_block(int l, int n, int64_t pos0, const int64_t* pos_device);
+  // parts_ (token ids in host_tokens_, positions in host_pos_ when on the device) through the decode graph of
+  // its sequences when `graph`, else by direct launches; waits for the logits unless rows == None.
+  void run_parts(int n, Rows rows, bool graph, std::vector<float>& logits);
+  // Everything from the token upload to the logits download, asynchronously, for the rows of parts_. Parts with
+  // pos_device read their positions from device memory and decide entry finishing on the device (graph capture).
+  void enqueue_chunk(int n, Rows rows);
+  void attention_block(int l, int n);
   void ffn_block(int l, int n);
+  // The positions of a row op over all n rows of the chunk: one sequence's pos0 / pos_device, or (batched decode)
+  // one device position per row.
+  void set_positions(RowOpParams& p) const {
+    if (parts_.size() == 1) {
+      p.pos0 = parts_[0].pos0;
+      p.pos_device = parts_[0].pos_device;
+    } else {
+      p.pos_rows = pos_.as<int64_t>();
+    }
+  }
+  SequenceDevice make_sequence(size_t& state_bytes) const;  // adds the sizes SequenceState::create uses
   // Counts the kernels of one launch site; when profiling, an event after it times the site.
   void launched(const char* site, int kernels = 1);
   void record_event(size_t index);  // events_[index] on the stream, created when first needed
@@ -217,14 +268,15 @@ class CudaRunner final : public SequenceRunner {
   const Numerics numerics_;
   const GemvAct act_;  // FP8 under Numerics::act == FP8: the inputs of the reference's FP8/FP4 linears
   int max_context_ = 0, window_slots_ = 0;
-  int64_t n_tokens_ = 0;
+  std::vector<SequenceDevice> seqs_;
+  int current_seq_ = 0;              // the sequence forward() / reset() / n_tokens() act on
+  std::vector<ChunkPart> parts_;     // of the chunk being enqueued (capacity kCudaMaxChunk: never reallocates)
   size_t state_bytes_ = 0;
   CudaRunnerStats stats_;
   int64_t launches_ = 0;
   cudaStream_t stream_ = nullptr;
   CudaRunnerOptions options_;
-  cudaGraph_t decode_graph_ = nullptr;
-  cudaGraphExec_t decode_exec_ = nullptr;
+  std::map<std::pair<int, int>, DecodeGraph> decode_graphs_;  // by (first sequence, count)
   cudaEvent_t tokens_uploaded_ = nullptr;  // host_tokens_ may be rewritten once this has completed
   bool upload_pending_ = false;
 
@@ -243,9 +295,9 @@ class CudaRunner final : public SequenceRunner {
   MoeSlots slots_;     // views of slot_count_ .. row_order_
   int max_slots_ = 1;  // grouped-gemv grid: min(experts, picks of a full chunk)
   int max_entries_ = 1;  // largest compressed-entry count of any layer (scores scratch row length)
-  int32_t* host_tokens_ = nullptr;  // pinned
-  int64_t* host_pos_ = nullptr;     // pinned, the decode graph's position
-  DeviceBuffer pos_;                // int64 position read by the decode graph's kernels
+  int32_t* host_tokens_ = nullptr;  // pinned [kCudaMaxChunk]
+  int64_t* host_pos_ = nullptr;     // pinned [kCudaMaxChunk], the decode steps' positions (one per part)
+  DeviceBuffer pos_;                // int64 [kCudaMaxChunk] positions read by the decode steps' kernels
   float* host_logits_ = nullptr;    // pinned [kCudaMaxChunk, vocab]
 
   // profile_step: an event after every launch site of one eager step (events_[0] marks its start)
@@ -325,9 +377,6 @@ CudaRunner::CudaRunner(const Model& model, int max_context, CudaRunnerOptions op
       dev.width = (cw.overlap ? 2 : 1) * cw.dim;
       dev.ape = upload_f32(cw.ape.data);
       dev.norm = upload_f32(cw.norm);
-      dev.state_kv = DeviceBuffer(size_t(dev.rows) * dev.width * sizeof(float));
-      dev.state_score = DeviceBuffer(size_t(dev.rows) * dev.width * sizeof(float));
-      state_bytes_ += 2 * size_t(dev.rows) * dev.width * sizeof(float);
       return dev;
     };
     if (A.compressor) d.compressor = add_compressor(*A.compressor, d.off_ckv, d.off_cgate);
@@ -351,19 +400,7 @@ CudaRunner::CudaRunner(const Model& model, int max_context, CudaRunnerOptions op
     max_n_x = std::max(max_n_x, d.n_x);
     max_n_q = std::max(max_n_q, d.n_q);
 
-    // state: same sizes as SequenceState::create
-    d.window = DeviceBuffer(size_t(window_slots_) * hd * sizeof(float));
-    state_bytes_ += d.window.size();
-    if (d.ratio) {
-      const int entries = max_context / d.ratio;
-      max_entries_ = std::max(max_entries_, entries);
-      d.compressed = DeviceBuffer(std::max<size_t>(size_t(entries) * hd * sizeof(float), 16));
-      state_bytes_ += size_t(entries) * hd * sizeof(float);
-      if (d.indexer) {
-        d.index_keys = DeviceBuffer(std::max<size_t>(size_t(entries) * c.index_head_dim * sizeof(float), 16));
-        state_bytes_ += size_t(entries) * c.index_head_dim * sizeof(float);
-      }
-    }
+    if (d.ratio) max_entries_ = std::max(max_entries_, max_context / d.ratio);
 
     const MoEWeights& M = L.ffn;
     d.gate = upload_f32(M.gate.data);
@@ -475,18 +512,58 @@ CudaRunner::CudaRunner(const Model& model, int max_context, CudaRunnerOptions op
                                 &h_, &y_pairs_, &shared_y13_, &h_shared_, &shared_out_, &head_in_, &logits_,
                                 &attention_scratch_, &pair_weights_, &act_scratch_})
     stats_.workspace_bytes += bytes_of(*b);
-  pos_ = zeros(sizeof(int64_t));
+  pos_ = zeros(C * sizeof(int64_t));
   DSV4_CUDA_CHECK(cudaMallocHost(&host_tokens_, C * sizeof(int32_t)));
-  DSV4_CUDA_CHECK(cudaMallocHost(&host_pos_, sizeof(int64_t)));
+  DSV4_CUDA_CHECK(cudaMallocHost(&host_pos_, C * sizeof(int64_t)));
   DSV4_CUDA_CHECK(cudaMallocHost(&host_logits_, C * c.vocab_size * f));
-  reset();
+  DSV4_CHECK(options.sequences >= 1 && options.sequences <= kCudaMaxChunk,
+             "cuda runner: sequences = {} must be in [1, {}] (a batched decode step is one chunk)", options.sequences,
+             kCudaMaxChunk);
+  parts_.reserve(C);
+  for (int s = 0; s < options.sequences; ++s) {
+    seqs_.push_back(make_sequence(state_bytes_));
+    current_seq_ = s;
+    reset();
+  }
+  current_seq_ = 0;
   DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+SequenceDevice CudaRunner::make_sequence(size_t& state_bytes) const {
+  const int hd = c_.head_dim;
+  auto floats = [&](size_t n) {  // at least 16 bytes, so that kernels always get a pointer
+    state_bytes += n * sizeof(float);
+    return DeviceBuffer(std::max<size_t>(n, 4) * sizeof(float));
+  };
+  SequenceDevice s;
+  s.layers.resize(layers_.size());
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    const LayerDevice& d = layers_[l];
+    SequenceDevice::Layer& st = s.layers[l];
+    st.window = floats(size_t(window_slots_) * hd);
+    if (d.ratio) {
+      const size_t entries = size_t(max_context_ / d.ratio);
+      st.compressed = floats(entries * hd);
+      if (d.indexer) st.index_keys = floats(entries * c_.index_head_dim);
+    }
+    if (d.compressor) {
+      st.compressor_kv = floats(size_t(d.compressor->rows) * d.compressor->width);
+      st.compressor_score = floats(size_t(d.compressor->rows) * d.compressor->width);
+    }
+    if (d.index_compressor) {
+      st.index_compressor_kv = floats(size_t(d.index_compressor->rows) * d.index_compressor->width);
+      st.index_compressor_score = floats(size_t(d.index_compressor->rows) * d.index_compressor->width);
+    }
+  }
+  return s;
 }
 
 CudaRunner::~CudaRunner() {
   if (stream_) cudaStreamSynchronize(stream_);
-  if (decode_exec_) cudaGraphExecDestroy(decode_exec_);
-  if (decode_graph_) cudaGraphDestroy(decode_graph_);
+  for (auto& [key, g] : decode_graphs_) {
+    if (g.exec) cudaGraphExecDestroy(g.exec);
+    if (g.graph) cudaGraphDestroy(g.graph);
+  }
   if (host_tokens_) cudaFreeHost(host_tokens_);
   if (host_pos_) cudaFreeHost(host_pos_);
   if (host_logits_) cudaFreeHost(host_logits_);
@@ -496,21 +573,45 @@ CudaRunner::~CudaRunner() {
 }
 
 void CudaRunner::reset() {
-  n_tokens_ = 0;
-  for (LayerDevice& d : layers_)  // spec 3.5: kv 0, scores -inf at sequence start
-    for (auto* cs : {&d.compressor, &d.index_compressor})
-      if (*cs) {
-        const int64_t n = int64_t((*cs)->rows) * (*cs)->width;
-        gpu::fill_f32((*cs)->state_kv.as<float>(), n, 0.0f, stream_);
-        gpu::fill_f32((*cs)->state_score.as<float>(), n, -std::numeric_limits<float>::infinity(), stream_);
+  SequenceDevice& s = seqs_[current_seq_];
+  s.n_tokens = 0;
+  for (size_t l = 0; l < layers_.size(); ++l) {  // spec 3.5: kv 0, scores -inf at sequence start
+    SequenceDevice::Layer& st = s.layers[l];
+    for (auto [kv, score] : {std::pair{&st.compressor_kv, &st.compressor_score},
+                             std::pair{&st.index_compressor_kv, &st.index_compressor_score}})
+      if (kv->data()) {
+        gpu::fill_f32(kv->as<float>(), int64_t(kv->size() / sizeof(float)), 0.0f, stream_);
+        gpu::fill_f32(score->as<float>(), int64_t(score->size() / sizeof(float)),
+                      -std::numeric_limits<float>::infinity(), stream_);
       }
+  }
+}
+
+void CudaRunner::select_sequence(int seq) {
+  DSV4_CHECK(seq >= 0 && seq < sequences(), "cuda runner: sequence {} is not one of the {} held", seq, sequences());
+  current_seq_ = seq;
+}
+
+void CudaRunner::copy_sequence(int from, int to) {
+  DSV4_CHECK(from >= 0 && from < sequences() && to >= 0 && to < sequences(),
+             "cuda runner: copy_sequence({}, {}) outside the {} sequences held", from, to, sequences());
+  if (from == to) return;
+  std::vector<const DeviceBuffer*> src;
+  seqs_[from].for_each_buffer([&](const DeviceBuffer& b) { src.push_back(&b); });
+  size_t i = 0;
+  seqs_[to].for_each_buffer([&](DeviceBuffer& b) {
+    if (b.data()) DSV4_CUDA_CHECK(cudaMemcpyAsync(b.data(), src[i]->data(), b.size(), cudaMemcpyDeviceToDevice, stream_));
+    ++i;
+  });
+  seqs_[to].n_tokens = seqs_[from].n_tokens;
 }
 
 std::vector<float> CudaRunner::forward(std::span<const int32_t> tokens, bool last_only) {
   const int n = int(tokens.size());
+  SequenceDevice& seq = seqs_[current_seq_];
   DSV4_CHECK(n > 0, "forward: no tokens");
-  DSV4_CHECK(n_tokens_ + n <= max_context_,
-             "sequence of {} tokens does not fit the context of {} tokens (--max-context)", n_tokens_ + n,
+  DSV4_CHECK(seq.n_tokens + n <= max_context_,
+             "sequence of {} tokens does not fit the context of {} tokens (--max-context)", seq.n_tokens + n,
              max_context_);
   for (int32_t id : tokens)
     DSV4_CHECK(id >= 0 && id < c_.vocab_size, "token id {} is outside the vocabulary [0, {})", id, c_.vocab_size);
@@ -520,9 +621,38 @@ std::vector<float> CudaRunner::forward(std::span<const int32_t> tokens, bool las
   for (int at = 0; at < n; at += kCudaMaxChunk) {
     const int len = std::min(kCudaMaxChunk, n - at);
     const Rows rows = !last_only ? Rows::All : at + len == n ? Rows::Last : Rows::None;
-    run_chunk(tokens.subspan(at, len), n_tokens_, rows, logits);
-    n_tokens_ += len;
+    run_chunk(tokens.subspan(at, len), seq.n_tokens, rows, logits);
+    seq.n_tokens += len;
   }
+  stats_.launches_last_forward = launches_;
+  return logits;
+}
+
+std::vector<float> CudaRunner::decode_batch(std::span<const int32_t> tokens) {
+  const int B = int(tokens.size());
+  DSV4_CHECK(B > 0 && B <= sequences(), "decode_batch: {} tokens for {} sequences held", B, sequences());
+  for (int b = 0; b < B; ++b) {
+    DSV4_CHECK(tokens[b] >= 0 && tokens[b] < c_.vocab_size, "token id {} is outside the vocabulary [0, {})",
+               tokens[b], c_.vocab_size);
+    DSV4_CHECK(seqs_[b].n_tokens + 1 <= max_context_,
+               "decode_batch: sequence {} of {} tokens is at the context of {} tokens (--max-context)", b,
+               seqs_[b].n_tokens, max_context_);
+  }
+  if (upload_pending_) {
+    DSV4_CUDA_CHECK(cudaEventSynchronize(tokens_uploaded_));
+    upload_pending_ = false;
+  }
+  launches_ = 0;
+  stats_.last_forward_replayed_graph = false;
+  parts_.clear();
+  for (int b = 0; b < B; ++b) {
+    host_tokens_[b] = tokens[b];
+    host_pos_[b] = seqs_[b].n_tokens;
+    parts_.push_back({b, b, 1, seqs_[b].n_tokens, pos_.as<int64_t>() + b});
+  }
+  std::vector<float> logits;
+  run_parts(B, Rows::All, options_.graph_decode, logits);
+  for (int b = 0; b < B; ++b) ++seqs_[b].n_tokens;
   stats_.launches_last_forward = launches_;
   return logits;
 }
@@ -534,29 +664,39 @@ void CudaRunner::run_chunk(std::span<const int32_t> tokens, int64_t pos0, Rows w
     upload_pending_ = false;
   }
   std::memcpy(host_tokens_, tokens.data(), n * sizeof(int32_t));
-  *host_pos_ = pos0;
-  if (options_.graph_decode && n == 1 && wanted == Rows::Last) {
-    if (!decode_exec_) {  // capture once; every later decode step replays it with the new token and position
+  const bool graph = options_.graph_decode && n == 1 && wanted == Rows::Last;
+  host_pos_[0] = pos0;
+  parts_.clear();
+  parts_.push_back({current_seq_, 0, n, pos0, graph ? pos_.as<int64_t>() : nullptr});
+  run_parts(n, wanted, graph, logits);
+}
+
+void CudaRunner::run_parts(int n, Rows wanted, bool graph, std::vector<float>& logits) {
+  if (graph) {
+    // Captured once per (first sequence, count); later steps replay it with new tokens and positions.
+    DecodeGraph& g = decode_graphs_[{parts_.front().seq, int(parts_.size())}];
+    if (!g.exec) {
       const int64_t before = launches_;
       DSV4_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
       try {
-        enqueue_chunk(1, pos0, pos_.as<int64_t>(), Rows::Last);
+        enqueue_chunk(n, wanted);
       } catch (...) {
         cudaGraph_t broken = nullptr;
         cudaStreamEndCapture(stream_, &broken);
         if (broken) cudaGraphDestroy(broken);
         throw;
       }
-      DSV4_CUDA_CHECK(cudaStreamEndCapture(stream_, &decode_graph_));
-      DSV4_CUDA_CHECK(cudaGraphInstantiate(&decode_exec_, decode_graph_, 0));
-      stats_.graph_kernels = launches_ - before;
+      DSV4_CUDA_CHECK(cudaStreamEndCapture(stream_, &g.graph));
+      DSV4_CUDA_CHECK(cudaGraphInstantiate(&g.exec, g.graph, 0));
+      g.kernels = launches_ - before;
       launches_ = before;
     }
-    DSV4_CUDA_CHECK(cudaGraphLaunch(decode_exec_, stream_));
+    DSV4_CUDA_CHECK(cudaGraphLaunch(g.exec, stream_));
     ++launches_;
+    stats_.graph_kernels = g.kernels;
     stats_.last_forward_replayed_graph = true;
   } else {
-    enqueue_chunk(n, pos0, nullptr, wanted);
+    enqueue_chunk(n, wanted);
   }
   if (wanted == Rows::None) {
     upload_pending_ = true;
@@ -567,19 +707,20 @@ void CudaRunner::run_chunk(std::span<const int32_t> tokens, int64_t pos0, Rows w
   logits.insert(logits.end(), host_logits_, host_logits_ + count);
 }
 
-void CudaRunner::enqueue_chunk(int n, int64_t pos0, const int64_t* pos_device, Rows wanted) {
+void CudaRunner::enqueue_chunk(int n, Rows wanted) {
   const ModelConfig& c = c_;
   const int D = c.hidden_size, hc = c.hc_mult, V = c.vocab_size;
   DSV4_CUDA_CHECK(cudaMemcpyAsync(tokens_.data(), host_tokens_, n * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
-  if (pos_device)
-    DSV4_CUDA_CHECK(cudaMemcpyAsync(pos_.data(), host_pos_, sizeof(int64_t), cudaMemcpyHostToDevice, stream_));
+  if (parts_.front().pos_device)
+    DSV4_CUDA_CHECK(cudaMemcpyAsync(pos_.data(), host_pos_, parts_.size() * sizeof(int64_t), cudaMemcpyHostToDevice,
+                                    stream_));
   else
     DSV4_CUDA_CHECK(cudaEventRecord(tokens_uploaded_, stream_));
   gpu::embed_tokens(embed_.w.as<uint16_t>(), tokens_.as<int32_t>(), n, D, hc, streams_.as<float>(), stream_);
   launched("embed");
   for (int l = 0; l < c.n_layers; ++l) {
     current_layer_ = l;
-    attention_block(l, n, pos0, pos_device);
+    attention_block(l, n);
     ffn_block(l, n);
   }
   current_layer_ = -1;
@@ -639,9 +780,10 @@ std::vector<LaunchTiming> CudaRunner::profile_step(int32_t token) {
   return timings;
 }
 
-void CudaRunner::attention_block(int l, int n, int64_t pos0, const int64_t* pos_device) {
+void CudaRunner::attention_block(int l, int n) {
   const ModelConfig& c = c_;
   LayerDevice& d = layers_[l];
+  auto state = [&](const ChunkPart& part) -> SequenceDevice::Layer& { return seqs_[part.seq].layers[l]; };
   const int D = c.hidden_size, H = c.n_heads, hd = c.head_dim, rd = c.rope_dim, hc = c.hc_mult;
   const int n_mix = (2 + hc) * hc, r = d.ratio;
   float* y_x = y_x_.as<float>();
@@ -680,8 +822,7 @@ void CudaRunner::attention_block(int l, int n, int64_t pos0, const int64_t* pos_
   q.eps = c.rms_norm_eps;
   q.rope_dim = rd;
   q.inv_freq = d.inv_freq;
-  q.pos0 = pos0;
-  q.pos_device = pos_device;
+  set_positions(q);
   row_op("attn: q norm + rope", q);
 
   const RowRound kv_round = numerics_.kv == cpu::KvStorage::FP8    ? RowRound::KvFp8
@@ -702,18 +843,24 @@ void CudaRunner::attention_block(int l, int n, int64_t pos0, const int64_t* pos_
   kv.eps = c.rms_norm_eps;
   kv.rope_dim = rd;
   kv.inv_freq = d.inv_freq;
-  kv.pos0 = pos0;
   kv.round = kv_round;
-  kv.pos_device = pos_device;
+  set_positions(kv);
   row_op("attn: kv norm + rope + round", kv);
 
-  // 3.5 compressors; the entries completed in this chunk (blocks pos0/r .. (pos0+n)/r - 1) are finished after.
-  auto advance = [&](const char* site, const char* finish_site, CompressorDevice& cd, int off_kv, int off_gate, float* entries, RowRound round) {
-    gpu::compressor_advance({y_x + off_kv, y_x + off_gate, d.n_x, cd.ape.as<float>(), cd.state_kv.as<float>(),
-                             cd.state_score.as<float>(), entries, cd.ratio, cd.dim, n, cd.overlap, pos0, pos_device},
+  // 3.5 compressors, per sequence; the entries completed in a part (blocks pos0/r .. (pos0+n)/r - 1) are
+  // finished after.
+  auto advance = [&](const char* site, const char* finish_site, const ChunkPart& part, CompressorDevice& cd,
+                     int off_kv, int off_gate, DeviceBuffer& state_kv, DeviceBuffer& state_score, float* entries,
+                     RowRound round) {
+    const int64_t pos0 = part.pos0;
+    const int64_t* pos_device = part.pos_device;
+    const float* in = y_x + int64_t(part.row0) * d.n_x;
+    gpu::compressor_advance({in + off_kv, in + off_gate, d.n_x, cd.ape.as<float>(), state_kv.as<float>(),
+                             state_score.as<float>(), entries, cd.ratio, cd.dim, part.n, cd.overlap, pos0,
+                             pos_device},
                             stream_);
     launched(site);
-    const int64_t b_first = pos_device ? 0 : pos0 / r, b_end = pos_device ? 1 : (pos0 + n) / r;
+    const int64_t b_first = pos_device ? 0 : pos0 / r, b_end = pos_device ? 1 : (pos0 + part.n) / r;
     if (b_end == b_first) return;
     RowOpParams fin;
     fin.emit_ratio = pos_device ? r : 0;  // graph: the kernel decides whether this step completes an entry
@@ -732,12 +879,18 @@ void CudaRunner::attention_block(int l, int n, int64_t pos0, const int64_t* pos_
     fin.round = round;
     row_op(finish_site, fin);
   };
-  if (d.compressor) advance("attn: compressor", "attn: compressor entry", *d.compressor, d.off_ckv, d.off_cgate, d.compressed.as<float>(), kv_round);
+  if (d.compressor)
+    for (const ChunkPart& part : parts_)
+      advance("attn: compressor", "attn: compressor entry", part, *d.compressor, d.off_ckv, d.off_cgate,
+              state(part).compressor_kv, state(part).compressor_score, state(part).compressed.as<float>(), kv_round);
 
   // 3.6 lightning indexer
   const int nh = c.index_n_heads, ihd = c.index_head_dim;
   if (d.indexer) {
-    advance("indexer: compressor", "indexer: compressor entry", *d.index_compressor, d.off_ikv, d.off_igate, d.index_keys.as<float>(), index_round);
+    for (const ChunkPart& part : parts_)
+      advance("indexer: compressor", "indexer: compressor entry", part, *d.index_compressor, d.off_ikv, d.off_igate,
+              state(part).index_compressor_kv, state(part).index_compressor_score,
+              state(part).index_keys.as<float>(), index_round);
     RowOpParams qi;  // RoPE + rounding, no norm
     qi.x = qi.y = y_q + d.off_iq;
     qi.x_token_stride = qi.y_token_stride = d.n_q;
@@ -747,66 +900,74 @@ void CudaRunner::attention_block(int l, int n, int64_t pos0, const int64_t* pos_
     qi.dim = ihd;
     qi.rope_dim = rd;
     qi.inv_freq = d.inv_freq;
-    qi.pos0 = pos0;
     qi.round = index_round;
-    qi.pos_device = pos_device;
+    set_positions(qi);
     row_op("indexer: q rope + round", qi);
     linear_f32("indexer: weights_proj", normed_.as<float>(), d.index_wproj, index_w_.as<float>(), n, nh, D);
-    gpu::IndexerTopkParams ip;
-    ip.q = y_q + d.off_iq;
-    ip.q_token_stride = d.n_q;
-    ip.w = index_w_.as<float>();
-    ip.w_scale = 1.0f / std::sqrt(float(ihd)) / std::sqrt(float(nh));
-    ip.keys = d.index_keys.as<float>();
-    ip.scores = scores_.as<float>();
-    ip.selected = selected_.as<int32_t>();
-    ip.n = n;
-    ip.heads = nh;
-    ip.dim = ihd;
-    ip.ratio = r;
-    ip.topk = c.index_topk;
-    ip.max_entries = max_entries_;
-    ip.pos0 = pos0;
-    ip.pos_device = pos_device;
-    gpu::indexer_scores(ip, stream_);
-    launched("indexer: scores");
-    gpu::indexer_select(ip, stream_);
-    launched("indexer: top-k select");
+    for (const ChunkPart& part : parts_) {  // scores_ is scratch reused by each part in stream order
+      gpu::IndexerTopkParams ip;
+      ip.q = y_q + int64_t(part.row0) * d.n_q + d.off_iq;
+      ip.q_token_stride = d.n_q;
+      ip.w = index_w_.as<float>() + int64_t(part.row0) * nh;
+      ip.w_scale = 1.0f / std::sqrt(float(ihd)) / std::sqrt(float(nh));
+      ip.keys = state(part).index_keys.as<float>();
+      ip.scores = scores_.as<float>();
+      ip.selected = selected_.as<int32_t>() + int64_t(part.row0) * c.index_topk;
+      ip.n = part.n;
+      ip.heads = nh;
+      ip.dim = ihd;
+      ip.ratio = r;
+      ip.topk = c.index_topk;
+      ip.max_entries = max_entries_;
+      ip.pos0 = part.pos0;
+      ip.pos_device = part.pos_device;
+      gpu::indexer_scores(ip, stream_);
+      launched("indexer: scores");
+      gpu::indexer_select(ip, stream_);
+      launched("indexer: top-k select");
+    }
   }
 
-  // 3.7 / 3.8 attention, then the window ring takes this chunk's last positions.
-  gpu::AttentionParams ap;
-  ap.q = y_q;
-  ap.q_token_stride = d.n_q;
-  ap.kv_chunk = kv_chunk_.as<float>();
-  ap.window_ring = d.window.as<float>();
-  ap.window_slots = window_slots_;
-  ap.window = c.window;
-  ap.compressed = r ? d.compressed.as<float>() : nullptr;
-  ap.ratio = r;
-  ap.selected = d.indexer ? selected_.as<int32_t>() : nullptr;
-  ap.topk = c.index_topk;
-  ap.sink = d.sink.as<float>();
-  ap.inv_freq = d.inv_freq;
-  ap.rope_dim = rd;
-  ap.n = n;
-  ap.heads = H;
-  ap.dim = hd;
-  ap.groups = c.o_groups;
-  ap.pos0 = pos0;
-  ap.scale = 1.0f / std::sqrt(float(hd));
-  ap.out = o_grouped_.as<uint16_t>();
-  ap.pos_device = pos_device;
-  ap.max_entries = r ? max_context_ / r : 0;
-  ap.scratch = attention_scratch_.as<float>();
-  gpu::attention(ap, stream_);
-  launched("attn: attention");
-  gpu::window_store(kv_chunk_.as<float>(), n, hd, pos0, pos_device, d.window.as<float>(), window_slots_, stream_);
-  launched("attn: window store");
+  // 3.7 / 3.8 attention per sequence (into its rows of the grouped output), then the window ring takes each
+  // part's last positions.
+  const int G = c.o_groups, ol = c.o_lora_rank, gw = H * hd / G;
+  for (const ChunkPart& part : parts_) {  // attention_scratch_ is reused by each part in stream order
+    gpu::AttentionParams ap;
+    ap.q = y_q + int64_t(part.row0) * d.n_q;
+    ap.q_token_stride = d.n_q;
+    ap.kv_chunk = kv_chunk_.as<float>() + int64_t(part.row0) * hd;
+    ap.window_ring = state(part).window.as<float>();
+    ap.window_slots = window_slots_;
+    ap.window = c.window;
+    ap.compressed = r ? state(part).compressed.as<float>() : nullptr;
+    ap.ratio = r;
+    ap.selected = d.indexer ? selected_.as<int32_t>() + int64_t(part.row0) * c.index_topk : nullptr;
+    ap.topk = c.index_topk;
+    ap.sink = d.sink.as<float>();
+    ap.inv_freq = d.inv_freq;
+    ap.rope_dim = rd;
+    ap.n = part.n;
+    ap.heads = H;
+    ap.dim = hd;
+    ap.groups = G;
+    ap.pos0 = part.pos0;
+    ap.scale = 1.0f / std::sqrt(float(hd));
+    ap.out = o_grouped_.as<uint16_t>() + int64_t(part.row0) * gw;
+    ap.out_rows = n;
+    ap.pos_device = part.pos_device;
+    ap.max_entries = r ? max_context_ / r : 0;
+    ap.scratch = attention_scratch_.as<float>();
+    gpu::attention(ap, stream_);
+    launched("attn: attention");
+  }
+  for (const ChunkPart& part : parts_) {
+    gpu::window_store(kv_chunk_.as<float>() + int64_t(part.row0) * hd, part.n, hd, part.pos0, part.pos_device,
+                      state(part).window.as<float>(), window_slots_, stream_);
+    launched("attn: window store");
+  }
 
   // 3.9 grouped low-rank output projection: group g's heads [G, n, gw] through wo_a rows g·o_lora.. (one
   // batched launch), written token-major as z [n, G·o_lora], then wo_b.
-  const int G = c.o_groups, ol = c.o_lora_rank, gw = H * hd / G;
   GemvBatchedParams wo_a;
   wo_a.base = d.wo_a.params(o_grouped_.data(), z_.data(), n, GemvOut::BF16, int64_t(G) * ol, 0, ol);
   wo_a.base.stream = stream_;
@@ -916,10 +1077,29 @@ std::unique_ptr<SequenceRunner> make_cuda_runner(const Model& model, int max_con
   return std::make_unique<CudaRunner>(model, max_context, options);
 }
 
-std::vector<LaunchTiming> cuda_runner_profile_step(SequenceRunner& runner, int32_t token) {
+
+namespace {
+CudaRunner& as_cuda(SequenceRunner& runner, const char* what) {
   auto* cuda = dynamic_cast<CudaRunner*>(&runner);
-  DSV4_CHECK(cuda, "cuda_runner_profile_step: not a CUDA runner");
-  return cuda->profile_step(token);
+  DSV4_CHECK(cuda, "{}: not a CUDA runner", what);
+  return *cuda;
+}
+}  // namespace
+
+void cuda_runner_select_sequence(SequenceRunner& runner, int sequence) {
+  as_cuda(runner, "cuda_runner_select_sequence").select_sequence(sequence);
+}
+
+std::vector<float> cuda_runner_decode_batch(SequenceRunner& runner, std::span<const int32_t> tokens) {
+  return as_cuda(runner, "cuda_runner_decode_batch").decode_batch(tokens);
+}
+
+void cuda_runner_copy_sequence(SequenceRunner& runner, int from, int to) {
+  as_cuda(runner, "cuda_runner_copy_sequence").copy_sequence(from, to);
+}
+
+std::vector<LaunchTiming> cuda_runner_profile_step(SequenceRunner& runner, int32_t token) {
+  return as_cuda(runner, "cuda_runner_profile_step").profile_step(token);
 }
 
 CudaRunnerStats cuda_runner_stats(const SequenceRunner& runner) {

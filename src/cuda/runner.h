@@ -7,10 +7,15 @@
 //   forward   chunks of at most kCudaMaxChunk tokens (= gemv's m limit; spec 3.11 makes chunking exact), every
 //             activation in preallocated workspaces; only token ids go up and logits come back. Decoding one
 //             token allocates nothing and synchronises once (the logits copy).
+//   batches   CudaRunnerOptions::sequences independent sequences share the weights, each with its own state;
+//             cuda_runner_decode_batch advances sequences 0..B-1 by one token each in one step (one chunk of B
+//             rows: every linear layer reads its weights once for the B tokens; the state-bound kernels, i.e.
+//             compressors, indexer, attention and window store, run once per sequence).
 #pragma once
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -32,6 +37,8 @@ struct CudaRunnerOptions {
   // host. The embedding and lm_head are synthetic bf16 when empty.
   std::optional<GemvWeight> synthetic_format;
   uint64_t synthetic_seed = 1;
+  // Sequences held, each with its own state sized by max_context (1 .. kCudaMaxChunk).
+  int sequences = 1;
 };
 
 // Throws dsv4::Error when no CUDA device is usable or the model has a shape the kernels do not support.
@@ -45,6 +52,16 @@ struct CudaRunnerStats {
 };
 // Stats of a runner made by make_cuda_runner (throws for other runners).
 CudaRunnerStats cuda_runner_stats(const SequenceRunner& runner);
+
+// Several sequences on a runner made with options.sequences > 1 (all throw for other runners and bad indices).
+// forward() / reset() / n_tokens() act on the selected sequence (0 at construction).
+void cuda_runner_select_sequence(SequenceRunner& runner, int sequence);
+// tokens[b] is the next token of sequence b (b < tokens.size() <= sequences); returns next-token logits
+// [tokens.size(), vocab]. With graph_decode, each batch size is captured once and replayed.
+std::vector<float> cuda_runner_decode_batch(SequenceRunner& runner, std::span<const int32_t> tokens);
+// Sequence `to` becomes a copy of sequence `from` (state and length), on the device (benchmarks: B sequences at
+// one context without B prefills).
+void cuda_runner_copy_sequence(SequenceRunner& runner, int from, int to);
 
 // One launch site of a profiled decode step: `kernels` kernels enqueued together, `us` the GPU time from the
 // previous site's end to this one's (CUDA events; the launch gap is included, host launch time is not).

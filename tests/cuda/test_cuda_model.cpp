@@ -626,6 +626,97 @@ TEST(CudaModel, Bf16SensitivityOfTinyModels) {
   }
 }
 
+// Batched decode: B sequences with different prompt lengths (so different positions, compressor phases and
+// visible entries) prefilled one by one on one runner, then decoded together, teacher-forced, against each
+// sequence run alone on a one-sequence runner. A batch row goes through the same per-row arithmetic as a single
+// row except where a kernel's grid depends on the row count (the split-k of the mixes and of the grouped experts),
+// i.e. fp32 summation order only: rows must agree to 1e-4 of max|logit| (median) and 90% within 1e-3 (a router or
+// indexer top-k may flip on an fp32 difference). Sequences copied with copy_sequence and fed the same token must
+// give the same row to 1e-6 of max|logit| (their rows meet identical work in one launch).
+void check_batched_decode(const std::string& name, Numerics numerics, int B, int steps) {
+  std::string source;
+  const Model model = tiny_model(name, numerics, &source);
+  const ModelConfig& c = model.config();
+  const int V = c.vocab_size, max_context = 70 + 3 * B + steps + 8;
+  CudaRunnerOptions options;
+  options.sequences = B;
+  std::unique_ptr<SequenceRunner> batched = make_cuda_runner(model, max_context, options);
+  std::unique_ptr<SequenceRunner> single = make_cuda_runner(model, max_context);
+  std::mt19937 rng(7 + B);
+  std::uniform_int_distribution<int32_t> token(2, V - 1);
+  std::vector<std::vector<int32_t>> prompts(B), fed(B);
+  for (int b = 0; b < B; ++b) {
+    prompts[b].resize(60 + 3 * b);
+    for (int32_t& t : prompts[b]) t = token(rng);
+    for (int i = 0; i < steps; ++i) fed[b].push_back(token(rng));
+  }
+  std::vector<float> want;  // [step][b][V]
+  std::vector<std::vector<float>> alone(B);
+  for (int b = 0; b < B; ++b) {
+    single->reset();
+    single->forward(prompts[b], true);
+    for (int i = 0; i < steps; ++i) {
+      const std::vector<float> row = single->forward(std::span<const int32_t>(&fed[b][i], 1), true);
+      alone[b].insert(alone[b].end(), row.begin(), row.end());
+    }
+  }
+  for (int b = 0; b < B; ++b) {
+    cuda_runner_select_sequence(*batched, b);
+    batched->forward(prompts[b], true);
+    EXPECT_EQ(batched->n_tokens(), int64_t(prompts[b].size()));
+  }
+  Diff diff;
+  for (int i = 0; i < steps; ++i) {
+    std::vector<int32_t> tokens(B);
+    for (int b = 0; b < B; ++b) tokens[b] = fed[b][i];
+    const std::vector<float> got = cuda_runner_decode_batch(*batched, tokens);
+    ASSERT_EQ(got.size(), size_t(B) * V);
+    std::vector<float> ref;
+    for (int b = 0; b < B; ++b) ref.insert(ref.end(), alone[b].begin() + size_t(i) * V, alone[b].begin() + size_t(i + 1) * V);
+    diff.add(got, ref, V);
+  }
+  const CudaRunnerStats stats = cuda_runner_stats(*batched);
+  for (int b = 0; b < B; ++b) {
+    cuda_runner_select_sequence(*batched, b);
+    EXPECT_EQ(batched->n_tokens(), int64_t(prompts[b].size() + steps));
+  }
+  const double scale = diff.max_ref;
+  std::printf("[cuda-batch] %s (%s), B = %d, %d steps: per-row max |batched - alone| median %.3g, max %.3g of "
+              "max|logit| %.3g; %.3f of rows within 1e-3; %lld kernels per step (graph %d)\n",
+              name.c_str(), source.c_str(), B, steps, diff.quantile(0.5), diff.max_abs, scale,
+              diff.fraction_within(1e-3 * scale), (long long)stats.graph_kernels,
+              int(stats.last_forward_replayed_graph));
+  EXPECT_TRUE(stats.last_forward_replayed_graph);
+  EXPECT_LE(diff.quantile(0.5), 1e-4 * scale);
+  EXPECT_GE(diff.fraction_within(1e-3 * scale), 0.9);
+
+  // Copies: every sequence becomes sequence 0, and all decode the same token.
+  for (int b = 1; b < B; ++b) cuda_runner_copy_sequence(*batched, 0, b);
+  const std::vector<int32_t> same(B, fed[0][0]);
+  const std::vector<float> rows = cuda_runner_decode_batch(*batched, same);
+  double worst = 0;
+  for (int b = 1; b < B; ++b)
+    for (int v = 0; v < V; ++v) worst = std::max(worst, std::fabs(double(rows[size_t(b) * V + v]) - rows[v]));
+  std::printf("[cuda-batch] %s, B = %d: copies of one sequence differ by at most %.3g\n", name.c_str(), B, worst);
+  EXPECT_LE(worst, 1e-6 * scale);
+
+  // Bad requests are errors, not crashes.
+  EXPECT_THROW(cuda_runner_select_sequence(*batched, B), Error);
+  EXPECT_THROW(cuda_runner_decode_batch(*batched, std::vector<int32_t>(B + 1, 3)), Error);
+  EXPECT_THROW(cuda_runner_decode_batch(*batched, std::vector<int32_t>(B, V)), Error);
+  EXPECT_THROW(cuda_runner_copy_sequence(*batched, 0, B), Error);
+}
+
+TEST(CudaModel, BatchedDecodeMatchesSequencesAlone) {
+  DSV4_REQUIRE_CUDA();
+  check_batched_decode("tiny-flash", kDefault, 5, 12);
+  check_batched_decode("tiny-pro", kF32, 3, 8);
+}
+TEST(CudaModel, BatchedDecodeFortySequences) {  // more rows than one mma n-tile group (m > 32)
+  DSV4_REQUIRE_CUDA();
+  check_batched_decode("tiny-flash", kDefault, 40, 6);
+}
+
 // Runs anywhere: without a device the runner must refuse with dsv4::Error, not crash.
 TEST(CudaModel, NoDeviceIsAnError) {
   if (cuda_available()) GTEST_SKIP() << "a CUDA device is present";
