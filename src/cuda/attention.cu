@@ -29,7 +29,7 @@ struct KeyRange {
 __device__ KeyRange key_range(const AttentionParams& p, int t) {
   KeyRange r;
   const int64_t pos0 = p.pos_device ? *p.pos_device : p.pos0;
-  r.pos = pos0 + t;
+  r.pos = p.window_rings ? p.pos_rows[t] : pos0 + t;
   r.first = r.pos - p.window + 1 > 0 ? r.pos - p.window + 1 : 0;
   r.n_window = int(r.pos - r.first + 1);
   r.n_comp = p.ratio ? int((r.pos + 1) / p.ratio) : 0;
@@ -41,11 +41,15 @@ __device__ KeyRange key_range(const AttentionParams& p, int t) {
 // compressed entries (the indexer's picks, or all of them).
 __device__ const float* key_ptr(const AttentionParams& p, const KeyRange& r, int t, int j) {
   if (j < r.n_window) {
-    const int64_t s = r.first + j, pos0 = r.pos - t;
+    const int64_t s = r.first + j;
+    if (p.window_rings)  // batched decode: only the row's own token is in the chunk
+      return s == r.pos ? p.kv_chunk + int64_t(t) * p.dim : p.window_rings[t] + (s % p.window_slots) * p.dim;
+    const int64_t pos0 = r.pos - t;
     return s >= pos0 ? p.kv_chunk + (s - pos0) * p.dim : p.window_ring + (s % p.window_slots) * p.dim;
   }
   const int c = j - r.n_window;
-  return p.compressed + int64_t(p.selected ? p.selected[int64_t(t) * p.topk + c] : c) * p.dim;
+  const float* compressed = p.window_rings ? p.compressed_rows[t] : p.compressed;
+  return compressed + int64_t(p.selected ? p.selected[int64_t(t) * p.topk + c] : c) * p.dim;
 }
 
 __device__ __forceinline__ void load_key(const float* key, int lane, int per_lane, float kr[kMaxPerLane]) {
@@ -209,6 +213,8 @@ void attention(const AttentionParams& p, cudaStream_t stream) {
             p.dim, kMaxHeadDim);
   OPS_CHECK(p.groups > 0 && p.heads % p.groups == 0, "attention: %d heads do not split into %d groups", p.heads,
             p.groups);
+  OPS_CHECK(!p.window_rings || (p.pos_rows && (p.ratio == 0 || p.compressed_rows)),
+            "attention: batched rows need pos_rows and (with compressed keys) compressed_rows");
   OPS_CHECK(p.ratio == 0 || p.selected || p.max_entries > 0,
             "attention: max_entries must be set when all compressed entries are attended (ratio %d)", p.ratio);
   const int splits = attention_splits(p);

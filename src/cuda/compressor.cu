@@ -17,9 +17,21 @@ constexpr int kColumnThreads = 128;
 
 // One thread per column j < dim (and its partner dim + j of the second series when overlapped); columns never
 // interact, so the chunk's tokens are walked in order without block synchronisation.
+// Batched decode: blockIdx.y is the row (its own sequence's one token).
 __global__ void compressor_walk_kernel(CompressorParams p) {
   const int j = blockIdx.x * blockDim.x + threadIdx.x;
   if (j >= p.dim) return;
+  if (p.state_kv_rows) {
+    const int b = blockIdx.y;
+    p.kv_in += b * p.in_stride;
+    p.gate_in += b * p.in_stride;
+    p.state_kv = p.state_kv_rows[b];
+    p.state_score = p.state_score_rows[b];
+    p.entries = p.entries_rows[b];
+    p.pos0 = p.pos_rows[b];
+    p.pos_device = nullptr;
+    p.n = 1;
+  }
   const int r = p.ratio, d = p.dim, width = p.overlap ? 2 * d : d, n_rows = p.overlap ? 2 * r : r;
   const int n_cols = p.overlap ? 2 : 1;
   const int64_t pos0 = p.pos_device ? *p.pos_device : p.pos0;
@@ -134,6 +146,13 @@ __global__ void compressor_state_kernel(CompressorParams p) {
 void compressor_advance(const CompressorParams& p, cudaStream_t stream) {
   if (p.n == 0) return;
   OPS_CHECK(p.ratio > 0 && p.dim > 0, "compressor_advance: ratio %d and dim %d must be positive", p.ratio, p.dim);
+  if (p.state_kv_rows) {
+    OPS_CHECK(p.pos_rows && p.state_score_rows && p.entries_rows && p.n <= 65535,
+              "compressor_advance: batched rows need pos_rows and every state table (n = %d)", p.n);
+    compressor_walk_kernel<<<dim3(blocks_for(p.dim, kColumnThreads), p.n), kColumnThreads, 0, stream>>>(p);
+    DSV4_CUDA_LAUNCHED();
+    return;
+  }
   if (p.pos_device || p.n == 1) {
     compressor_walk_kernel<<<blocks_for(p.dim, kColumnThreads), kColumnThreads, 0, stream>>>(p);
     DSV4_CUDA_LAUNCHED();

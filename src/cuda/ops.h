@@ -125,6 +125,12 @@ struct CompressorParams {
   bool overlap = false;
   int64_t pos0 = 0;
   const int64_t* pos_device = nullptr;  // when set, pos0 is read here (graph replay)
+  // Batched decode (state_kv_rows set): row t < n of kv_in / gate_in is one token of its own sequence, at
+  // pos_rows[t], with that sequence's state_kv_rows[t], state_score_rows[t] and entries_rows[t].
+  const int64_t* pos_rows = nullptr;
+  float* const* state_kv_rows = nullptr;
+  float* const* state_score_rows = nullptr;
+  float* const* entries_rows = nullptr;
 };
 void compressor_advance(const CompressorParams& p, cudaStream_t stream);
 
@@ -149,6 +155,9 @@ struct IndexerTopkParams {
   int n = 0, heads = 0, dim = 0, ratio = 0, topk = 0, max_entries = 0;
   int64_t pos0 = 0;
   const int64_t* pos_device = nullptr;  // when set, pos0 is read here (graph replay)
+  // Batched decode (keys_rows set): query t is its own sequence's token at pos_rows[t] with keys keys_rows[t].
+  const int64_t* pos_rows = nullptr;
+  const float* const* keys_rows = nullptr;
 };
 void indexer_scores(const IndexerTopkParams& p, cudaStream_t stream);
 void indexer_select(const IndexerTopkParams& p, cudaStream_t stream);
@@ -186,6 +195,12 @@ struct AttentionParams {
   int max_entries = 0;        // capacity of `compressed` (bounds the keys when selected == nullptr)
   int out_rows = 0;           // rows per group of `out` (0 = n)
   float* scratch = nullptr;   // split partials, see above
+  // Batched decode (window_rings set): row t is the one new token of its own sequence, at position pos_rows[t],
+  // with that sequence's ring window_rings[t] and compressed entries compressed_rows[t] (device pointer tables;
+  // window_ring / compressed / pos0 / pos_device are then unused). kv_chunk row t is the token's own key.
+  const int64_t* pos_rows = nullptr;
+  const float* const* window_rings = nullptr;
+  const float* const* compressed_rows = nullptr;
 };
 void attention(const AttentionParams& p, cudaStream_t stream);
 int attention_splits(const AttentionParams& p);
@@ -195,6 +210,9 @@ size_t attention_scratch_floats(const AttentionParams& p);
 // (pos0 read from pos_device when that is set).
 void window_store(const float* kv_chunk, int n, int dim, int64_t pos0, const int64_t* pos_device, float* window,
                   int slots, cudaStream_t stream);
+// Batched decode: rings[t][pos_rows[t] % slots] = kv_chunk[t] for t < n (row t: one token of its own sequence).
+void window_store_rows(const float* kv_chunk, int n, int dim, const int64_t* pos_rows, float* const* rings, int slots,
+                       cudaStream_t stream);
 
 // 4.1 router: from logits = x · gateᵀ [n, E]: s = sqrt(softplus) | sigmoid | softmax (scoring 0 | 1 | 2);
 // picks = tid2eid[tokens[t]] (hash layers, tid2eid != nullptr) or top-k of s + bias (descending, ties lower index);

@@ -50,7 +50,7 @@ constexpr size_t kScoreMaxSmem =
 constexpr size_t kSelectMaxSmem = 2 * kSelectMaxTopK * sizeof(uint64_t) + kSelectCacheEntries * sizeof(uint32_t);
 
 __device__ __forceinline__ int visible_entries(const IndexerTopkParams& p, int t) {
-  const int64_t pos = (p.pos_device ? *p.pos_device : p.pos0) + t;
+  const int64_t pos = p.keys_rows ? p.pos_rows[t] : (p.pos_device ? *p.pos_device : p.pos0) + t;
   const int64_t visible = (pos + 1) / p.ratio;
   return visible < p.max_entries ? int(visible) : p.max_entries;
 }
@@ -124,7 +124,7 @@ __global__ void __launch_bounds__(kScoreThreads, 2) indexer_scores_kernel(Indexe
     const int s0 = tile * kScoreKeys;
     if (tile != int(blockIdx.y)) __syncthreads();  // the previous tile's keys and partial sums have been read
     // The tile's rows are contiguous: keys[s0 · dim + i], i < 16 · dim, valid below n_visible · dim.
-    const float* tile_keys = p.keys + int64_t(s0) * dim;
+    const float* tile_keys = (p.keys_rows ? p.keys_rows[t] : p.keys) + int64_t(s0) * dim;
     const int tile_floats = kScoreKeys * dim, valid_floats = min(kScoreKeys, n_visible - s0) * dim;
     for (int i0 = threadIdx.x; i0 < tile_floats; i0 += kScoreThreads * kStageBatch / 4) {
       float v[kStageBatch / 4];

@@ -678,6 +678,14 @@ __global__ void window_store_kernel(const float* kv, int n, int dim, int64_t pos
   window[((pos0 + t) % slots) * dim + c] = kv[int64_t(t) * dim + c];
 }
 
+__global__ void window_store_rows_kernel(const float* kv, int n, int dim, const int64_t* pos_rows, float* const* rings,
+                                         int slots) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= int64_t(n) * dim) return;
+  const int t = int(i / dim), c = int(i % dim);
+  rings[t][(pos_rows[t] % slots) * dim + c] = kv[int64_t(t) * dim + c];
+}
+
 __global__ void fill_kernel(float* x, int64_t n, float value) {
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     x[i] = value;
@@ -786,6 +794,14 @@ void window_store(const float* kv_chunk, int n, int dim, int64_t pos0, const int
   const int rows = n < slots ? n : slots;
   window_store_kernel<<<blocks_for(int64_t(rows) * dim, 256), 256, 0, stream>>>(kv_chunk, n, dim, pos0, pos_device,
                                                                                  window, slots);
+  DSV4_CUDA_LAUNCHED();
+}
+
+void window_store_rows(const float* kv_chunk, int n, int dim, const int64_t* pos_rows, float* const* rings, int slots,
+                       cudaStream_t stream) {
+  if (n == 0) return;
+  window_store_rows_kernel<<<blocks_for(int64_t(n) * dim, 256), 256, 0, stream>>>(kv_chunk, n, dim, pos_rows, rings,
+                                                                                  slots);
   DSV4_CUDA_LAUNCHED();
 }
 

@@ -180,6 +180,15 @@ class CudaRunner final : public SequenceRunner {
     }
   }
   SequenceDevice make_sequence(size_t& state_bytes) const;  // adds the sizes SequenceState::create uses
+  // Device tables of layer l's per-sequence state pointers (index = sequence), for the batched kernels.
+  enum StateTable { Window, Compressed, IndexKeys, CompressorKv, CompressorScore, IndexCompressorKv,
+                    IndexCompressorScore, kStateTables };
+  float* const* state_table(int l, StateTable which) const {
+    return state_tables_.as<float*>() + size_t(kStateTables * l + which) * seqs_.size();
+  }
+  float* const* window_rings(int l) const { return state_table(l, Window); }
+  float* const* compressed_rows(int l) const { return state_table(l, Compressed); }
+  float* const* index_keys_rows(int l) const { return state_table(l, IndexKeys); }
   // Counts the kernels of one launch site; when profiling, an event after it times the site.
   void launched(const char* site, int kernels = 1);
   void record_event(size_t index);  // events_[index] on the stream, created when first needed
@@ -298,6 +307,7 @@ class CudaRunner final : public SequenceRunner {
   int32_t* host_tokens_ = nullptr;  // pinned [kCudaMaxChunk]
   int64_t* host_pos_ = nullptr;     // pinned [kCudaMaxChunk], the decode steps' positions (one per part)
   DeviceBuffer pos_;                // int64 [kCudaMaxChunk] positions read by the decode steps' kernels
+  DeviceBuffer state_tables_;       // [layer][StateTable][sequence] state pointers
   float* host_logits_ = nullptr;    // pinned [kCudaMaxChunk, vocab]
 
   // profile_step: an event after every launch site of one eager step (events_[0] marks its start)
@@ -526,6 +536,16 @@ CudaRunner::CudaRunner(const Model& model, int max_context, CudaRunnerOptions op
     reset();
   }
   current_seq_ = 0;
+  std::vector<float*> tables;
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    for (DeviceBuffer SequenceDevice::Layer::*b :  // in StateTable order
+         {&SequenceDevice::Layer::window, &SequenceDevice::Layer::compressed, &SequenceDevice::Layer::index_keys,
+          &SequenceDevice::Layer::compressor_kv, &SequenceDevice::Layer::compressor_score,
+          &SequenceDevice::Layer::index_compressor_kv, &SequenceDevice::Layer::index_compressor_score})
+      for (SequenceDevice& s : seqs_) tables.push_back((s.layers[l].*b).as<float>());
+  }
+  state_tables_ = DeviceBuffer(tables.size() * sizeof(float*));
+  state_tables_.upload(tables.data(), tables.size() * sizeof(float*));
   DSV4_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
@@ -851,15 +871,25 @@ void CudaRunner::attention_block(int l, int n) {
   // finished after.
   auto advance = [&](const char* site, const char* finish_site, const ChunkPart& part, CompressorDevice& cd,
                      int off_kv, int off_gate, DeviceBuffer& state_kv, DeviceBuffer& state_score, float* entries,
-                     RowRound round) {
+                     RowRound round, StateTable kv_table, StateTable score_table, StateTable entries_table) {
     const int64_t pos0 = part.pos0;
     const int64_t* pos_device = part.pos_device;
-    const float* in = y_x + int64_t(part.row0) * d.n_x;
-    gpu::compressor_advance({in + off_kv, in + off_gate, d.n_x, cd.ape.as<float>(), state_kv.as<float>(),
-                             state_score.as<float>(), entries, cd.ratio, cd.dim, part.n, cd.overlap, pos0,
-                             pos_device},
-                            stream_);
-    launched(site);
+    const bool batched = parts_.size() > 1;  // one advance launch over all rows, then each sequence's entry
+    if (!batched || part.row0 == 0) {
+      const float* in = y_x + int64_t(part.row0) * d.n_x;
+      gpu::CompressorParams cp{in + off_kv, in + off_gate, d.n_x, cd.ape.as<float>(), state_kv.as<float>(),
+                               state_score.as<float>(), entries, cd.ratio, cd.dim, part.n, cd.overlap, pos0,
+                               pos_device};
+      if (batched) {
+        cp.n = n;
+        cp.pos_rows = pos_.as<int64_t>();
+        cp.state_kv_rows = state_table(l, kv_table);
+        cp.state_score_rows = state_table(l, score_table);
+        cp.entries_rows = state_table(l, entries_table);
+      }
+      gpu::compressor_advance(cp, stream_);
+      launched(site);
+    }
     const int64_t b_first = pos_device ? 0 : pos0 / r, b_end = pos_device ? 1 : (pos0 + part.n) / r;
     if (b_end == b_first) return;
     RowOpParams fin;
@@ -882,7 +912,8 @@ void CudaRunner::attention_block(int l, int n) {
   if (d.compressor)
     for (const ChunkPart& part : parts_)
       advance("attn: compressor", "attn: compressor entry", part, *d.compressor, d.off_ckv, d.off_cgate,
-              state(part).compressor_kv, state(part).compressor_score, state(part).compressed.as<float>(), kv_round);
+              state(part).compressor_kv, state(part).compressor_score, state(part).compressed.as<float>(), kv_round,
+              StateTable::CompressorKv, StateTable::CompressorScore, StateTable::Compressed);
 
   // 3.6 lightning indexer
   const int nh = c.index_n_heads, ihd = c.index_head_dim;
@@ -890,7 +921,8 @@ void CudaRunner::attention_block(int l, int n) {
     for (const ChunkPart& part : parts_)
       advance("indexer: compressor", "indexer: compressor entry", part, *d.index_compressor, d.off_ikv, d.off_igate,
               state(part).index_compressor_kv, state(part).index_compressor_score,
-              state(part).index_keys.as<float>(), index_round);
+              state(part).index_keys.as<float>(), index_round, StateTable::IndexCompressorKv,
+              StateTable::IndexCompressorScore, StateTable::IndexKeys);
     RowOpParams qi;  // RoPE + rounding, no norm
     qi.x = qi.y = y_q + d.off_iq;
     qi.x_token_stride = qi.y_token_stride = d.n_q;
@@ -904,7 +936,8 @@ void CudaRunner::attention_block(int l, int n) {
     set_positions(qi);
     row_op("indexer: q rope + round", qi);
     linear_f32("indexer: weights_proj", normed_.as<float>(), d.index_wproj, index_w_.as<float>(), n, nh, D);
-    for (const ChunkPart& part : parts_) {  // scores_ is scratch reused by each part in stream order
+    for (const ChunkPart& part : parts_) {  // a batched decode step: one launch over all rows (see attention)
+      if (parts_.size() > 1 && part.row0 > 0) break;
       gpu::IndexerTopkParams ip;
       ip.q = y_q + int64_t(part.row0) * d.n_q + d.off_iq;
       ip.q_token_stride = d.n_q;
@@ -921,6 +954,11 @@ void CudaRunner::attention_block(int l, int n) {
       ip.max_entries = max_entries_;
       ip.pos0 = part.pos0;
       ip.pos_device = part.pos_device;
+      if (parts_.size() > 1) {
+        ip.n = n;
+        ip.pos_rows = pos_.as<int64_t>();
+        ip.keys_rows = index_keys_rows(l);
+      }
       gpu::indexer_scores(ip, stream_);
       launched("indexer: scores");
       gpu::indexer_select(ip, stream_);
@@ -928,10 +966,12 @@ void CudaRunner::attention_block(int l, int n) {
     }
   }
 
-  // 3.7 / 3.8 attention per sequence (into its rows of the grouped output), then the window ring takes each
-  // part's last positions.
+  // 3.7 / 3.8 attention (a batched decode step: one launch over all rows, each with its sequence's state through
+  // the pointer tables), then the window ring takes the chunk's last positions.
   const int G = c.o_groups, ol = c.o_lora_rank, gw = H * hd / G;
-  for (const ChunkPart& part : parts_) {  // attention_scratch_ is reused by each part in stream order
+  const bool batched = parts_.size() > 1;  // decode_batch: row b is sequence b
+  for (const ChunkPart& part : parts_) {
+    if (batched && part.row0 > 0) break;
     gpu::AttentionParams ap;
     ap.q = y_q + int64_t(part.row0) * d.n_q;
     ap.q_token_stride = d.n_q;
@@ -957,12 +997,22 @@ void CudaRunner::attention_block(int l, int n) {
     ap.pos_device = part.pos_device;
     ap.max_entries = r ? max_context_ / r : 0;
     ap.scratch = attention_scratch_.as<float>();
+    if (batched) {
+      ap.n = n;
+      ap.pos_rows = pos_.as<int64_t>();
+      ap.window_rings = window_rings(l);
+      ap.compressed_rows = r ? compressed_rows(l) : nullptr;
+    }
     gpu::attention(ap, stream_);
     launched("attn: attention");
   }
-  for (const ChunkPart& part : parts_) {
-    gpu::window_store(kv_chunk_.as<float>() + int64_t(part.row0) * hd, part.n, hd, part.pos0, part.pos_device,
-                      state(part).window.as<float>(), window_slots_, stream_);
+  if (batched) {
+    gpu::window_store_rows(kv_chunk_.as<float>(), n, hd, pos_.as<int64_t>(), window_rings(l), window_slots_, stream_);
+    launched("attn: window store");
+  } else {
+    const ChunkPart& part = parts_.front();
+    gpu::window_store(kv_chunk_.as<float>(), part.n, hd, part.pos0, part.pos_device, state(part).window.as<float>(),
+                      window_slots_, stream_);
     launched("attn: window store");
   }
 
