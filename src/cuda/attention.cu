@@ -215,7 +215,7 @@ void attention(const AttentionParams& p, cudaStream_t stream) {
             p.groups);
   OPS_CHECK(!p.window_rings || (p.pos_rows && (p.ratio == 0 || p.compressed_rows)),
             "attention: batched rows need pos_rows and (with compressed keys) compressed_rows");
-  OPS_CHECK(p.ratio == 0 || p.selected || p.max_entries > 0,
+  OPS_CHECK(p.ratio == 0 || p.selected || p.max_entries >= 0,
             "attention: max_entries must be set when all compressed entries are attended (ratio %d)", p.ratio);
   const int splits = attention_splits(p);
   OPS_CHECK(splits == 1 || p.scratch, "attention: %d key splits need scratch (attention_scratch_floats)", splits);

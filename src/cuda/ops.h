@@ -33,7 +33,9 @@ enum class RowRound {
 // emit_ratio = r > 0 (one row, tokens = heads = 1) finishes a compressor entry only on the steps that complete
 // one: when (pos + 1) % r == 0 the row is entry b = pos / r (x and y advanced by b row strides, RoPE at b·r),
 // otherwise the launch does nothing. Batched decode (rows of different sequences): pos_rows (device, [tokens])
-// gives token t its own position and replaces pos0 + t · pos_step (not combined with emit_ratio).
+// gives token t its own position and replaces pos0 + t · pos_step. Batched entry finishing: emit_ratio with
+// pos_rows and rows_base (device table) finishes row t's entry pos_rows[t] / r in rows_base[t] (x = y, strides as
+// above) on the steps that complete it, one launch for all rows.
 struct RowOpParams {
   const float* x = nullptr;
   int64_t x_token_stride = 0, x_head_stride = 0;
@@ -53,6 +55,7 @@ struct RowOpParams {
   const int64_t* pos_device = nullptr;
   int emit_ratio = 0;
   const int64_t* pos_rows = nullptr;
+  float* const* rows_base = nullptr;
 };
 void row_op(const RowOpParams& p, cudaStream_t stream);
 
@@ -192,7 +195,7 @@ struct AttentionParams {
   float scale = 1.0f;
   uint16_t* out = nullptr;
   const int64_t* pos_device = nullptr;  // when set, pos0 is read here (graph replay)
-  int max_entries = 0;        // capacity of `compressed` (bounds the keys when selected == nullptr)
+  int max_entries = -1;       // capacity of `compressed` (keys when selected == nullptr; 0: context < ratio)
   int out_rows = 0;           // rows per group of `out` (0 = n)
   float* scratch = nullptr;   // split partials, see above
   // Batched decode (window_rings set): row t is the one new token of its own sequence, at position pos_rows[t],

@@ -97,15 +97,23 @@ __global__ void row_op_kernel(RowOpParams p, int lanes, int rows_per_block) {
   const bool live = row_raw < rows;
   const int r = live ? row_raw : rows - 1, t = r / p.heads, h = r % p.heads;
   int64_t pos0 = p.pos_device ? *p.pos_device : p.pos0, entry = 0;
+  const float* x_base = p.x;
+  float* y_base = p.y;
+  int tt = t;  // token index into the strides
   if (p.emit_ratio > 0) {  // decode step of a captured graph: finish entry pos / r only if this step completes it
-    if ((pos0 + 1) % p.emit_ratio != 0) return;  // uniform over the grid (one row)
+    if (p.rows_base) {  // batched: row t is its own sequence's entry array (one row per block)
+      pos0 = p.pos_rows[t];
+      x_base = y_base = p.rows_base[t];
+      tt = 0;
+    }
+    if ((pos0 + 1) % p.emit_ratio != 0) return;  // uniform over the block (one row)
     entry = pos0 / p.emit_ratio;
     pos0 = entry * p.emit_ratio;
   }
   const int dim = p.dim, nope = dim - p.rope_dim, half_rope = p.rope_dim / 2;
   const int first = kRowValues * g - (p.rope_dim > 0 ? (nope & 1) : 0);
   const bool full = first >= 0 && first + 3 < dim;  // all four values inside the row
-  const float* x = p.x + (t + entry) * p.x_token_stride + h * p.x_head_stride;
+  const float* x = x_base + (tt + entry) * p.x_token_stride + h * p.x_head_stride;
 
   float v[kRowValues];
   if (full && aligned_dev(x + first, 16)) {
@@ -134,7 +142,7 @@ __global__ void row_op_kernel(RowOpParams p, int lanes, int rows_per_block) {
     rotate[k] = first + 2 * k >= nope && pair < half_rope;
     cos_a[k] = 1.0f, sin_a[k] = 0.0f;
     if (rotate[k]) {
-      const int64_t position = p.pos_rows ? p.pos_rows[t] : pos0 + int64_t(t) * p.pos_step;
+      const int64_t position = p.pos_rows && !p.rows_base ? p.pos_rows[t] : pos0 + int64_t(tt) * p.pos_step;
       const float angle = __fmul_rn(float(position), p.inv_freq[pair]);
       double s, c;
       sincos(double(angle), &s, &c);
@@ -229,8 +237,8 @@ __global__ void row_op_kernel(RowOpParams p, int lanes, int rows_per_block) {
 
   if (!live) return;
   const float4 out = make_float4(v[0], v[1], v[2], v[3]);
-  if (p.y) {
-    float* y = p.y + (t + entry) * p.y_token_stride + h * p.y_head_stride;
+  if (y_base) {
+    float* y = y_base + (tt + entry) * p.y_token_stride + h * p.y_head_stride;
     if (full && aligned_dev(y + first, 16)) {
       *reinterpret_cast<float4*>(y + first) = out;
     } else {
@@ -698,7 +706,8 @@ void row_op(const RowOpParams& p, cudaStream_t stream) {
   if (rows == 0) return;
   OPS_CHECK(p.dim > 0 && p.dim <= 4096, "row_op: dim %d outside (0, 4096]", p.dim);
   OPS_CHECK(p.rope_dim >= 0 && p.rope_dim <= p.dim, "row_op: rope_dim %d outside [0, dim = %d]", p.rope_dim, p.dim);
-  OPS_CHECK(p.emit_ratio == 0 || rows == 1, "row_op: emit_ratio needs one row, got %d", rows);
+  OPS_CHECK(p.emit_ratio == 0 || rows == 1 || (p.rows_base && p.pos_rows && p.heads == 1),
+            "row_op: emit_ratio needs one row (or rows_base and pos_rows, one head), got %d", rows);
   OPS_CHECK(p.round != RowRound::KvFp8 || (p.dim - p.rope_dim) % 64 == 0,
              "row_op: FP8 KV rounding needs (dim - rope_dim) = %d to be a multiple of 64", p.dim - p.rope_dim);
   OPS_CHECK(p.round != RowRound::IndexerFp4 || (p.dim >= 32 && (p.dim & (p.dim - 1)) == 0 && p.rope_dim % 2 == 0),
@@ -713,6 +722,10 @@ void row_op(const RowOpParams& p, cudaStream_t stream) {
   } else {
     while (lanes < row_threads) lanes *= 2;
     rows_per_block = (rows >= 1024 ? 128 : 32) / lanes;  // a warp at least; 4 warps for prefill-sized launches
+  }
+  if (p.rows_base) {  // batched entry finishing: a row that completes no entry leaves as a whole block
+    lanes = (lanes + 31) / 32 * 32;  // lanes past the row's values hold zeros and store nothing
+    rows_per_block = 1;
   }
   const int blocks = (rows + rows_per_block - 1) / rows_per_block;
   const size_t smem = p.round == RowRound::IndexerFp4 && p.dim > 32 * kRowValues ? p.dim * sizeof(float) : 0;

@@ -874,7 +874,7 @@ void CudaRunner::attention_block(int l, int n) {
                      RowRound round, StateTable kv_table, StateTable score_table, StateTable entries_table) {
     const int64_t pos0 = part.pos0;
     const int64_t* pos_device = part.pos_device;
-    const bool batched = parts_.size() > 1;  // one advance launch over all rows, then each sequence's entry
+    const bool batched = parts_.size() > 1;  // one advance and one entry launch over all rows
     if (!batched || part.row0 == 0) {
       const float* in = y_x + int64_t(part.row0) * d.n_x;
       gpu::CompressorParams cp{in + off_kv, in + off_gate, d.n_x, cd.ape.as<float>(), state_kv.as<float>(),
@@ -890,6 +890,7 @@ void CudaRunner::attention_block(int l, int n) {
       gpu::compressor_advance(cp, stream_);
       launched(site);
     }
+    if (batched && part.row0 > 0) return;
     const int64_t b_first = pos_device ? 0 : pos0 / r, b_end = pos_device ? 1 : (pos0 + part.n) / r;
     if (b_end == b_first) return;
     RowOpParams fin;
@@ -907,6 +908,11 @@ void CudaRunner::attention_block(int l, int n) {
     fin.pos0 = b_first * r;
     fin.pos_step = r;
     fin.round = round;
+    if (batched) {  // every row's sequence, in one launch
+      fin.tokens = n;
+      fin.pos_rows = pos_.as<int64_t>();
+      fin.rows_base = state_table(l, entries_table);
+    }
     row_op(finish_site, fin);
   };
   if (d.compressor)

@@ -10,7 +10,8 @@
 //   batches   CudaRunnerOptions::sequences independent sequences share the weights, each with its own state;
 //             cuda_runner_decode_batch advances sequences 0..B-1 by one token each in one step (one chunk of B
 //             rows: every linear layer reads its weights once for the B tokens; the state-bound kernels, i.e.
-//             compressors, indexer, attention and window store, run once per sequence).
+//             compressors, indexer, attention and window store, run once over all rows, each row reaching its
+//             sequence's state through device pointer tables).
 #pragma once
 #include <cstdint>
 #include <memory>

