@@ -251,7 +251,7 @@ void validate(BenchArgs& a) {
   // Sequence 0 goes on from batch to batch (the others are copied from it).
   const int needed = std::max(*std::max_element(a.prefill.begin(), a.prefill.end()),
                               a.decode_context + int(a.decode_batch.size()) * (kDecodeWarmupSteps + a.decode_steps) +
-                                  (a.profile ? 1 : 0));
+                                  (a.profile ? int(a.decode_batch.size()) : 0));
   if (a.max_context == 0) a.max_context = needed;
   DSV4_CHECK(a.max_context >= needed, "dsv4 bench: --max-context {} is below the {} tokens the runs need",
              a.max_context, needed);
@@ -342,8 +342,8 @@ size_t device_used_bytes() {
 
 // One more decode step with direct launches and an event after every launch site: GPU time per site summed
 // over the layers, largest first, against the graph step's time.
-json profile_decode_step(SequenceRunner& runner, int32_t token, double graph_ms) {
-  const std::vector<LaunchTiming> timings = cuda_runner_profile_step(runner, token);
+json profile_decode_step(SequenceRunner& runner, std::span<const int32_t> tokens, double graph_ms) {
+  const std::vector<LaunchTiming> timings = cuda_runner_profile_step(runner, tokens);
   struct Site {
     std::string name;
     int launches = 0, kernels = 0;
@@ -361,9 +361,9 @@ json profile_decode_step(SequenceRunner& runner, int32_t token, double graph_ms)
     total_us += t.us;
   }
   std::sort(sites.begin(), sites.end(), [](const Site& x, const Site& y) { return x.us > y.us; });
-  fmt::print("\nprofile of one decode step (direct launches, an event after each launch site): {:.3f} ms of GPU "
-             "time in {} launch sites; the graph step above took {:.3f} ms\n",
-             total_us / 1e3, timings.size(), graph_ms);
+  fmt::print("\nprofile of one decode step at batch {} (direct launches, an event after each launch site): {:.3f} ms "
+             "of GPU time in {} launch sites; the graph step above took {:.3f} ms\n",
+             tokens.size(), total_us / 1e3, timings.size(), graph_ms);
   fmt::print("  {:<44} {:>8} {:>8} {:>10} {:>9} {:>9} {:>7}\n", "site", "launches", "kernels", "total us",
              "mean us", "max us", "share");
   json out = {{"total_us", total_us}, {"graph_step_ms", graph_ms}, {"sites", json::array()}};
@@ -458,8 +458,9 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
                        {"graph_replay", stats.last_forward_replayed_graph}, {"bytes_per_step", bytes},
                        {"flops_per_step", total_flops(lines)}, {"components", cost_json(lines)},
                        {"roofline_tok_s", roofline}, {"fraction_of_roofline", tok_s / roofline}});
-    if (a.profile && B == 1)
-      report["decode_profile"] = profile_decode_step(*runner, tokens[0], 1e3 * seconds / a.decode_steps);
+    if (a.profile)
+      report[B == 1 ? std::string("decode_profile") : fmt::format("decode_profile_batch_{}", B)] =
+          profile_decode_step(*runner, std::span<const int32_t>(tokens.data(), B), 1e3 * seconds / a.decode_steps);
   }
   report["decode"] = decodes;
   return report;

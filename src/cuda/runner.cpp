@@ -146,7 +146,7 @@ class CudaRunner final : public SequenceRunner {
   void reset() override;
   size_t state_bytes() const override { return state_bytes_; }
   CudaRunnerStats stats() const { return stats_; }
-  std::vector<LaunchTiming> profile_step(int32_t token);
+  std::vector<LaunchTiming> profile_step(std::span<const int32_t> tokens);
   int sequences() const { return int(seqs_.size()); }
   void select_sequence(int seq);
   std::vector<float> decode_batch(std::span<const int32_t> tokens);
@@ -773,7 +773,7 @@ void CudaRunner::launched(const char* site, int kernels) {
   marks_.push_back({site, current_layer_, kernels});
 }
 
-std::vector<LaunchTiming> CudaRunner::profile_step(int32_t token) {
+std::vector<LaunchTiming> CudaRunner::profile_step(std::span<const int32_t> tokens) {
   marks_.clear();
   struct Restore {  // direct launches and events for this step only, however it ends
     CudaRunner& r;
@@ -788,7 +788,10 @@ std::vector<LaunchTiming> CudaRunner::profile_step(int32_t token) {
   // The GPU waits while the host queues the step, so host launch time does not show up between events.
   launch_delay_kernel(20000.0, stream_);
   record_event(0);
-  forward(std::span<const int32_t>(&token, 1), true);
+  if (tokens.size() == 1)
+    forward(tokens, true);
+  else
+    decode_batch(tokens);
   DSV4_CUDA_CHECK(cudaStreamSynchronize(stream_));
   std::vector<LaunchTiming> timings;
   timings.reserve(marks_.size());
@@ -1154,8 +1157,8 @@ void cuda_runner_copy_sequence(SequenceRunner& runner, int from, int to) {
   as_cuda(runner, "cuda_runner_copy_sequence").copy_sequence(from, to);
 }
 
-std::vector<LaunchTiming> cuda_runner_profile_step(SequenceRunner& runner, int32_t token) {
-  return as_cuda(runner, "cuda_runner_profile_step").profile_step(token);
+std::vector<LaunchTiming> cuda_runner_profile_step(SequenceRunner& runner, std::span<const int32_t> tokens) {
+  return as_cuda(runner, "cuda_runner_profile_step").profile_step(tokens);
 }
 
 CudaRunnerStats cuda_runner_stats(const SequenceRunner& runner) {

@@ -72,8 +72,9 @@ struct LaunchTiming {
   int kernels = 1;
   double us = 0;
 };
-// Decodes `token` as the next position with direct launches (no graph) and an event after every launch site,
-// for dsv4 bench --profile. Advances the sequence like forward({token}, true). Throws for non-CUDA runners.
-std::vector<LaunchTiming> cuda_runner_profile_step(SequenceRunner& runner, int32_t token);
+// Decodes one step with direct launches (no graph) and an event after every launch site, for dsv4 bench
+// --profile: one token advances the selected sequence like forward({token}, true), more advance sequences
+// 0..n-1 like cuda_runner_decode_batch. Throws for non-CUDA runners.
+std::vector<LaunchTiming> cuda_runner_profile_step(SequenceRunner& runner, std::span<const int32_t> tokens);
 
 }  // namespace dsv4
