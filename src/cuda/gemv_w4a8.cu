@@ -23,6 +23,7 @@
 
 #include "cuda/dequant.cuh"
 #include "cuda/gemv_launch.h"
+#include "cuda/gemv_slot.cuh"
 #include "formats/fp8.h"
 
 namespace dsv4::detail {
@@ -121,20 +122,13 @@ __global__ void __launch_bounds__(kThreads, 2) gemv_w4a8_kernel(const KernelArgs
   float y_factor = a.y_factor;
   int m_rows = a.m, order0 = 0;
   if constexpr (kGrouped) {
-    const int s = blockIdx.y;
-    if (s >= __ldg(a.slot_count)) return;  // the whole block, before any barrier
-    const int e = __ldg(a.slot_expert + s);
-    order0 = __ldg(a.slot_offset + s);
-    m_rows = __ldg(a.slot_offset + s + 1) - order0;
-    const float* scale_2 = a.scale_2;
-    if (blockIdx.z == 1) {
-      w_base = a.w_second;
-      w_scale = a.w_scale_second;
-      scale_2 = a.scale_2_second;
-    }
-    w_base += size_t(e) * a.w_stride;
-    w_scale += size_t(e) * a.scale_stride;
-    if (scale_2) y_factor = __ldg(scale_2 + e) * a.nvfp4_factor;
+    GroupedSlot slot;
+    if (!grouped_slot(a, slot)) return;  // the whole block, before any barrier
+    w_base = slot.w;
+    w_scale = slot.w_scale;
+    y_factor = slot.y_factor;
+    order0 = slot.order0;
+    m_rows = slot.m_rows;
   }
   w_base += size_t(a.w_row0) * row_bytes;
   w_scale += size_t(a.w_row0) * scale_ld;
