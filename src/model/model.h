@@ -20,7 +20,8 @@ namespace dsv4 {
 // indexer wq_b, wo_b, routed and shared experts; not wo_a, the compressor, the router gate, weights_proj, head).
 enum class ActQuant {
   None,  // the input as computed (fp32 here; bf16 on CUDA)
-  FP8,   // per row and 128-block: fp8_simulate_block (e4m3, power-of-two scale), like the official act_quant
+  FP8,   // bf16(x), then per row and 128-block fp8_simulate_block (e4m3, power-of-two scale), like the official
+         // act_quant on its bf16 activations
 };
 
 struct Numerics {

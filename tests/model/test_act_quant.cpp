@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: MIT
-// --act-quant fp8 (spec 8.1): the inputs of the reference's FP8/FP4 linears are rounded per row and 128-block with
-// fp8_simulate_block. Checks the traced q and kv of layer 0 against a hand computation from the traced attn_norm
+// --act-quant fp8 (spec 8.1): the inputs of the reference's FP8/FP4 linears are rounded to bf16 (the reference's
+// activation dtype), then per row and 128-block with fp8_simulate_block. Checks the traced q and kv of layer 0 against a hand computation from the traced attn_norm
 // (so a missing or misplaced quantisation shows), and that the option moves the logits by a bounded amount while
 // prefill and decode still agree.
 #include <gtest/gtest.h>
@@ -31,11 +31,13 @@ std::vector<int32_t> random_prompt(const Model& model, int n) {
   return ids;
 }
 
-// fp64 y = q(x) · Wᵀ for one row, q = the 128-block FP8 rounding or the identity.
+// fp64 y = q(x) · Wᵀ for one row, q = the 128-block FP8 rounding of bf16(x) or the identity.
 std::vector<double> linear_row(const float* x, const Matrix& w, bool quantise) {
   std::vector<float> xin(x, x + w.cols);
-  if (quantise)
+  if (quantise) {  // the reference quantises bf16 activations
+    for (float& v : xin) v = round_bf16(v);
     for (int b = 0; b < w.cols; b += 128) fp8_simulate_block(&xin[b], std::min(128, w.cols - b));
+  }
   std::vector<double> y(w.rows);
   for (int r = 0; r < w.rows; ++r) {
     double s = 0;
