@@ -2,7 +2,7 @@
 // dsv4_gemv_bench: measures device-to-device copy bandwidth, then the skinny GEMM for every format / decode shape /
 // m in {1, 8, 32} and every split_k, against that copy bandwidth. Weight sets rotate through >= 256 MB so no
 // launch reads from L2 (60 MB); each timing is the median of 15 graph replays measured with events.
-// Usage: dsv4_gemv_bench [--md FILE]   (FILE gets the markdown table for docs/perf.md)
+// Usage: dsv4_gemv_bench [--md FILE] [--pdl] [--quick]   (FILE gets the markdown table for docs/perf.md)
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -18,10 +18,13 @@
 #include "cuda/bandwidth.h"
 #include "cuda/device.h"
 #include "cuda/gemv.h"
+#include "cuda/ops.h"
 
 namespace {
 
 using namespace dsv4;
+
+constexpr int kPrefetchBytes = 16 << 10;  // the "L2 prefetch" column: each block's first 16 KB (gemv.h)
 
 void check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) {
@@ -136,8 +139,14 @@ int run_one(const std::string& fmt, int n, int k, int m) {
 
 int main(int argc, char** argv) {
   std::string md_path;
-  for (int i = 1; i < argc; ++i)
+  bool quick = false;  // --quick: m = 1 and 8 only, no W4A8, no fp8 with f32 scales
+  bool pdl = false;  // --pdl: consecutive launches overlap as in the forward pass (default: one kernel alone)
+  for (int i = 1; i < argc; ++i) {
     if (std::string(argv[i]) == "--md" && i + 1 < argc) md_path = argv[++i];
+    if (std::string(argv[i]) == "--pdl") pdl = true;
+    if (std::string(argv[i]) == "--quick") quick = true;
+  }
+  gpu::set_dependent_launch(pdl);
   if (!cuda_available()) {
     std::fprintf(stderr, "no CUDA device\n");
     return 1;
@@ -152,7 +161,8 @@ int main(int argc, char** argv) {
   }
   try {
     const DeviceInfo info = device_info(0);
-    std::printf("device: %s, %d SMs, L2 %.0f MB\n", info.name.c_str(), info.sm_count, double(info.l2_bytes) / 1e6);
+    std::printf("device: %s, %d SMs, L2 %.0f MB; launches %s\n", info.name.c_str(), info.sm_count,
+                double(info.l2_bytes) / 1e6, pdl ? "overlapped (--pdl)" : "serialised");
 
     constexpr size_t kRotateBytes = size_t(256) << 20;
     DeviceBuffer big_src(size_t(1) << 30), big_dst(size_t(1) << 30);
@@ -194,13 +204,13 @@ int main(int argc, char** argv) {
         "| format | shape (n x k) | m | split | us / step | weight GB/s | vs 1 GiB copy | vs same-size copy | best split "
         "(frac) |\n|---|---|---|---|---|---|---|---|---|\n";
     std::printf("m 1a8: act fp8 (the W4A8 kernel); otherwise bf16 activations (W4A16)\n");
-    std::printf("%-9s %-13s %5s %5s %10s %9s %8s %8s  %s\n", "format", "shape", "m", "split", "us/step", "GB/s",
-                "vs copy", "vs same", "best split (frac)");
+    std::printf("%-9s %-13s %5s %5s %10s %9s %8s %8s  %s  %s\n", "format", "shape", "m", "split", "us/step", "GB/s",
+                "vs copy", "vs same", "best split (frac)", "L2 prefetch (frac)");
     for (const Shape& sh : shapes) {
       for (const Format& f : formats) {
         const bool lm_head = sh.n == 129280;
         if (lm_head && f.w != GemvWeight::BF16) continue;  // the lm_head is bf16
-        if (f.s == GemvScale::F32 && sh.n != 32768) continue;  // f32 scales: one shape is enough
+        if (f.s == GemvScale::F32 && (sh.n != 32768 || quick)) continue;  // f32 scales: one shape is enough
         const size_t wb = weight_bytes(f, sh.n, sh.k), sb = scale_bytes(f, sh.n, sh.k);
         const size_t stride = round_up(wb, 256) + round_up(sb, 256);
         const int n_sets = int(std::max<size_t>(size_t(sh.count), (kRotateBytes + stride - 1) / stride));
@@ -238,6 +248,7 @@ int main(int argc, char** argv) {
         for (const auto& [m, act] : {std::pair{1, GemvAct::BF16}, {1, GemvAct::FP8}, {8, GemvAct::BF16},
                                      {32, GemvAct::BF16}}) {
           if (act == GemvAct::FP8 && !fp4) continue;  // W4A8: fp4 weights only
+          if (quick && (act == GemvAct::FP8 || m == 32)) continue;
           GemvParams p;
           p.m = m, p.n = sh.n, p.k = sh.k, p.x = x.data(), p.y = y.data();
           p.weight = f.w, p.fp8_scale = f.s, p.w_scale_2 = 0.5f, p.out = GemvOut::BF16, p.act = act;
@@ -263,11 +274,15 @@ int main(int argc, char** argv) {
             if (split == auto_split) t_auto = t;
             if (t < t_best) t_best = t, best_split = split;
           }
+          set_gemv_l2_prefetch_bytes(kPrefetchBytes);  // the same auto split with each block's first bytes prefetched
+          const double t_prefetch = time_split(auto_split);
+          set_gemv_l2_prefetch_bytes(0);
           const double bw = double(step_bytes) / t_auto;
           char line[512];
-          std::snprintf(line, sizeof line, "%-9s %-13s %3d%s %5d %10.2f %9.0f %8.3f %8.3f  %d (%.3f)\n", f.name, sh.name,
-                        m, act == GemvAct::FP8 ? "a8" : "  ", auto_split, t_auto * 1e6, bw / 1e9, bw / copy_bw, bw / same_bw, best_split,
-                        double(step_bytes) / t_best / copy_bw);
+          std::snprintf(line, sizeof line, "%-9s %-13s %3d%s %5d %10.2f %9.0f %8.3f %8.3f  %d (%.3f)  %.3f\n", f.name,
+                        sh.name, m, act == GemvAct::FP8 ? "a8" : "  ", auto_split, t_auto * 1e6, bw / 1e9, bw / copy_bw,
+                        bw / same_bw, best_split, double(step_bytes) / t_best / copy_bw,
+                        double(step_bytes) / t_prefetch / copy_bw);
           std::fputs(line, stdout);
           std::fflush(stdout);
           std::snprintf(line, sizeof line, "| %s | %s | %d%s | %d | %.2f | %.0f | %.3f | %.3f | %d (%.3f) |\n", f.name,
@@ -282,6 +297,7 @@ int main(int argc, char** argv) {
     std::printf("\ngrouped decode (7 of 33 experts, one launch per projection set; frac of copy bandwidth):\n");
     for (const auto& [f, act] : {std::pair{formats[0], GemvAct::BF16}, {formats[3], GemvAct::BF16},
                                  {formats[3], GemvAct::FP8}, {formats[4], GemvAct::BF16}, {formats[4], GemvAct::FP8}}) {
+      if (quick && act == GemvAct::FP8) continue;
       for (const auto& [name, n, k, second] : {std::tuple{"w1+w3 2048x4096", 2048, 4096, true},
                                               std::tuple{"w2 4096x2048", 4096, 2048, false}}) {
         const int E = 33, picks = 7, sets = 24;
@@ -306,7 +322,9 @@ int main(int argc, char** argv) {
         }
         const double bytes = double(wb + sb) * picks * (second ? 2 : 1);
         std::printf("  %-9s %-4s %-16s", f.name, act == GemvAct::FP8 ? "a8" : "a16", name);
-        for (int split : {0, 1, 2, 4, 8}) {  // 0: the heuristic (7 active slots)
+        for (const auto& [split, prefetch] : {std::pair{0, false}, {0, true}, {1, false}, {2, false}, {4, false},
+                                               {8, false}}) {  // 0: the heuristic (7 active slots)
+            set_gemv_l2_prefetch_bytes(prefetch ? kPrefetchBytes : 0);
             const double t = time_steps(
                 [&](cudaStream_t st_, int step) {
                   GemvGroupedParams g;
@@ -325,8 +343,10 @@ int main(int argc, char** argv) {
                   gemv_grouped(g);
                 },
                 48);
-            std::printf("  %s%d %.3f (%.1f us)", split ? "split " : "auto ", split, bytes / t / copy_bw, t * 1e6);
+            std::printf("  %s%d%s %.3f (%.1f us)", split ? "split " : "auto ", split, prefetch ? " prefetch" : "",
+                        bytes / t / copy_bw, t * 1e6);
           }
+        set_gemv_l2_prefetch_bytes(0);
         std::printf("\n");
         std::fflush(stdout);
       }

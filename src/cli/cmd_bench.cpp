@@ -19,6 +19,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <regex>
 #include <string>
 #include <vector>
 
@@ -30,6 +31,8 @@
 #include "cuda/bandwidth.h"
 #include "cuda/cuda_check.h"
 #include "cuda/device.h"
+#include "cuda/gemv.h"
+#include "cuda/ops.h"
 #include "cuda/runner.h"
 #endif
 
@@ -69,6 +72,9 @@ struct BenchArgs {
   bool plan_only = false;
   bool profile = false;  // one more decode step with an event after every launch site
   std::string act_quant = "none";  // --act-quant: fp8 runs the fp4 decode GEMVs as W4A8
+  // Decode is timed once per launch mode: "pdl" (the default: programmatic dependent launch) or "plain", optionally
+  // "+pfN": each gemv block requests its first N KB of weights into L2 first. Prefill and --profile use the first.
+  std::vector<std::string> launch_modes = {"pdl"};
 };
 
 // ---- accounting -------------------------------------------------------------------------------------------
@@ -248,9 +254,11 @@ void validate(BenchArgs& a) {
   DSV4_CHECK(!a.decode_batch.empty(), "dsv4 bench: --decode-batch lists no batch size");
   for (int b : a.decode_batch)
     DSV4_CHECK(b >= 1 && b <= 64, "dsv4 bench: --decode-batch {} must be in [1, 64] (one chunk of the runner)", b);
-  // Sequence 0 goes on from batch to batch (the others are copied from it).
+  DSV4_CHECK(!a.launch_modes.empty(), "dsv4 bench: --launch-modes lists no mode");
+  // Sequence 0 goes on from batch to batch and mode to mode (the others are copied from it).
+  const int timed_runs = int(a.decode_batch.size() * a.launch_modes.size());
   const int needed = std::max(*std::max_element(a.prefill.begin(), a.prefill.end()),
-                              a.decode_context + int(a.decode_batch.size()) * (kDecodeWarmupSteps + a.decode_steps) +
+                              a.decode_context + timed_runs * (kDecodeWarmupSteps + a.decode_steps) +
                                   (a.profile ? int(a.decode_batch.size()) : 0));
   if (a.max_context == 0) a.max_context = needed;
   DSV4_CHECK(a.max_context >= needed, "dsv4 bench: --max-context {} is below the {} tokens the runs need",
@@ -283,6 +291,7 @@ json args_json(const BenchArgs& a, const ModelConfig& c) {
           {"decode_steps", a.decode_steps}, {"decode_batch", a.decode_batch}, {"max_context", a.max_context},
           {"seed", a.seed},
           {"act_quant", a.act_quant},
+          {"launch_modes", a.launch_modes},
           {"config", c.summary()}, {"bf16_dense_flops", kBf16DenseFlops}, {"prefill_chunk", kPrefillChunk}};
 }
 
@@ -325,6 +334,12 @@ int run_plan(const BenchArgs& a) {
 
 double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+void set_launch_mode(const std::string& mode) {
+  gpu::set_dependent_launch(mode.starts_with("pdl"));
+  const size_t pf = mode.find("+pf");
+  set_gemv_l2_prefetch_bytes(pf == std::string::npos ? 0 : std::stoi(mode.substr(pf + 3)) << 10);
 }
 
 std::vector<int32_t> random_tokens(std::mt19937_64& rng, int n, int vocab) {
@@ -436,31 +451,38 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
       else
         cuda_runner_decode_batch(*runner, std::span<const int32_t>(tokens.data(), B));
     };
-    for (int i = 0; i < kDecodeWarmupSteps; ++i) step();  // the first step captures the graph of this batch size
-    const int64_t pos = runner->n_tokens() + a.decode_steps / 2;
-    start = std::chrono::steady_clock::now();
-    for (int i = 0; i < a.decode_steps; ++i) step();
-    const double seconds = seconds_since(start);
-    const CudaRunnerStats stats = cuda_runner_stats(*runner);
-    const int64_t kernels = stats.last_forward_replayed_graph ? stats.graph_kernels : stats.launches_last_forward;
-    const std::vector<CostLine> lines = decode_step_cost(c, f, pos, B);
-    const double bytes = total_bytes(lines), tok_s = double(B) * a.decode_steps / seconds;
-    const double roofline = B * bandwidth / bytes;
-    if (B == a.decode_batch.front()) print_cost_table(lines, f, pos, B);
-    fmt::print("\ndecode batch {} at context {}: {:.1f} tok/s ({:.3f} ms/step), {} kernels per step{}; roofline "
-               "{:.1f} tok/s ({:.2f} GB/step at {:.0f} GB/s) -> {:.3f} of roofline\n",
-               B, pos, tok_s, 1e3 * seconds / a.decode_steps, kernels,
-               stats.last_forward_replayed_graph ? " (graph replay)" : "", roofline, bytes / 1e9, bandwidth_gbs,
-               tok_s / roofline);
-    decodes.push_back({{"batch", B}, {"context", a.decode_context}, {"steps", a.decode_steps},
-                       {"mean_position", pos}, {"seconds", seconds}, {"tok_s", tok_s},
-                       {"ms_per_step", 1e3 * seconds / a.decode_steps}, {"kernels_per_step", kernels},
-                       {"graph_replay", stats.last_forward_replayed_graph}, {"bytes_per_step", bytes},
-                       {"flops_per_step", total_flops(lines)}, {"components", cost_json(lines)},
-                       {"roofline_tok_s", roofline}, {"fraction_of_roofline", tok_s / roofline}});
+    double first_mode_ms = 0;
+    for (const std::string& mode : a.launch_modes) {
+      set_launch_mode(mode);
+      cuda_runner_drop_graphs(*runner);
+      for (int i = 0; i < kDecodeWarmupSteps; ++i) step();  // the first step captures the graph of this batch size
+      const int64_t pos = runner->n_tokens() + a.decode_steps / 2;
+      start = std::chrono::steady_clock::now();
+      for (int i = 0; i < a.decode_steps; ++i) step();
+      const double seconds = seconds_since(start);
+      const CudaRunnerStats stats = cuda_runner_stats(*runner);
+      const int64_t kernels = stats.last_forward_replayed_graph ? stats.graph_kernels : stats.launches_last_forward;
+      const std::vector<CostLine> lines = decode_step_cost(c, f, pos, B);
+      const double bytes = total_bytes(lines), tok_s = double(B) * a.decode_steps / seconds;
+      const double roofline = B * bandwidth / bytes;
+      if (B == a.decode_batch.front() && mode == a.launch_modes.front()) print_cost_table(lines, f, pos, B);
+      if (mode == a.launch_modes.front()) first_mode_ms = 1e3 * seconds / a.decode_steps;
+      fmt::print("\ndecode batch {} at context {} [{}]: {:.1f} tok/s ({:.3f} ms/step), {} kernels per step{}; roofline "
+                 "{:.1f} tok/s ({:.2f} GB/step at {:.0f} GB/s) -> {:.3f} of roofline\n",
+                 B, pos, mode, tok_s, 1e3 * seconds / a.decode_steps, kernels,
+                 stats.last_forward_replayed_graph ? " (graph replay)" : "", roofline, bytes / 1e9, bandwidth_gbs,
+                 tok_s / roofline);
+      decodes.push_back({{"batch", B}, {"launch_mode", mode}, {"context", a.decode_context},
+                         {"steps", a.decode_steps}, {"mean_position", pos}, {"seconds", seconds}, {"tok_s", tok_s},
+                         {"ms_per_step", 1e3 * seconds / a.decode_steps}, {"kernels_per_step", kernels},
+                         {"graph_replay", stats.last_forward_replayed_graph}, {"bytes_per_step", bytes},
+                         {"flops_per_step", total_flops(lines)}, {"components", cost_json(lines)},
+                         {"roofline_tok_s", roofline}, {"fraction_of_roofline", tok_s / roofline}});
+    }
+    set_launch_mode(a.launch_modes.front());
     if (a.profile)
       report[B == 1 ? std::string("decode_profile") : fmt::format("decode_profile_batch_{}", B)] =
-          profile_decode_step(*runner, std::span<const int32_t>(tokens.data(), B), 1e3 * seconds / a.decode_steps);
+          profile_decode_step(*runner, std::span<const int32_t>(tokens.data(), B), first_mode_ms);
   }
   report["decode"] = decodes;
   return report;
@@ -473,6 +495,7 @@ int run_bench(const BenchArgs& a) {
   fmt::print("device: {}, {} SMs, {:.1f} GB\n", info.name, info.sm_count, info.global_mem_bytes / 1e9);
   const double bandwidth_gbs = measure_copy_bandwidth_gbs();
   fmt::print("copy bandwidth (2 GiB copy kernel, read + write): {:.0f} GB/s\n", bandwidth_gbs);
+  set_launch_mode(a.launch_modes.front());
 
   auto start = std::chrono::steady_clock::now();
   ModelConfig config = flash_shaped_config(a.experts);
@@ -526,6 +549,17 @@ void add_bench_command(CLI::App& app, Handler& handler) {
   cmd->add_option("--act-quant", args->act_quant,
                   "Inputs of the FP8/FP4 linears: none, or fp8 (official numerics; NVFP4 decode then runs W4A8)")
       ->capture_default_str()->check(CLI::IsMember({"none", "fp8"}));
+  cmd->add_option("--launch-modes", args->launch_modes,
+                  "Decode timed in each mode: pdl (programmatic dependent launch, the default) or plain (serialised "
+                  "launches), each optionally +pfN (every gemv block first requests N KB of its weights into L2), "
+                  "e.g. pdl,plain,pdl+pf16")
+      ->delimiter(',')->capture_default_str()
+      ->check(CLI::Validator(
+          [](std::string& m) {
+            static const std::regex form("(pdl|plain)(\\+pf[0-9]{1,5})?");
+            return std::regex_match(m, form) ? std::string() : "launch mode '" + m + "' is not pdl|plain[+pfN]";
+          },
+          "MODE"));
   cmd->add_flag("--profile", args->profile,
                 "After the timed decode steps, time every launch site of one more step (events, no graph)");
   cmd->add_flag("--plan-only", args->plan_only,

@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "cuda/device.h"
+#include "cuda/launch.cuh"
 #include "cuda/ops.h"
 #include "cuda/ops_common.cuh"
 
@@ -81,6 +82,7 @@ __device__ void store_grouped(const float* o, const AttentionParams& p, int h, i
 // lane + 32·e), loading the next key before using the current one; the warps are then merged. One split: the
 // sink is added and the output finished here; more: the partial goes to scratch for attention_merge_kernel.
 __global__ void attention_kernel(AttentionParams p, int splits) {
+  gpu::dependent_enter();
   __shared__ float warp_max[kAttnWarps], warp_sum_e[kAttnWarps], warp_factor[kAttnWarps], block_max, block_sum_e;
   __shared__ float warp_acc[kAttnWarps][kMaxHeadDim];
   __shared__ float o[kMaxHeadDim];
@@ -164,6 +166,7 @@ __global__ void attention_kernel(AttentionParams p, int splits) {
 
 // Block (h, t): merges the splits' partials of attention_kernel with the sink, then finishes like one split.
 __global__ void attention_merge_kernel(AttentionParams p, int splits) {
+  gpu::dependent_enter();
   __shared__ float factor[kMaxSplits];
   __shared__ float o[kMaxHeadDim];
   __shared__ float inv_denom;
@@ -219,10 +222,10 @@ void attention(const AttentionParams& p, cudaStream_t stream) {
             "attention: max_entries must be set when all compressed entries are attended (ratio %d)", p.ratio);
   const int splits = attention_splits(p);
   OPS_CHECK(splits == 1 || p.scratch, "attention: %d key splits need scratch (attention_scratch_floats)", splits);
-  attention_kernel<<<dim3(p.heads, p.n, splits), kAttnWarps * 32, 0, stream>>>(p, splits);
+  gpu::launch(attention_kernel, dim3(p.heads, p.n, splits), kAttnWarps * 32, 0, stream, p, splits);
   DSV4_CUDA_LAUNCHED();
   if (splits == 1) return;
-  attention_merge_kernel<<<dim3(p.heads, p.n), 128, 0, stream>>>(p, splits);
+  gpu::launch(attention_merge_kernel, dim3(p.heads, p.n), 128, 0, stream, p, splits);
   DSV4_CUDA_LAUNCHED();
 }
 

@@ -5,6 +5,7 @@
 // launch. Both give the same bits: each entry is pooled over the same rows in the same order.
 #include <cmath>
 
+#include "cuda/launch.cuh"
 #include "cuda/ops.h"
 #include "cuda/ops_common.cuh"
 
@@ -19,6 +20,7 @@ constexpr int kColumnThreads = 128;
 // interact, so the chunk's tokens are walked in order without block synchronisation.
 // Batched decode: blockIdx.y is the row (its own sequence's one token).
 __global__ void compressor_walk_kernel(CompressorParams p) {
+  gpu::dependent_enter();
   const int j = blockIdx.x * blockDim.x + threadIdx.x;
   if (j >= p.dim) return;
   if (p.state_kv_rows) {
@@ -93,6 +95,7 @@ struct ChunkRows {
 // Block (column slice, entry b_first + blockIdx.y): the entry's softmax pool over its rows (previous block's first
 // half + current block's second half when overlapped), in the walk kernel's row order and roundings.
 __global__ void compressor_entries_kernel(CompressorParams p, int64_t b_first) {
+  gpu::dependent_enter();
   const int j = blockIdx.x * blockDim.x + threadIdx.x;
   if (j >= p.dim) return;
   const int r = p.ratio, d = p.dim, width = p.overlap ? 2 * d : d, n_rows = p.overlap ? 2 * r : r;
@@ -119,6 +122,7 @@ __global__ void compressor_entries_kernel(CompressorParams p, int64_t b_first) {
 // complete block (moved from the partial-block rows or taken from the chunk), rows r.. = the new partial block.
 // Rows the walk leaves stale are never read before being rewritten, so they are not touched.
 __global__ void compressor_state_kernel(CompressorParams p) {
+  gpu::dependent_enter();
   const int col = blockIdx.x * blockDim.x + threadIdx.x;
   const int r = p.ratio, width = p.overlap ? 2 * p.dim : p.dim;
   if (col >= width) return;
@@ -149,24 +153,23 @@ void compressor_advance(const CompressorParams& p, cudaStream_t stream) {
   if (p.state_kv_rows) {
     OPS_CHECK(p.pos_rows && p.state_score_rows && p.entries_rows && p.n <= 65535,
               "compressor_advance: batched rows need pos_rows and every state table (n = %d)", p.n);
-    compressor_walk_kernel<<<dim3(blocks_for(p.dim, kColumnThreads), p.n), kColumnThreads, 0, stream>>>(p);
+    gpu::launch(compressor_walk_kernel, dim3(blocks_for(p.dim, kColumnThreads), p.n), kColumnThreads, 0, stream, p);
     DSV4_CUDA_LAUNCHED();
     return;
   }
   if (p.pos_device || p.n == 1) {
-    compressor_walk_kernel<<<blocks_for(p.dim, kColumnThreads), kColumnThreads, 0, stream>>>(p);
+    gpu::launch(compressor_walk_kernel, blocks_for(p.dim, kColumnThreads), kColumnThreads, 0, stream, p);
     DSV4_CUDA_LAUNCHED();
     return;
   }
   const int64_t b_first = p.pos0 / p.ratio, b_end = (p.pos0 + p.n) / p.ratio;
   if (b_end > b_first) {
     OPS_CHECK(b_end - b_first <= 65535, "compressor_advance: %lld entries in one chunk", (long long)(b_end - b_first));
-    compressor_entries_kernel<<<dim3(blocks_for(p.dim, kColumnThreads), unsigned(b_end - b_first)), kColumnThreads,
-                                0, stream>>>(p, b_first);
+    gpu::launch(compressor_entries_kernel, dim3(blocks_for(p.dim, kColumnThreads), unsigned(b_end - b_first)), kColumnThreads, 0, stream, p, b_first);
     DSV4_CUDA_LAUNCHED();
   }
   const int width = p.overlap ? 2 * p.dim : p.dim;
-  compressor_state_kernel<<<blocks_for(width, kColumnThreads), kColumnThreads, 0, stream>>>(p);
+  gpu::launch(compressor_state_kernel, blocks_for(width, kColumnThreads), kColumnThreads, 0, stream, p);
   DSV4_CUDA_LAUNCHED();
 }
 

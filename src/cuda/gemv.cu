@@ -13,6 +13,7 @@
 #include "cuda/dequant.cuh"
 #include "cuda/gemv_launch.h"
 #include "cuda/gemv_slot.cuh"
+#include "cuda/launch.cuh"
 
 namespace dsv4::detail {
 namespace {
@@ -60,8 +61,28 @@ __device__ __forceinline__ void decode_piece(const uint4& raw, uint32_t scale, u
   }
 }
 
+// Requests the first a.l2_prefetch_bytes of the block's weight rows (and as large a share of their per-row scales)
+// into L2: one bulk prefetch each, issued by one thread, holding no registers while the data is on its way.
+template <Fmt F>
+__device__ __forceinline__ void prefetch_block_l2(const KernelArgs& a, const uint8_t* w_base, const uint8_t* w_scale,
+                                                  size_t row_bytes) {
+  const int rows_in_block = kGemvWarps / a.split * 16, first = blockIdx.x * rows_in_block;
+  const int rows = min(rows_in_block, a.n - first);
+  if (threadIdx.x != 0 || rows <= 0) return;
+  const uint8_t* w = w_base + size_t(first) * row_bytes;
+  const size_t w_bytes = min(size_t(rows) * row_bytes, size_t(a.l2_prefetch_bytes));
+  if (reinterpret_cast<uintptr_t>(w) % 16 == 0 && w_bytes >= 16) dq::prefetch_l2(w, uint32_t(w_bytes & ~size_t(15)));
+  if constexpr (F == Fmt::MXFP4 || F == Fmt::NVFP4) {
+    const size_t scale_row = size_t(a.k) / (F == Fmt::MXFP4 ? 32 : 16);
+    const uint8_t* s = w_scale + size_t(first) * scale_row;
+    const size_t s_bytes = min(size_t(rows) * scale_row, w_bytes / (row_bytes / scale_row));
+    if (reinterpret_cast<uintptr_t>(s) % 16 == 0 && s_bytes >= 16) dq::prefetch_l2(s, uint32_t(s_bytes & ~size_t(15)));
+  }
+}
+
 template <Fmt F, int kTilesN, bool kGrouped>
 __global__ void __launch_bounds__(kThreads, kTilesN <= 2 ? 2 : 1) gemv_kernel(const KernelArgs a) {
+  gpu::allow_dependents();
   constexpr int kElems = elems_per_16b<F>();  // per thread, per row, per chunk
   constexpr int kChunkK = 4 * kElems;
   constexpr int kPairs = kElems / 2;          // bf16x2 words per row piece
@@ -87,6 +108,7 @@ __global__ void __launch_bounds__(kThreads, kTilesN <= 2 ? 2 : 1) gemv_kernel(co
   int m_rows = a.m, order0 = 0, w_row0 = a.w_row0;
   int64_t y_offset = 0;
   if constexpr (kGrouped) {
+    gpu::dependent_wait();  // the slots are the previous kernel's output
     GroupedSlot slot;
     if (!grouped_slot(a, slot)) return;  // the whole block, before any barrier
     w_base = slot.w;
@@ -105,6 +127,11 @@ __global__ void __launch_bounds__(kThreads, kTilesN <= 2 ? 2 : 1) gemv_kernel(co
   const uint8_t* w_lo = w_base + size_t(r_lo) * row_bytes + t * 16;
   const uint8_t* w_hi = w_lo + 8 * row_bytes;
   auto pair_of = [&](int row) { return kGrouped ? __ldg(a.row_order + order0 + row) : row; };
+  // The start of the block's weights can be requested into L2 (gemv_l2_prefetch_bytes). Under programmatic launch
+  // the plain kernel does it before dependent_wait(), while the previous kernel of the step still runs (weights
+  // depend on nothing it writes); the grouped kernel needs the slots first.
+  if (a.l2_prefetch_bytes > 0) prefetch_block_l2<F>(a, w_base, w_scale, row_bytes);
+  if constexpr (!kGrouped) gpu::dependent_wait();  // x and y belong to the step
 
   // More rows than the tile holds (a grouped slot above base.m) are covered by further passes over W.
   for (int rb = 0; rb < m_rows; rb += kTilesN * 8) {
@@ -234,13 +261,13 @@ cudaError_t launch_fmt(const KernelArgs& a, dim3 grid, cudaStream_t stream) {
   const int rows_per_block = kGemvWarps / a.split * 16;
   grid.x = (a.n + rows_per_block - 1) / rows_per_block;
   if (a.m <= 8)
-    gemv_kernel<F, 1, kGrouped><<<grid, kThreads, 0, stream>>>(a);
+    gpu::launch(gemv_kernel<F, 1, kGrouped>, grid, kThreads, 0, stream, a);
   else if (a.m <= 16)
-    gemv_kernel<F, 2, kGrouped><<<grid, kThreads, 0, stream>>>(a);
+    gpu::launch(gemv_kernel<F, 2, kGrouped>, grid, kThreads, 0, stream, a);
   else if (a.m <= 32)
-    gemv_kernel<F, 4, kGrouped><<<grid, kThreads, 0, stream>>>(a);
+    gpu::launch(gemv_kernel<F, 4, kGrouped>, grid, kThreads, 0, stream, a);
   else
-    gemv_kernel<F, 8, kGrouped><<<grid, kThreads, 0, stream>>>(a);
+    gpu::launch(gemv_kernel<F, 8, kGrouped>, grid, kThreads, 0, stream, a);
   return cudaGetLastError();
 }
 
@@ -270,11 +297,13 @@ KernelArgs plain_args(const GemvParams& p, int split_k) {
   a.y_factor = p.weight == GemvWeight::NVFP4 ? p.w_scale_2 * dq::kNvfp4OutputFactor : 1.0f;
   a.out_bf16 = p.out == GemvOut::BF16;
   a.x_row_div = 1;
+  a.l2_prefetch_bytes = gemv_l2_prefetch_bytes();
   return a;
 }
 
 // One block of moe_slots: counting sort of the pairs by expert (experts and pairs <= 4096).
 __global__ void moe_slots_kernel(MoeSlotsParams p) {
+  gpu::dependent_enter();
   __shared__ int count[4096];
   __shared__ int start[4096];
   const bool with_shared = p.shared_expert >= 0;
@@ -345,7 +374,7 @@ cudaError_t gemv_grouped_launch(const GemvGroupedParams& g, int split_k) {
 }
 
 cudaError_t moe_slots_launch(const MoeSlotsParams& p) {
-  moe_slots_kernel<<<1, 256, 0, p.stream>>>(p);
+  gpu::launch(moe_slots_kernel, 1, 256, 0, p.stream, p);
   return cudaGetLastError();
 }
 

@@ -24,6 +24,7 @@
 #include "cuda/dequant.cuh"
 #include "cuda/gemv_launch.h"
 #include "cuda/gemv_slot.cuh"
+#include "cuda/launch.cuh"
 #include "formats/fp8.h"
 
 namespace dsv4::detail {
@@ -103,6 +104,7 @@ __device__ void quantise_row(const uint16_t* x, int k, int n_chunks, uint8_t* xq
 
 template <bool kNv, bool kGrouped>
 __global__ void __launch_bounds__(kThreads, 2) gemv_w4a8_kernel(const KernelArgs a) {
+  gpu::dependent_enter();
   __shared__ __align__(16) uint8_t xq[kW4a8MaxK];
   __shared__ float xs[kW4a8MaxK / kChunkK];
   __shared__ float red[kGemvWarps][16];
@@ -258,6 +260,7 @@ __global__ void __launch_bounds__(kThreads, 2) gemv_w4a8_kernel(const KernelArgs
 
 // One warp per (row, 128-block): y = bf16(act_quant_fp8(x)), bit-identical to fp8_simulate_block on bf16 input.
 __global__ void act_quant_kernel(const uint16_t* x, uint16_t* y, int rows, int k) {
+  gpu::dependent_enter();
   const int lane = threadIdx.x & 31;
   const int blocks_per_row = (k + kChunkK - 1) / kChunkK;
   const int64_t item = int64_t(blockIdx.x) * (blockDim.x / 32) + (threadIdx.x >> 5);
@@ -290,10 +293,10 @@ cudaError_t gemv_w4a8_launch(const KernelArgs& args, const GemvParams& p, dim3 g
   a.nvfp4_factor = nv ? kBiasGap : 0.0f;
   cudaStream_t stream = p.stream;
   grid.x = (a.n + kGemvWarps / a.split * 16 - 1) / (kGemvWarps / a.split * 16);
-  if (nv && grouped) gemv_w4a8_kernel<true, true><<<grid, kThreads, 0, stream>>>(a);
-  else if (nv) gemv_w4a8_kernel<true, false><<<grid, kThreads, 0, stream>>>(a);
-  else if (grouped) gemv_w4a8_kernel<false, true><<<grid, kThreads, 0, stream>>>(a);
-  else gemv_w4a8_kernel<false, false><<<grid, kThreads, 0, stream>>>(a);
+  if (nv && grouped) gpu::launch(gemv_w4a8_kernel<true, true>, grid, kThreads, 0, stream, a);
+  else if (nv) gpu::launch(gemv_w4a8_kernel<true, false>, grid, kThreads, 0, stream, a);
+  else if (grouped) gpu::launch(gemv_w4a8_kernel<false, true>, grid, kThreads, 0, stream, a);
+  else gpu::launch(gemv_w4a8_kernel<false, false>, grid, kThreads, 0, stream, a);
   return cudaGetLastError();
 }
 
@@ -301,7 +304,7 @@ cudaError_t act_quant_launch(const uint16_t* x, uint16_t* y, int rows, int k, cu
   const int64_t items = int64_t(rows) * ((k + kChunkK - 1) / kChunkK);
   constexpr int kWarpsPerBlock = 8;
   if (items == 0) return cudaSuccess;
-  act_quant_kernel<<<unsigned((items + kWarpsPerBlock - 1) / kWarpsPerBlock), kWarpsPerBlock * 32, 0, stream>>>(
+  gpu::launch(act_quant_kernel, unsigned((items + kWarpsPerBlock - 1) / kWarpsPerBlock), kWarpsPerBlock * 32, 0, stream, 
       x, y, rows, k);
   return cudaGetLastError();
 }

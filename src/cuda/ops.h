@@ -251,4 +251,9 @@ void swiglu(const SwigluParams& p, cudaStream_t stream);
 // Fills n floats with value (state reset: compressor scores start at -inf).
 void fill_f32(float* x, int64_t n, float value, cudaStream_t stream);
 
+// Programmatic dependent launch of the forward-pass kernels (launch.cuh), on by default. Graphs keep the mode they
+// were captured with; benchmarks switch it off to measure what it saves.
+void set_dependent_launch(bool on);
+bool dependent_launch();
+
 }  // namespace dsv4::gpu

@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "cuda/device.h"
+#include "cuda/launch.cuh"
 #include "cuda/ops.h"
 #include "cuda/ops_common.cuh"
 
@@ -76,6 +77,7 @@ __device__ __forceinline__ void load_q_slice(float (&q)[2][kScoreWarpDims], cons
 // ([warp][key][head], conflict-free), then each warp sums two keys' partials over the warps, applies max(·, 0) and
 // the head weights, and reduces over the heads with one warp_sum per key.
 __global__ void __launch_bounds__(kScoreThreads, 2) indexer_scores_kernel(IndexerTopkParams p) {
+  gpu::dependent_enter();
   extern __shared__ float4 score_smem[];
   float* keys_s = reinterpret_cast<float*>(score_smem);       // [kScoreKeys, dim]
   float* partial = keys_s + kScoreKeys * p.dim;               // [kScoreWarps, kScoreKeys, kScoreHeads]
@@ -213,6 +215,7 @@ __device__ __forceinline__ uint64_t rank_word(uint32_t key, int index) {
 // above). Rows of up to cache_entries scores are read once into shared memory as keys; longer ones from p.scores.
 __global__ void __launch_bounds__(kSelectThreads) indexer_select_kernel(IndexerTopkParams p, int sort_cap,
                                                                          int cache_entries) {
+  gpu::dependent_enter();
   extern __shared__ uint64_t select_smem[];
   uint64_t* sort_a = select_smem;             // [sort_cap]: the candidates, then one of the sort's buffers
   uint64_t* sort_b = select_smem + sort_cap;  // [sort_cap]
@@ -398,6 +401,7 @@ __global__ void __launch_bounds__(kSelectThreads) indexer_select_kernel(IndexerT
 // exactly top_k_indices. The weights' sum runs in pick order like the reference.
 template <int kPerLane>
 __global__ void __launch_bounds__(32) router_kernel(RouterParams p) {
+  gpu::dependent_enter();
   extern __shared__ float s[];  // [E]
   const int t = blockIdx.x, lane = threadIdx.x, E = p.experts, k = p.k;
   const float* logits = p.logits + int64_t(t) * E;
@@ -468,6 +472,7 @@ __global__ void __launch_bounds__(32) router_kernel(RouterParams p) {
 }
 
 __global__ void swiglu_kernel(SwigluParams p) {
+  gpu::dependent_enter();
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= int64_t(p.rows) * p.inter) return;
   const int r = int(i / p.inter), j = int(i % p.inter);
@@ -505,7 +510,7 @@ void indexer_scores(const IndexerTopkParams& p, cudaStream_t stream) {
   const int tiles = blocks_for(p.max_entries, kScoreKeys);
   const int per_query = std::max(1, kScoreBlocksPerSm * current_sm_count() / p.n);
   const dim3 grid(p.n, std::min(tiles, per_query));
-  indexer_scores_kernel<<<grid, kScoreThreads, score_smem_floats(p.heads, p.dim) * sizeof(float), stream>>>(p);
+  gpu::launch(indexer_scores_kernel, grid, kScoreThreads, score_smem_floats(p.heads, p.dim) * sizeof(float), stream, p);
   DSV4_CUDA_LAUNCHED();
 }
 
@@ -520,7 +525,7 @@ void indexer_select(const IndexerTopkParams& p, cudaStream_t stream) {
   while (sort_cap < std::min(p.topk, p.max_entries)) sort_cap <<= 1;
   const int cache_entries = std::min(p.max_entries, kSelectCacheEntries);
   const size_t smem = 2 * size_t(sort_cap) * sizeof(uint64_t) + size_t(cache_entries) * sizeof(uint32_t);
-  indexer_select_kernel<<<p.n, kSelectThreads, smem, stream>>>(p, sort_cap, cache_entries);
+  gpu::launch(indexer_select_kernel, p.n, kSelectThreads, smem, stream, p, sort_cap, cache_entries);
   DSV4_CUDA_LAUNCHED();
 }
 
@@ -536,18 +541,18 @@ void router(const RouterParams& p, cudaStream_t stream) {
   OPS_CHECK(p.experts <= 1024, "router: %d experts exceed 1024", p.experts);
   const size_t smem = p.experts * sizeof(float);
   // Experts per lane rounded up to a register-array size (V4: 256 -> 8, 384 -> 12).
-  if (p.experts <= 128) router_kernel<4><<<p.n, 32, smem, stream>>>(p);
-  else if (p.experts <= 256) router_kernel<8><<<p.n, 32, smem, stream>>>(p);
-  else if (p.experts <= 384) router_kernel<12><<<p.n, 32, smem, stream>>>(p);
-  else if (p.experts <= 512) router_kernel<16><<<p.n, 32, smem, stream>>>(p);
-  else router_kernel<32><<<p.n, 32, smem, stream>>>(p);
+  if (p.experts <= 128) gpu::launch(router_kernel<4>, p.n, 32, smem, stream, p);
+  else if (p.experts <= 256) gpu::launch(router_kernel<8>, p.n, 32, smem, stream, p);
+  else if (p.experts <= 384) gpu::launch(router_kernel<12>, p.n, 32, smem, stream, p);
+  else if (p.experts <= 512) gpu::launch(router_kernel<16>, p.n, 32, smem, stream, p);
+  else gpu::launch(router_kernel<32>, p.n, 32, smem, stream, p);
   DSV4_CUDA_LAUNCHED();
 }
 
 void swiglu(const SwigluParams& p, cudaStream_t stream) {
   if (p.rows == 0) return;
   OPS_CHECK(p.inter > 0 && p.ld >= p.inter, "swiglu: inter %d and row stride %lld", p.inter, (long long)p.ld);
-  swiglu_kernel<<<blocks_for(int64_t(p.rows) * p.inter, 256), 256, 0, stream>>>(p);
+  gpu::launch(swiglu_kernel, blocks_for(int64_t(p.rows) * p.inter, 256), 256, 0, stream, p);
   DSV4_CUDA_LAUNCHED();
 }
 

@@ -9,9 +9,11 @@
 // groups, and reduces with shuffles and one block_sum instead of serial per-thread loops.
 #include <cooperative_groups.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "cuda/device.h"
+#include "cuda/launch.cuh"
 #include "cuda/ops.h"
 #include "cuda/ops_common.cuh"
 #include "formats/fp4.h"
@@ -89,6 +91,7 @@ __device__ __forceinline__ float group_max(float v, int lanes) {
 }
 
 __global__ void row_op_kernel(RowOpParams p, int lanes, int rows_per_block) {
+  gpu::dependent_enter();
   extern __shared__ float exchange[];  // [dim]: Hadamard stages across warps (IndexerFp4, dim > 128)
   const int rows = p.tokens * p.heads;
   const int g = threadIdx.x % lanes, row_raw = blockIdx.x * rows_per_block + threadIdx.x / lanes;
@@ -293,6 +296,7 @@ __device__ __forceinline__ float dot_acc(float4 a, float4 b, float acc) {
 
 template <int kRows, int kVec, bool kCluster>
 __global__ void __launch_bounds__(kLinearThreads) linear_f32_kernel(LinearF32Params p, int slices) {
+  gpu::dependent_enter();
   using Vec = typename LinearVec<kVec>::T;
   __shared__ float warp_partial[kRows][kLinearThreads / 32];
   __shared__ float block_partial[kRows];
@@ -359,22 +363,12 @@ template <int kRows, int kVec>
 void launch_linear_f32(const LinearF32Params& p, int slices, cudaStream_t stream) {
   const dim3 grid(unsigned(p.n) * slices, unsigned((p.m + kRows - 1) / kRows));
   if (slices == 1) {
-    linear_f32_kernel<kRows, kVec, false><<<grid, kLinearThreads, 0, stream>>>(p, 1);
+    gpu::launch(linear_f32_kernel<kRows, kVec, false>, grid, kLinearThreads, 0, stream, p, 1);
     DSV4_CUDA_LAUNCHED();
     return;
   }
-  cudaLaunchConfig_t config = {};
-  config.gridDim = grid;
-  config.blockDim = dim3(kLinearThreads);
-  config.stream = stream;
-  cudaLaunchAttribute cluster[1];
-  cluster[0].id = cudaLaunchAttributeClusterDimension;
-  cluster[0].val.clusterDim.x = unsigned(slices);
-  cluster[0].val.clusterDim.y = 1;
-  cluster[0].val.clusterDim.z = 1;
-  config.attrs = cluster;
-  config.numAttrs = 1;
-  const cudaError_t err = cudaLaunchKernelEx(&config, linear_f32_kernel<kRows, kVec, true>, p, slices);
+  const cudaError_t err =
+      gpu::launch_cluster(linear_f32_kernel<kRows, kVec, true>, grid, kLinearThreads, unsigned(slices), stream, p, slices);
   DSV4_CUDA_LAUNCHED();  // throws (and clears) a recorded launch error
   OPS_CHECK(err == cudaSuccess, "linear_f32: cluster launch failed: %s", cudaGetErrorString(err));
 }
@@ -553,6 +547,7 @@ __device__ void post_and_comb(const HcPreParams& p, int t, float rs, const float
 // Sinkhorn iterations, ~40 dependent steps on one warp) at the same time. Both compute rs from the streams.
 template <int kHc>
 __global__ void __launch_bounds__(hc_max_threads(kHc)) hc_pre_kernel(HcPreParams p) {
+  gpu::dependent_enter();
   extern __shared__ float4 hc_smem[];
   const int t = blockIdx.x, hc = p.hc, D = p.D, n_mix = (2 + hc) * hc;
   const float* xs = p.streams + int64_t(t) * hc * D;
@@ -592,6 +587,7 @@ template <int kHc>
 __global__ void __launch_bounds__(hc_max_threads(kHc))
     hc_head_kernel(const float* streams, const float* mix, const float* base, const float* scale,
                    const float* norm_weight, int hc, int D, float hc_eps, float eps, uint16_t* y_bf16) {
+  gpu::dependent_enter();
   extern __shared__ float4 hc_smem[];
   const int t = blockIdx.x;
   collapse_and_norm<kHc>(streams + int64_t(t) * hc * D, hc, D, mix + int64_t(t) * hc, base, scale, hc_eps,
@@ -611,6 +607,7 @@ constexpr int kHcPostThreads = 64;  // a decode step's 1024 column groups over 1
 __global__ void __launch_bounds__(kHcPostThreads)
     hc_post_vec_kernel(const float* out, int out_k, const float* out2, const float* post, const float* comb, int n,
                        int hc, int D, float* streams) {
+  gpu::dependent_enter();
   const int D4 = D / 4;
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= int64_t(n) * D4) return;
@@ -650,6 +647,7 @@ __global__ void __launch_bounds__(kHcPostThreads)
 // Any D or alignment: one column per thread.
 __global__ void hc_post_kernel(const float* out, int out_k, const float* out2, const float* post, const float* comb,
                                int n, int hc, int D, float* streams) {
+  gpu::dependent_enter();
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= int64_t(n) * D) return;
   const int t = int(i / D), d = int(i % D);
@@ -670,6 +668,7 @@ __global__ void hc_post_kernel(const float* out, int out_k, const float* out2, c
 // ---- the rest ----------------------------------------------------------------------------------------------------
 
 __global__ void embed_kernel(const uint16_t* embed, const int32_t* tokens, int n, int D, int hc, float* streams) {
+  gpu::dependent_enter();
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= int64_t(n) * hc * D) return;
   const int d = int(i % D), t = int(i / (int64_t(hc) * D));
@@ -678,6 +677,7 @@ __global__ void embed_kernel(const uint16_t* embed, const int32_t* tokens, int n
 
 __global__ void window_store_kernel(const float* kv, int n, int dim, int64_t pos0, const int64_t* pos_device,
                                     float* window, int slots) {
+  gpu::dependent_enter();
   if (pos_device) pos0 = *pos_device;
   const int first = n > slots ? n - slots : 0;
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -688,6 +688,7 @@ __global__ void window_store_kernel(const float* kv, int n, int dim, int64_t pos
 
 __global__ void window_store_rows_kernel(const float* kv, int n, int dim, const int64_t* pos_rows, float* const* rings,
                                          int slots) {
+  gpu::dependent_enter();
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= int64_t(n) * dim) return;
   const int t = int(i / dim), c = int(i % dim);
@@ -695,6 +696,7 @@ __global__ void window_store_rows_kernel(const float* kv, int n, int dim, const 
 }
 
 __global__ void fill_kernel(float* x, int64_t n, float value) {
+  gpu::dependent_enter();
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
     x[i] = value;
 }
@@ -729,7 +731,7 @@ void row_op(const RowOpParams& p, cudaStream_t stream) {
   }
   const int blocks = (rows + rows_per_block - 1) / rows_per_block;
   const size_t smem = p.round == RowRound::IndexerFp4 && p.dim > 32 * kRowValues ? p.dim * sizeof(float) : 0;
-  row_op_kernel<<<blocks, lanes * rows_per_block, smem, stream>>>(p, lanes, rows_per_block);
+  gpu::launch(row_op_kernel, blocks, lanes * rows_per_block, smem, stream, p, lanes, rows_per_block);
   DSV4_CUDA_LAUNCHED();
 }
 
@@ -754,7 +756,7 @@ void linear_f32(const LinearF32Params& p, cudaStream_t stream) {
 
 void embed_tokens(const uint16_t* embed, const int32_t* tokens, int n, int D, int hc, float* streams,
                   cudaStream_t stream) {
-  embed_kernel<<<blocks_for(int64_t(n) * hc * D, 256), 256, 0, stream>>>(embed, tokens, n, D, hc, streams);
+  gpu::launch(embed_kernel, blocks_for(int64_t(n) * hc * D, 256), 256, 0, stream, embed, tokens, n, D, hc, streams);
   DSV4_CUDA_LAUNCHED();
 }
 
@@ -765,9 +767,9 @@ void hc_pre(const HcPreParams& p, cudaStream_t stream) {
   const dim3 grid(unsigned(p.n), 2);
   const size_t smem = size_t((p.D + 3) / 4) * sizeof(float4);
   if (p.hc <= 4)
-    hc_pre_kernel<4><<<grid, hc_threads(p.D, 4), smem, stream>>>(p);
+    gpu::launch(hc_pre_kernel<4>, grid, hc_threads(p.D, 4), smem, stream, p);
   else
-    hc_pre_kernel<kMaxHc><<<grid, hc_threads(p.D, kMaxHc), smem, stream>>>(p);
+    gpu::launch(hc_pre_kernel<kMaxHc>, grid, hc_threads(p.D, kMaxHc), smem, stream, p);
   DSV4_CUDA_LAUNCHED();
 }
 
@@ -777,10 +779,10 @@ void hc_post(const float* out, int out_k, const float* out2, const float* post, 
   OPS_CHECK(out_k > 0, "hc_post: out_k %d must be positive", out_k);
   if (int64_t(n) * D == 0) return;
   if (D % 4 == 0 && aligned(out, 16) && (!out2 || aligned(out2, 16)) && aligned(streams, 16)) {
-    hc_post_vec_kernel<<<blocks_for(int64_t(n) * (D / 4), kHcPostThreads), kHcPostThreads, 0, stream>>>(
+    gpu::launch(hc_post_vec_kernel, blocks_for(int64_t(n) * (D / 4), kHcPostThreads), kHcPostThreads, 0, stream, 
         out, out_k, out2, post, comb, n, hc, D, streams);
   } else {
-    hc_post_kernel<<<blocks_for(int64_t(n) * D, 256), 256, 0, stream>>>(out, out_k, out2, post, comb, n, hc, D,
+    gpu::launch(hc_post_kernel, blocks_for(int64_t(n) * D, 256), 256, 0, stream, out, out_k, out2, post, comb, n, hc, D,
                                                                         streams);
   }
   DSV4_CUDA_LAUNCHED();
@@ -794,10 +796,10 @@ void hc_head_norm(const float* streams, const float* mix, const float* base, con
   if (n == 0) return;
   const size_t smem = size_t((D + 3) / 4) * sizeof(float4);
   if (hc <= 4)
-    hc_head_kernel<4><<<n, hc_threads(D, 4), smem, stream>>>(streams, mix, base, scale, norm_weight, hc, D, hc_eps,
+    gpu::launch(hc_head_kernel<4>, n, hc_threads(D, 4), smem, stream, streams, mix, base, scale, norm_weight, hc, D, hc_eps,
                                                              eps, y_bf16);
   else
-    hc_head_kernel<kMaxHc><<<n, hc_threads(D, kMaxHc), smem, stream>>>(streams, mix, base, scale, norm_weight, hc, D,
+    gpu::launch(hc_head_kernel<kMaxHc>, n, hc_threads(D, kMaxHc), smem, stream, streams, mix, base, scale, norm_weight, hc, D,
                                                                        hc_eps, eps, y_bf16);
   DSV4_CUDA_LAUNCHED();
 }
@@ -805,7 +807,7 @@ void hc_head_norm(const float* streams, const float* mix, const float* base, con
 void window_store(const float* kv_chunk, int n, int dim, int64_t pos0, const int64_t* pos_device, float* window,
                   int slots, cudaStream_t stream) {
   const int rows = n < slots ? n : slots;
-  window_store_kernel<<<blocks_for(int64_t(rows) * dim, 256), 256, 0, stream>>>(kv_chunk, n, dim, pos0, pos_device,
+  gpu::launch(window_store_kernel, blocks_for(int64_t(rows) * dim, 256), 256, 0, stream, kv_chunk, n, dim, pos0, pos_device,
                                                                                  window, slots);
   DSV4_CUDA_LAUNCHED();
 }
@@ -813,14 +815,14 @@ void window_store(const float* kv_chunk, int n, int dim, int64_t pos0, const int
 void window_store_rows(const float* kv_chunk, int n, int dim, const int64_t* pos_rows, float* const* rings, int slots,
                        cudaStream_t stream) {
   if (n == 0) return;
-  window_store_rows_kernel<<<blocks_for(int64_t(n) * dim, 256), 256, 0, stream>>>(kv_chunk, n, dim, pos_rows, rings,
+  gpu::launch(window_store_rows_kernel, blocks_for(int64_t(n) * dim, 256), 256, 0, stream, kv_chunk, n, dim, pos_rows, rings,
                                                                                   slots);
   DSV4_CUDA_LAUNCHED();
 }
 
 void fill_f32(float* x, int64_t n, float value, cudaStream_t stream) {
   if (n == 0) return;
-  fill_kernel<<<blocks_for(n, 256) < 1024 ? blocks_for(n, 256) : 1024, 256, 0, stream>>>(x, n, value);
+  gpu::launch(fill_kernel, std::min(blocks_for(n, 256), 1024), 256, 0, stream, x, n, value);
   DSV4_CUDA_LAUNCHED();
 }
 

@@ -151,6 +151,7 @@ class CudaRunner final : public SequenceRunner {
   void select_sequence(int seq);
   std::vector<float> decode_batch(std::span<const int32_t> tokens);
   void copy_sequence(int from, int to);
+  void drop_graphs();
 
  private:
   enum class Rows { None, Last, All };  // logits rows a chunk returns
@@ -578,12 +579,17 @@ SequenceDevice CudaRunner::make_sequence(size_t& state_bytes) const {
   return s;
 }
 
-CudaRunner::~CudaRunner() {
+void CudaRunner::drop_graphs() {
   if (stream_) cudaStreamSynchronize(stream_);
   for (auto& [key, g] : decode_graphs_) {
     if (g.exec) cudaGraphExecDestroy(g.exec);
     if (g.graph) cudaGraphDestroy(g.graph);
   }
+  decode_graphs_.clear();
+}
+
+CudaRunner::~CudaRunner() {
+  drop_graphs();
   if (host_tokens_) cudaFreeHost(host_tokens_);
   if (host_pos_) cudaFreeHost(host_pos_);
   if (host_logits_) cudaFreeHost(host_logits_);
@@ -775,16 +781,18 @@ void CudaRunner::launched(const char* site, int kernels) {
 
 std::vector<LaunchTiming> CudaRunner::profile_step(std::span<const int32_t> tokens) {
   marks_.clear();
-  struct Restore {  // direct launches and events for this step only, however it ends
+  struct Restore {  // direct, serialised launches and events for this step only, however it ends
     CudaRunner& r;
-    bool graph;
+    bool graph, overlapped;
     ~Restore() {
       r.profiling_ = false;
       r.options_.graph_decode = graph;
+      gpu::set_dependent_launch(overlapped);
     }
-  } restore{*this, options_.graph_decode};
+  } restore{*this, options_.graph_decode, gpu::dependent_launch()};
   options_.graph_decode = false;
   profiling_ = true;
+  gpu::set_dependent_launch(false);  // overlapped launches would blur the sites' boundaries
   // The GPU waits while the host queues the step, so host launch time does not show up between events.
   launch_delay_kernel(20000.0, stream_);
   record_event(0);
@@ -870,31 +878,29 @@ void CudaRunner::attention_block(int l, int n) {
   set_positions(kv);
   row_op("attn: kv norm + rope + round", kv);
 
-  // 3.5 compressors, per sequence; the entries completed in a part (blocks pos0/r .. (pos0+n)/r - 1) are
-  // finished after.
-  auto advance = [&](const char* site, const char* finish_site, const ChunkPart& part, CompressorDevice& cd,
-                     int off_kv, int off_gate, DeviceBuffer& state_kv, DeviceBuffer& state_score, float* entries,
-                     RowRound round, StateTable kv_table, StateTable score_table, StateTable entries_table) {
+  // The state kernels below run once over all n rows: a prefill chunk or one-sequence decode step is one part;
+  // a batched decode step has one part per sequence (row b = sequence b), and the kernels find each row's state
+  // through the pointer tables and its position in pos_ (the first part's own fields are then unused).
+  const ChunkPart& part = parts_.front();
+  const bool batched = parts_.size() > 1;
+
+  // 3.5 compressors; the entries completed by the chunk (blocks pos0/r .. (pos0+n)/r - 1) are finished after.
+  auto advance = [&](const char* site, const char* finish_site, CompressorDevice& cd, int off_kv, int off_gate,
+                     DeviceBuffer& state_kv, DeviceBuffer& state_score, float* entries, RowRound round,
+                     StateTable kv_table, StateTable score_table, StateTable entries_table) {
     const int64_t pos0 = part.pos0;
     const int64_t* pos_device = part.pos_device;
-    const bool batched = parts_.size() > 1;  // one advance and one entry launch over all rows
-    if (!batched || part.row0 == 0) {
-      const float* in = y_x + int64_t(part.row0) * d.n_x;
-      gpu::CompressorParams cp{in + off_kv, in + off_gate, d.n_x, cd.ape.as<float>(), state_kv.as<float>(),
-                               state_score.as<float>(), entries, cd.ratio, cd.dim, part.n, cd.overlap, pos0,
-                               pos_device};
-      if (batched) {
-        cp.n = n;
-        cp.pos_rows = pos_.as<int64_t>();
-        cp.state_kv_rows = state_table(l, kv_table);
-        cp.state_score_rows = state_table(l, score_table);
-        cp.entries_rows = state_table(l, entries_table);
-      }
-      gpu::compressor_advance(cp, stream_);
-      launched(site);
+    gpu::CompressorParams cp{y_x + off_kv, y_x + off_gate, d.n_x, cd.ape.as<float>(), state_kv.as<float>(),
+                             state_score.as<float>(), entries, cd.ratio, cd.dim, n, cd.overlap, pos0, pos_device};
+    if (batched) {
+      cp.pos_rows = pos_.as<int64_t>();
+      cp.state_kv_rows = state_table(l, kv_table);
+      cp.state_score_rows = state_table(l, score_table);
+      cp.entries_rows = state_table(l, entries_table);
     }
-    if (batched && part.row0 > 0) return;
-    const int64_t b_first = pos_device ? 0 : pos0 / r, b_end = pos_device ? 1 : (pos0 + part.n) / r;
+    gpu::compressor_advance(cp, stream_);
+    launched(site);
+    const int64_t b_first = pos_device ? 0 : pos0 / r, b_end = pos_device ? 1 : (pos0 + n) / r;
     if (b_end == b_first) return;
     RowOpParams fin;
     fin.emit_ratio = pos_device ? r : 0;  // graph: the kernel decides whether this step completes an entry
@@ -919,19 +925,16 @@ void CudaRunner::attention_block(int l, int n) {
     row_op(finish_site, fin);
   };
   if (d.compressor)
-    for (const ChunkPart& part : parts_)
-      advance("attn: compressor", "attn: compressor entry", part, *d.compressor, d.off_ckv, d.off_cgate,
-              state(part).compressor_kv, state(part).compressor_score, state(part).compressed.as<float>(), kv_round,
-              StateTable::CompressorKv, StateTable::CompressorScore, StateTable::Compressed);
+    advance("attn: compressor", "attn: compressor entry", *d.compressor, d.off_ckv, d.off_cgate,
+            state(part).compressor_kv, state(part).compressor_score, state(part).compressed.as<float>(), kv_round,
+            StateTable::CompressorKv, StateTable::CompressorScore, StateTable::Compressed);
 
   // 3.6 lightning indexer
   const int nh = c.index_n_heads, ihd = c.index_head_dim;
   if (d.indexer) {
-    for (const ChunkPart& part : parts_)
-      advance("indexer: compressor", "indexer: compressor entry", part, *d.index_compressor, d.off_ikv, d.off_igate,
-              state(part).index_compressor_kv, state(part).index_compressor_score,
-              state(part).index_keys.as<float>(), index_round, StateTable::IndexCompressorKv,
-              StateTable::IndexCompressorScore, StateTable::IndexKeys);
+    advance("indexer: compressor", "indexer: compressor entry", *d.index_compressor, d.off_ikv, d.off_igate,
+            state(part).index_compressor_kv, state(part).index_compressor_score, state(part).index_keys.as<float>(),
+            index_round, StateTable::IndexCompressorKv, StateTable::IndexCompressorScore, StateTable::IndexKeys);
     RowOpParams qi;  // RoPE + rounding, no norm
     qi.x = qi.y = y_q + d.off_iq;
     qi.x_token_stride = qi.y_token_stride = d.n_q;
@@ -945,82 +948,72 @@ void CudaRunner::attention_block(int l, int n) {
     set_positions(qi);
     row_op("indexer: q rope + round", qi);
     linear_f32("indexer: weights_proj", normed_.as<float>(), d.index_wproj, index_w_.as<float>(), n, nh, D);
-    for (const ChunkPart& part : parts_) {  // a batched decode step: one launch over all rows (see attention)
-      if (parts_.size() > 1 && part.row0 > 0) break;
-      gpu::IndexerTopkParams ip;
-      ip.q = y_q + int64_t(part.row0) * d.n_q + d.off_iq;
-      ip.q_token_stride = d.n_q;
-      ip.w = index_w_.as<float>() + int64_t(part.row0) * nh;
-      ip.w_scale = 1.0f / std::sqrt(float(ihd)) / std::sqrt(float(nh));
-      ip.keys = state(part).index_keys.as<float>();
-      ip.scores = scores_.as<float>();
-      ip.selected = selected_.as<int32_t>() + int64_t(part.row0) * c.index_topk;
-      ip.n = part.n;
-      ip.heads = nh;
-      ip.dim = ihd;
-      ip.ratio = r;
-      ip.topk = c.index_topk;
-      ip.max_entries = max_entries_;
-      ip.pos0 = part.pos0;
-      ip.pos_device = part.pos_device;
-      if (parts_.size() > 1) {
-        ip.n = n;
-        ip.pos_rows = pos_.as<int64_t>();
-        ip.keys_rows = index_keys_rows(l);
-      }
-      gpu::indexer_scores(ip, stream_);
-      launched("indexer: scores");
-      gpu::indexer_select(ip, stream_);
-      launched("indexer: top-k select");
+    gpu::IndexerTopkParams ip;
+    ip.q = y_q + d.off_iq;
+    ip.q_token_stride = d.n_q;
+    ip.w = index_w_.as<float>();
+    ip.w_scale = 1.0f / std::sqrt(float(ihd)) / std::sqrt(float(nh));
+    ip.keys = state(part).index_keys.as<float>();
+    ip.scores = scores_.as<float>();
+    ip.selected = selected_.as<int32_t>();
+    ip.n = n;
+    ip.heads = nh;
+    ip.dim = ihd;
+    ip.ratio = r;
+    ip.topk = c.index_topk;
+    ip.max_entries = max_entries_;
+    ip.pos0 = part.pos0;
+    ip.pos_device = part.pos_device;
+    if (batched) {
+      ip.pos_rows = pos_.as<int64_t>();
+      ip.keys_rows = index_keys_rows(l);
     }
+    gpu::indexer_scores(ip, stream_);
+    launched("indexer: scores");
+    gpu::indexer_select(ip, stream_);
+    launched("indexer: top-k select");
   }
 
   // 3.7 / 3.8 attention (a batched decode step: one launch over all rows, each with its sequence's state through
   // the pointer tables), then the window ring takes the chunk's last positions.
   const int G = c.o_groups, ol = c.o_lora_rank, gw = H * hd / G;
-  const bool batched = parts_.size() > 1;  // decode_batch: row b is sequence b
-  for (const ChunkPart& part : parts_) {
-    if (batched && part.row0 > 0) break;
-    gpu::AttentionParams ap;
-    ap.q = y_q + int64_t(part.row0) * d.n_q;
-    ap.q_token_stride = d.n_q;
-    ap.kv_chunk = kv_chunk_.as<float>() + int64_t(part.row0) * hd;
-    ap.window_ring = state(part).window.as<float>();
-    ap.window_slots = window_slots_;
-    ap.window = c.window;
-    ap.compressed = r ? state(part).compressed.as<float>() : nullptr;
-    ap.ratio = r;
-    ap.selected = d.indexer ? selected_.as<int32_t>() + int64_t(part.row0) * c.index_topk : nullptr;
-    ap.topk = c.index_topk;
-    ap.sink = d.sink.as<float>();
-    ap.inv_freq = d.inv_freq;
-    ap.rope_dim = rd;
-    ap.n = part.n;
-    ap.heads = H;
-    ap.dim = hd;
-    ap.groups = G;
-    ap.pos0 = part.pos0;
-    ap.scale = 1.0f / std::sqrt(float(hd));
-    ap.out = o_grouped_.as<uint16_t>() + int64_t(part.row0) * gw;
-    ap.out_rows = n;
-    ap.pos_device = part.pos_device;
-    ap.max_entries = r ? max_context_ / r : 0;
-    ap.scratch = attention_scratch_.as<float>();
-    if (batched) {
-      ap.n = n;
-      ap.pos_rows = pos_.as<int64_t>();
-      ap.window_rings = window_rings(l);
-      ap.compressed_rows = r ? compressed_rows(l) : nullptr;
-    }
-    gpu::attention(ap, stream_);
-    launched("attn: attention");
+  gpu::AttentionParams ap;
+  ap.q = y_q;
+  ap.q_token_stride = d.n_q;
+  ap.kv_chunk = kv_chunk_.as<float>();
+  ap.window_ring = state(part).window.as<float>();
+  ap.window_slots = window_slots_;
+  ap.window = c.window;
+  ap.compressed = r ? state(part).compressed.as<float>() : nullptr;
+  ap.ratio = r;
+  ap.selected = d.indexer ? selected_.as<int32_t>() : nullptr;
+  ap.topk = c.index_topk;
+  ap.sink = d.sink.as<float>();
+  ap.inv_freq = d.inv_freq;
+  ap.rope_dim = rd;
+  ap.n = n;
+  ap.heads = H;
+  ap.dim = hd;
+  ap.groups = G;
+  ap.pos0 = part.pos0;
+  ap.scale = 1.0f / std::sqrt(float(hd));
+  ap.out = o_grouped_.as<uint16_t>();
+  ap.out_rows = n;
+  ap.pos_device = part.pos_device;
+  ap.max_entries = r ? max_context_ / r : 0;
+  ap.scratch = attention_scratch_.as<float>();
+  if (batched) {
+    ap.pos_rows = pos_.as<int64_t>();
+    ap.window_rings = window_rings(l);
+    ap.compressed_rows = r ? compressed_rows(l) : nullptr;
   }
+  gpu::attention(ap, stream_);
+  launched("attn: attention");
   if (batched) {
     gpu::window_store_rows(kv_chunk_.as<float>(), n, hd, pos_.as<int64_t>(), window_rings(l), window_slots_, stream_);
     launched("attn: window store");
   } else {
-    const ChunkPart& part = parts_.front();
-    gpu::window_store(kv_chunk_.as<float>(), part.n, hd, part.pos0, part.pos_device, state(part).window.as<float>(),
+    gpu::window_store(kv_chunk_.as<float>(), n, hd, part.pos0, part.pos_device, state(part).window.as<float>(),
                       window_slots_, stream_);
     launched("attn: window store");
   }
@@ -1156,6 +1149,8 @@ std::vector<float> cuda_runner_decode_batch(SequenceRunner& runner, std::span<co
 void cuda_runner_copy_sequence(SequenceRunner& runner, int from, int to) {
   as_cuda(runner, "cuda_runner_copy_sequence").copy_sequence(from, to);
 }
+
+void cuda_runner_drop_graphs(SequenceRunner& runner) { as_cuda(runner, "cuda_runner_drop_graphs").drop_graphs(); }
 
 std::vector<LaunchTiming> cuda_runner_profile_step(SequenceRunner& runner, std::span<const int32_t> tokens) {
   return as_cuda(runner, "cuda_runner_profile_step").profile_step(tokens);

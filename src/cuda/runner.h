@@ -64,6 +64,10 @@ std::vector<float> cuda_runner_decode_batch(SequenceRunner& runner, std::span<co
 // one context without B prefills).
 void cuda_runner_copy_sequence(SequenceRunner& runner, int from, int to);
 
+// Destroys the captured decode graphs; the next decode steps capture anew (graphs keep the launch modes they were
+// captured with: gpu::set_dependent_launch, set_gemv_l2_prefetch).
+void cuda_runner_drop_graphs(SequenceRunner& runner);
+
 // One launch site of a profiled decode step: `kernels` kernels enqueued together, `us` the GPU time from the
 // previous site's end to this one's (CUDA events; the launch gap is included, host launch time is not).
 struct LaunchTiming {

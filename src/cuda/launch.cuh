@@ -1,0 +1,67 @@
+// SPDX-License-Identifier: MIT
+// Launches of the forward-pass kernels with programmatic dependent launch (PDL, sm_90+). A decode step is ~1100
+// dependent kernels, most of them a few µs long, so the gap between one kernel's end and the next one's start
+// is a large part of the step. Under PDL a kernel's blocks may be scheduled while its predecessor in the stream
+// still runs; they must not touch anything the predecessor writes or reads before dependent_wait() returns.
+//
+// Contract for every kernel launched with gpu::launch:
+//   allow_dependents();  // first: lets the next kernel of the stream start launching
+//   ...loads of data no kernel of the step writes (weights), address arithmetic...
+//   dependent_wait();    // before the first load of an activation / state and before the first store
+// (a kernel that does nothing before the wait uses dependent_enter()). Both instructions are no-ops when the
+// launch is not programmatic, so kernels stay correct under plain launches and in tests.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <utility>
+
+namespace dsv4::gpu {
+
+bool dependent_launch();  // process-wide switch (ops.h: set_dependent_launch)
+
+__device__ __forceinline__ void allow_dependents() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
+// Returns once every kernel this one depends on has completed and its memory operations are visible.
+__device__ __forceinline__ void dependent_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void dependent_enter() {
+  allow_dependents();
+  dependent_wait();
+}
+
+// kernel<<<grid, block, smem, stream>>>(args...), as a programmatic launch when dependent_launch() is on.
+// `cluster_x` > 1 launches thread-block clusters of that many blocks along x.
+template <typename... Params, typename... Args>
+cudaError_t launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                   Args&&... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  cudaLaunchAttribute attrs[1];
+  attrs[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attrs[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attrs;
+  config.numAttrs = dependent_launch() ? 1 : 0;
+  return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+}
+
+template <typename... Params, typename... Args>
+cudaError_t launch_cluster(void (*kernel)(Params...), dim3 grid, dim3 block, unsigned cluster_x, cudaStream_t stream,
+                           Args&&... args) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.stream = stream;
+  cudaLaunchAttribute attrs[2];
+  attrs[0].id = cudaLaunchAttributeClusterDimension;
+  attrs[0].val.clusterDim.x = cluster_x;
+  attrs[0].val.clusterDim.y = 1;
+  attrs[0].val.clusterDim.z = 1;
+  attrs[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attrs[1].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attrs;
+  config.numAttrs = dependent_launch() ? 2 : 1;
+  return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+}
+
+}  // namespace dsv4::gpu
