@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: MIT
 // gpu::attention against an fp64 reference of ops.h's contract: window keys from this chunk and from the ring,
 // compressed entries (the indexer's picks or all of them), the sink in the denominator, inverse RoPE on the
-// output, the grouped bf16 layout. Decode shapes take the split-key path (partials + merge), prefill shapes the
-// single-block one; the output is poisoned first, so an unwritten element fails.
+// output, the grouped bf16 layout. Few rows x heads take the per-head kernel, many (>= 512) the head-group kernel;
+// both split the keys over blocks (partials + merge) when their blocks do not fill the GPU. The output is poisoned
+// first, so an unwritten element fails.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -171,13 +172,24 @@ TEST(CudaAttention, DecodeSlidingWindowFromRing) {
   check_attention({"decode_sliding_short", 1, 64, 8, 512, 64, 128, 0, 0, 50, 0});
 }
 
+TEST(CudaAttention, DecodeBatchOfEightCsa) {
+  DSV4_REQUIRE_CUDA();
+  check_attention({"eight_tokens_csa", 8, 64, 8, 512, 64, 128, 4, 512, 8210, 2100});
+}
+
+TEST(CudaAttention, SixteenTokensHeadGroupsSplitKeys) {
+  DSV4_REQUIRE_CUDA();
+  check_attention({"sixteen_tokens_csa_groups", 16, 64, 8, 512, 64, 128, 4, 512, 8210, 2100});
+  check_attention({"sixteen_tokens_hca_groups", 16, 64, 8, 512, 64, 128, 128, 0, 8210, 80});
+}
+
 TEST(CudaAttention, FewTokensSplitKeysOddShapes) {
   DSV4_REQUIRE_CUDA();
   check_attention({"three_tokens_csa_dim96", 3, 8, 2, 96, 32, 32, 4, 200, 1000, 260});
   check_attention({"two_tokens_fewer_entries_than_topk", 2, 4, 1, 64, 16, 16, 4, 300, 500, 130});
 }
 
-TEST(CudaAttention, PrefillChunkOneBlockPerHead) {
+TEST(CudaAttention, PrefillChunkHeadGroups) {
   DSV4_REQUIRE_CUDA();
   check_attention({"prefill_csa", 64, 16, 4, 512, 64, 128, 4, 512, 2000, 600});
   check_attention({"prefill_hca_start", 64, 16, 4, 512, 64, 128, 128, 0, 0, 8});
