@@ -24,8 +24,6 @@ namespace {
 
 using namespace dsv4;
 
-constexpr int kPrefetchBytes = 16 << 10;  // the "L2 prefetch" column: each block's first 16 KB (gemv.h)
-
 void check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) {
     std::fprintf(stderr, "CUDA error %s in %s\n", cudaGetErrorName(e), what);
@@ -203,9 +201,29 @@ int main(int argc, char** argv) {
     std::string md =
         "| format | shape (n x k) | m | split | us / step | weight GB/s | vs 1 GiB copy | vs same-size copy | best split "
         "(frac) |\n|---|---|---|---|---|---|---|---|---|\n";
+    // Fixed cost of one launch: the same rows with k = 256 move 1/16 - 1/32 of the bytes, so their time is the
+    // launch, ramp and epilogue a launch pays whatever its size (docs/perf.md, "fixed cost per GEMV launch").
+    std::printf("fixed cost per launch (k = 256, m = 1, graph of back-to-back launches):");
+    for (const auto& [f, n] : {std::pair{formats[0], 4096}, {formats[4], 4096}, {formats[4], 32768}}) {
+      const int k = 256;
+      const size_t wb = weight_bytes(f, n, k), sb = scale_bytes(f, n, k);
+      DeviceBuffer w(wb), sc(std::max<size_t>(sb, 16));
+      fill(w.data(), wb, 5, f.w == GemvWeight::BF16 ? 0x807F807Fu : ~0u, f.w == GemvWeight::BF16 ? 0x3C003C00u : 0);
+      check(cudaMemset(sc.data(), 0x38, sc.size()), "memset");
+      const double t = time_steps(
+          [&](cudaStream_t s, int) {
+            GemvParams p;
+            p.m = 1, p.n = n, p.k = k, p.x = x.data(), p.y = y.data(), p.w = w.data(), p.w_scale = sc.data();
+            p.weight = f.w, p.out = GemvOut::BF16, p.stream = s;
+            gemv(p);
+          },
+          64);
+      std::printf("  %s %dx%d %.2f us", f.name, n, k, t * 1e6);
+    }
+    std::printf("\n\n");
     std::printf("m 1a8: act fp8 (the W4A8 kernel); otherwise bf16 activations (W4A16)\n");
-    std::printf("%-9s %-13s %5s %5s %10s %9s %8s %8s  %s  %s\n", "format", "shape", "m", "split", "us/step", "GB/s",
-                "vs copy", "vs same", "best split (frac)", "L2 prefetch (frac)");
+    std::printf("%-9s %-13s %5s %5s %10s %9s %8s %8s  %s\n", "format", "shape", "m", "split", "us/step", "GB/s",
+                "vs copy", "vs same", "best split (frac)");
     for (const Shape& sh : shapes) {
       for (const Format& f : formats) {
         const bool lm_head = sh.n == 129280;
@@ -274,15 +292,11 @@ int main(int argc, char** argv) {
             if (split == auto_split) t_auto = t;
             if (t < t_best) t_best = t, best_split = split;
           }
-          set_gemv_l2_prefetch_bytes(kPrefetchBytes);  // the same auto split with each block's first bytes prefetched
-          const double t_prefetch = time_split(auto_split);
-          set_gemv_l2_prefetch_bytes(0);
           const double bw = double(step_bytes) / t_auto;
           char line[512];
-          std::snprintf(line, sizeof line, "%-9s %-13s %3d%s %5d %10.2f %9.0f %8.3f %8.3f  %d (%.3f)  %.3f\n", f.name,
-                        sh.name, m, act == GemvAct::FP8 ? "a8" : "  ", auto_split, t_auto * 1e6, bw / 1e9, bw / copy_bw,
-                        bw / same_bw, best_split, double(step_bytes) / t_best / copy_bw,
-                        double(step_bytes) / t_prefetch / copy_bw);
+          std::snprintf(line, sizeof line, "%-9s %-13s %3d%s %5d %10.2f %9.0f %8.3f %8.3f  %d (%.3f)\n", f.name, sh.name,
+                        m, act == GemvAct::FP8 ? "a8" : "  ", auto_split, t_auto * 1e6, bw / 1e9, bw / copy_bw,
+                        bw / same_bw, best_split, double(step_bytes) / t_best / copy_bw);
           std::fputs(line, stdout);
           std::fflush(stdout);
           std::snprintf(line, sizeof line, "| %s | %s | %d%s | %d | %.2f | %.0f | %.3f | %.3f | %d (%.3f) |\n", f.name,
@@ -322,9 +336,7 @@ int main(int argc, char** argv) {
         }
         const double bytes = double(wb + sb) * picks * (second ? 2 : 1);
         std::printf("  %-9s %-4s %-16s", f.name, act == GemvAct::FP8 ? "a8" : "a16", name);
-        for (const auto& [split, prefetch] : {std::pair{0, false}, {0, true}, {1, false}, {2, false}, {4, false},
-                                               {8, false}}) {  // 0: the heuristic (7 active slots)
-            set_gemv_l2_prefetch_bytes(prefetch ? kPrefetchBytes : 0);
+        for (int split : {0, 1, 2, 4, 8}) {  // 0: the heuristic (7 active slots)
             const double t = time_steps(
                 [&](cudaStream_t st_, int step) {
                   GemvGroupedParams g;
@@ -343,10 +355,8 @@ int main(int argc, char** argv) {
                   gemv_grouped(g);
                 },
                 48);
-            std::printf("  %s%d%s %.3f (%.1f us)", split ? "split " : "auto ", split, prefetch ? " prefetch" : "",
-                        bytes / t / copy_bw, t * 1e6);
+            std::printf("  %s%d %.3f (%.1f us)", split ? "split " : "auto ", split, bytes / t / copy_bw, t * 1e6);
           }
-        set_gemv_l2_prefetch_bytes(0);
         std::printf("\n");
         std::fflush(stdout);
       }

@@ -19,7 +19,6 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <random>
-#include <regex>
 #include <string>
 #include <vector>
 
@@ -31,7 +30,6 @@
 #include "cuda/bandwidth.h"
 #include "cuda/cuda_check.h"
 #include "cuda/device.h"
-#include "cuda/gemv.h"
 #include "cuda/ops.h"
 #include "cuda/runner.h"
 #endif
@@ -72,8 +70,8 @@ struct BenchArgs {
   bool plan_only = false;
   bool profile = false;  // one more decode step with an event after every launch site
   std::string act_quant = "none";  // --act-quant: fp8 runs the fp4 decode GEMVs as W4A8
-  // Decode is timed once per launch mode: "pdl" (the default: programmatic dependent launch) or "plain", optionally
-  // "+pfN": each gemv block requests its first N KB of weights into L2 first. Prefill and --profile use the first.
+  // Decode is timed once per launch mode: "pdl" (the default: programmatic dependent launch) or "plain" (serialised
+  // launches). Prefill and --profile use the first.
   std::vector<std::string> launch_modes = {"pdl"};
 };
 
@@ -336,11 +334,7 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
-void set_launch_mode(const std::string& mode) {
-  gpu::set_dependent_launch(mode.starts_with("pdl"));
-  const size_t pf = mode.find("+pf");
-  set_gemv_l2_prefetch_bytes(pf == std::string::npos ? 0 : std::stoi(mode.substr(pf + 3)) << 10);
-}
+void set_launch_mode(const std::string& mode) { gpu::set_dependent_launch(mode == "pdl"); }
 
 std::vector<int32_t> random_tokens(std::mt19937_64& rng, int n, int vocab) {
   std::uniform_int_distribution<int32_t> pick(0, vocab - 1);
@@ -551,15 +545,8 @@ void add_bench_command(CLI::App& app, Handler& handler) {
       ->capture_default_str()->check(CLI::IsMember({"none", "fp8"}));
   cmd->add_option("--launch-modes", args->launch_modes,
                   "Decode timed in each mode: pdl (programmatic dependent launch, the default) or plain (serialised "
-                  "launches), each optionally +pfN (every gemv block first requests N KB of its weights into L2), "
-                  "e.g. pdl,plain,pdl+pf16")
-      ->delimiter(',')->capture_default_str()
-      ->check(CLI::Validator(
-          [](std::string& m) {
-            static const std::regex form("(pdl|plain)(\\+pf[0-9]{1,5})?");
-            return std::regex_match(m, form) ? std::string() : "launch mode '" + m + "' is not pdl|plain[+pfN]";
-          },
-          "MODE"));
+                  "launches), e.g. pdl,plain")
+      ->delimiter(',')->capture_default_str()->check(CLI::IsMember({"pdl", "plain"}));
   cmd->add_flag("--profile", args->profile,
                 "After the timed decode steps, time every launch site of one more step (events, no graph)");
   cmd->add_flag("--plan-only", args->plan_only,

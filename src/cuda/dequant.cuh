@@ -26,10 +26,6 @@ __device__ __forceinline__ uint4 load_weights(const uint8_t* p) {
   return r;
 }
 
-// bytes (a multiple of 16) from p (16-byte aligned) requested into L2 by the copy engine: one instruction per range.
-__device__ __forceinline__ void prefetch_l2(const void* p, uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-}
 
 __device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
   uint32_t r;

@@ -4,7 +4,6 @@
 #include "cuda/gemv.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 
 #include "cuda/cuda_check.h"
@@ -14,17 +13,10 @@
 namespace dsv4 {
 namespace {
 
-std::atomic<int> g_l2_prefetch_bytes{0};
 
 bool aligned(const void* p, uintptr_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
 
 }  // namespace
-
-void set_gemv_l2_prefetch_bytes(int bytes) {
-  DSV4_CHECK(bytes >= 0, "set_gemv_l2_prefetch_bytes: {} bytes", bytes);
-  g_l2_prefetch_bytes.store(bytes, std::memory_order_relaxed);
-}
-int gemv_l2_prefetch_bytes() { return g_l2_prefetch_bytes.load(std::memory_order_relaxed); }
 
 int gemv_k_multiple(GemvWeight w) {
   switch (w) {

@@ -61,25 +61,6 @@ __device__ __forceinline__ void decode_piece(const uint4& raw, uint32_t scale, u
   }
 }
 
-// Requests the first a.l2_prefetch_bytes of the block's weight rows (and as large a share of their per-row scales)
-// into L2: one bulk prefetch each, issued by one thread, holding no registers while the data is on its way.
-template <Fmt F>
-__device__ __forceinline__ void prefetch_block_l2(const KernelArgs& a, const uint8_t* w_base, const uint8_t* w_scale,
-                                                  size_t row_bytes) {
-  const int rows_in_block = kGemvWarps / a.split * 16, first = blockIdx.x * rows_in_block;
-  const int rows = min(rows_in_block, a.n - first);
-  if (threadIdx.x != 0 || rows <= 0) return;
-  const uint8_t* w = w_base + size_t(first) * row_bytes;
-  const size_t w_bytes = min(size_t(rows) * row_bytes, size_t(a.l2_prefetch_bytes));
-  if (reinterpret_cast<uintptr_t>(w) % 16 == 0 && w_bytes >= 16) dq::prefetch_l2(w, uint32_t(w_bytes & ~size_t(15)));
-  if constexpr (F == Fmt::MXFP4 || F == Fmt::NVFP4) {
-    const size_t scale_row = size_t(a.k) / (F == Fmt::MXFP4 ? 32 : 16);
-    const uint8_t* s = w_scale + size_t(first) * scale_row;
-    const size_t s_bytes = min(size_t(rows) * scale_row, w_bytes / (row_bytes / scale_row));
-    if (reinterpret_cast<uintptr_t>(s) % 16 == 0 && s_bytes >= 16) dq::prefetch_l2(s, uint32_t(s_bytes & ~size_t(15)));
-  }
-}
-
 template <Fmt F, int kTilesN, bool kGrouped>
 __global__ void __launch_bounds__(kThreads, kTilesN <= 2 ? 2 : 1) gemv_kernel(const KernelArgs a) {
   gpu::allow_dependents();
@@ -127,10 +108,6 @@ __global__ void __launch_bounds__(kThreads, kTilesN <= 2 ? 2 : 1) gemv_kernel(co
   const uint8_t* w_lo = w_base + size_t(r_lo) * row_bytes + t * 16;
   const uint8_t* w_hi = w_lo + 8 * row_bytes;
   auto pair_of = [&](int row) { return kGrouped ? __ldg(a.row_order + order0 + row) : row; };
-  // The start of the block's weights can be requested into L2 (gemv_l2_prefetch_bytes). Under programmatic launch
-  // the plain kernel does it before dependent_wait(), while the previous kernel of the step still runs (weights
-  // depend on nothing it writes); the grouped kernel needs the slots first.
-  if (a.l2_prefetch_bytes > 0) prefetch_block_l2<F>(a, w_base, w_scale, row_bytes);
   if constexpr (!kGrouped) gpu::dependent_wait();  // x and y belong to the step
 
   // More rows than the tile holds (a grouped slot above base.m) are covered by further passes over W.
@@ -297,7 +274,6 @@ KernelArgs plain_args(const GemvParams& p, int split_k) {
   a.y_factor = p.weight == GemvWeight::NVFP4 ? p.w_scale_2 * dq::kNvfp4OutputFactor : 1.0f;
   a.out_bf16 = p.out == GemvOut::BF16;
   a.x_row_div = 1;
-  a.l2_prefetch_bytes = gemv_l2_prefetch_bytes();
   return a;
 }
 

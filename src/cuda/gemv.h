@@ -141,12 +141,6 @@ struct MoeSlotsParams {
 };
 void moe_slots(const MoeSlotsParams& p);
 
-// How many bytes of its weight rows each gemv block requests into L2 (one bulk prefetch) before its main loop;
-// 0 (the default) requests none. Process-wide, read at launch (graphs keep the value they were captured with);
-// dsv4 bench --launch-modes measures it.
-void set_gemv_l2_prefetch_bytes(int bytes);
-int gemv_l2_prefetch_bytes();
-
 // The split_k that gemv() chooses for p on a device with sm_count multiprocessors.
 int gemv_default_split_k(const GemvParams& p, int sm_count);
 

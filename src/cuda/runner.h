@@ -65,7 +65,7 @@ std::vector<float> cuda_runner_decode_batch(SequenceRunner& runner, std::span<co
 void cuda_runner_copy_sequence(SequenceRunner& runner, int from, int to);
 
 // Destroys the captured decode graphs; the next decode steps capture anew (graphs keep the launch modes they were
-// captured with: gpu::set_dependent_launch, set_gemv_l2_prefetch).
+// captured with: gpu::set_dependent_launch).
 void cuda_runner_drop_graphs(SequenceRunner& runner);
 
 // One launch site of a profiled decode step: `kernels` kernels enqueued together, `us` the GPU time from the
