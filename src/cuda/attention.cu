@@ -68,6 +68,15 @@ __device__ __forceinline__ void load_key(const float* key, int lane, int per_lan
   for (int e = 0; e < kMaxPerLane; ++e) kr[e] = e < per_lane ? key[lane + 32 * e] : 0.0f;
 }
 
+// store_window: the first block of row t (head or head group 0, split 0) writes the row's key into its ring slot.
+__device__ void store_own_key(const AttentionParams& p, const KeyRange& r, int t) {
+  if (!p.store_window || blockIdx.x != 0 || blockIdx.z != 0) return;
+  float* ring = p.window_rings ? p.window_rings[t] : p.window_ring;
+  float* dst = ring + (r.pos % p.window_slots) * p.dim;
+  const float* src = p.kv_chunk + int64_t(t) * p.dim;
+  for (int i = threadIdx.x; i < p.dim; i += blockDim.x) dst[i] = src[i];
+}
+
 // De-rotates the last rope_dim dims of o (V carries RoPE) at the query position, fp32 angle like the reference;
 // pairs i = first, first + step, ... (a block or one warp).
 __device__ void inverse_rope(float* o, const AttentionParams& p, int64_t pos, int first, int step) {
@@ -104,6 +113,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attention_group_kernel(Attent
   const KeyRange r = key_range(p, t);
   const int n_keys = r.n_window + r.n_comp, per = (n_keys + splits - 1) / splits;
   const int j0 = split * per, j1 = min(n_keys, j0 + per), count = max(0, j1 - j0);
+  store_own_key(p, r, t);
   const int n_tiles = (count + kTileKeys - 1) / kTileKeys;
 
   float q[kWarpHeads][kMaxPerLane], acc[kWarpHeads][kMaxPerLane], m[kWarpHeads], l[kWarpHeads];
@@ -239,6 +249,7 @@ __global__ void attention_head_kernel(AttentionParams p, int splits) {
   const KeyRange r = key_range(p, t);
   const int n_keys = r.n_window + r.n_comp, per = (n_keys + splits - 1) / splits;
   const int j0 = split * per, j1 = min(n_keys, j0 + per);
+  store_own_key(p, r, t);
   const float* qv = p.q + t * p.q_token_stride + int64_t(h) * dim;
   float qr[kMaxPerLane], acc[kMaxPerLane];  // fully unrolled with guards, so they stay in registers
 #pragma unroll
@@ -403,6 +414,8 @@ void attention(const AttentionParams& p, cudaStream_t stream) {
             p.groups);
   OPS_CHECK(!p.window_rings || (p.pos_rows && (p.ratio == 0 || p.compressed_rows)),
             "attention: batched rows need pos_rows and (with compressed keys) compressed_rows");
+  OPS_CHECK(!p.store_window || ((p.n == 1 || p.window_rings) && p.window_slots >= 1),
+            "attention: store_window is for decode (one row or batched rows), got %d rows", p.n);
   OPS_CHECK(p.ratio == 0 || p.selected || p.max_entries >= 0,
             "attention: max_entries must be set when all compressed entries are attended (ratio %d)", p.ratio);
   const int splits = attention_splits(p);

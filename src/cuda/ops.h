@@ -58,6 +58,8 @@ struct RowOpParams {
   float* const* rows_base = nullptr;
 };
 void row_op(const RowOpParams& p, cudaStream_t stream);
+// a and b (independent: neither reads what the other writes) in one launch, one row per block.
+void row_op_pair(const RowOpParams& a, const RowOpParams& b, cudaStream_t stream);
 
 // y[m, n] = scale · x[m, k] · W[n, k]ᵀ in fp32 (small fp32 matrices: mHC mixes, router gate, indexer weights).
 // The sums are reordered (per-thread FMA chains, then shuffle / block / cluster trees; the order depends only on
@@ -181,7 +183,7 @@ struct AttentionParams {
   const float* q = nullptr;  // q[t * q_token_stride + h * dim + i]
   int64_t q_token_stride = 0;
   const float* kv_chunk = nullptr;  // [n, dim]
-  const float* window_ring = nullptr;  // [window_slots, dim]
+  float* window_ring = nullptr;  // [window_slots, dim]
   int window_slots = 0, window = 0;
   const float* compressed = nullptr;  // [max_entries, dim]
   int ratio = 0;
@@ -202,8 +204,12 @@ struct AttentionParams {
   // with that sequence's ring window_rings[t] and compressed entries compressed_rows[t] (device pointer tables;
   // window_ring / compressed / pos0 / pos_device are then unused). kv_chunk row t is the token's own key.
   const int64_t* pos_rows = nullptr;
-  const float* const* window_rings = nullptr;
+  float* const* window_rings = nullptr;
   const float* const* compressed_rows = nullptr;
+  // Decode (n == 1, or batched rows): also store each row's own key (kv_chunk row t) into its ring slot
+  // pos % window_slots, like window_store, in the same launch. The slot holds a position the window no longer
+  // covers (window_slots >= window, or the position is below window_slots), so no query of the launch reads it.
+  bool store_window = false;
 };
 void attention(const AttentionParams& p, cudaStream_t stream);
 int attention_splits(const AttentionParams& p);
@@ -213,10 +219,6 @@ size_t attention_scratch_floats(const AttentionParams& p);
 // (pos0 read from pos_device when that is set).
 void window_store(const float* kv_chunk, int n, int dim, int64_t pos0, const int64_t* pos_device, float* window,
                   int slots, cudaStream_t stream);
-// Batched decode: rings[t][pos_rows[t] % slots] = kv_chunk[t] for t < n (row t: one token of its own sequence).
-void window_store_rows(const float* kv_chunk, int n, int dim, const int64_t* pos_rows, float* const* rings, int slots,
-                       cudaStream_t stream);
-
 // 4.1 router: from logits = x · gateᵀ [n, E]: s = sqrt(softplus) | sigmoid | softmax (scoring 0 | 1 | 2);
 // picks = tid2eid[tokens[t]] (hash layers, tid2eid != nullptr) or top-k of s + bias (descending, ties lower index);
 // weights = (norm_topk ? s / Σ_picks s : s) · routed_scale. Outputs ids / weights [n, k]. E <= 1024.

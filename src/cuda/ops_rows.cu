@@ -90,11 +90,11 @@ __device__ __forceinline__ float group_max(float v, int lanes) {
   return v;
 }
 
-__global__ void row_op_kernel(RowOpParams p, int lanes, int rows_per_block) {
-  gpu::dependent_enter();
+// Block `block` of one row op (row_op_kernel: blockIdx.x; row_op_pair_kernel: the op's own block index).
+__device__ __forceinline__ void row_op_block(const RowOpParams& p, int lanes, int rows_per_block, int block) {
   extern __shared__ float exchange[];  // [dim]: Hadamard stages across warps (IndexerFp4, dim > 128)
   const int rows = p.tokens * p.heads;
-  const int g = threadIdx.x % lanes, row_raw = blockIdx.x * rows_per_block + threadIdx.x / lanes;
+  const int g = threadIdx.x % lanes, row_raw = block * rows_per_block + threadIdx.x / lanes;
   // Rows past the end (a partly filled last block) redo the last row without storing it: every lane must reach
   // the shuffles and barriers.
   const bool live = row_raw < rows;
@@ -260,6 +260,21 @@ __global__ void row_op_kernel(RowOpParams p, int lanes, int rows_per_block) {
         if (first + j >= 0 && first + j < dim) yb[first + j] = f32_to_bf16(v[j]);
     }
   }
+}
+
+__global__ void row_op_kernel(__grid_constant__ const RowOpParams p, int lanes, int rows_per_block) {
+  gpu::dependent_enter();
+  row_op_block(p, lanes, rows_per_block, blockIdx.x);
+}
+
+// Two independent row ops in one launch: blocks [0, blocks_a) run a, the rest b, one row per block.
+__global__ void row_op_pair_kernel(__grid_constant__ const RowOpParams a, __grid_constant__ const RowOpParams b,
+                                   int blocks_a, int lanes) {
+  gpu::dependent_enter();
+  if (int(blockIdx.x) < blocks_a)
+    row_op_block(a, lanes, 1, blockIdx.x);
+  else
+    row_op_block(b, lanes, 1, blockIdx.x - blocks_a);
 }
 
 // ---- linear_f32 ------------------------------------------------------------------------------------------------
@@ -686,15 +701,6 @@ __global__ void window_store_kernel(const float* kv, int n, int dim, int64_t pos
   window[((pos0 + t) % slots) * dim + c] = kv[int64_t(t) * dim + c];
 }
 
-__global__ void window_store_rows_kernel(const float* kv, int n, int dim, const int64_t* pos_rows, float* const* rings,
-                                         int slots) {
-  gpu::dependent_enter();
-  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= int64_t(n) * dim) return;
-  const int t = int(i / dim), c = int(i % dim);
-  rings[t][(pos_rows[t] % slots) * dim + c] = kv[int64_t(t) * dim + c];
-}
-
 __global__ void fill_kernel(float* x, int64_t n, float value) {
   gpu::dependent_enter();
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
@@ -703,26 +709,40 @@ __global__ void fill_kernel(float* x, int64_t n, float value) {
 
 }  // namespace
 
-void row_op(const RowOpParams& p, cudaStream_t stream) {
-  const int rows = p.tokens * p.heads;
-  if (rows == 0) return;
+namespace {
+
+// Checks p and returns the threads one row needs (groups of four values, see row_op_kernel).
+int row_threads(const RowOpParams& p) {
   OPS_CHECK(p.dim > 0 && p.dim <= 4096, "row_op: dim %d outside (0, 4096]", p.dim);
   OPS_CHECK(p.rope_dim >= 0 && p.rope_dim <= p.dim, "row_op: rope_dim %d outside [0, dim = %d]", p.rope_dim, p.dim);
-  OPS_CHECK(p.emit_ratio == 0 || rows == 1 || (p.rows_base && p.pos_rows && p.heads == 1),
-            "row_op: emit_ratio needs one row (or rows_base and pos_rows, one head), got %d", rows);
+  OPS_CHECK(p.emit_ratio == 0 || p.tokens * p.heads == 1 || (p.rows_base && p.pos_rows && p.heads == 1),
+            "row_op: emit_ratio needs one row (or rows_base and pos_rows, one head), got %d", p.tokens * p.heads);
   OPS_CHECK(p.round != RowRound::KvFp8 || (p.dim - p.rope_dim) % 64 == 0,
              "row_op: FP8 KV rounding needs (dim - rope_dim) = %d to be a multiple of 64", p.dim - p.rope_dim);
   OPS_CHECK(p.round != RowRound::IndexerFp4 || (p.dim >= 32 && (p.dim & (p.dim - 1)) == 0 && p.rope_dim % 2 == 0),
              "row_op: FP4 indexer rounding needs a power-of-two dim >= 32 and an even rope_dim, got %d / %d", p.dim,
              p.rope_dim);
   const int shift = p.rope_dim > 0 ? (p.dim - p.rope_dim) & 1 : 0;
-  const int row_threads = (p.dim + shift + kRowValues - 1) / kRowValues;
-  OPS_CHECK(row_threads <= 1024, "row_op: dim %d with an odd dim - rope_dim needs dim < 4096", p.dim);
+  const int threads = (p.dim + shift + kRowValues - 1) / kRowValues;
+  OPS_CHECK(threads <= 1024, "row_op: dim %d with an odd dim - rope_dim needs dim < 4096", p.dim);
+  return threads;
+}
+
+size_t row_smem(const RowOpParams& p) {
+  return p.round == RowRound::IndexerFp4 && p.dim > 32 * kRowValues ? p.dim * sizeof(float) : 0;
+}
+
+}  // namespace
+
+void row_op(const RowOpParams& p, cudaStream_t stream) {
+  const int rows = p.tokens * p.heads;
+  if (rows == 0) return;
+  const int threads = row_threads(p);
   int lanes = 1, rows_per_block = 1;
-  if (row_threads > 32) {
-    lanes = (row_threads + 31) / 32 * 32;
+  if (threads > 32) {
+    lanes = (threads + 31) / 32 * 32;
   } else {
-    while (lanes < row_threads) lanes *= 2;
+    while (lanes < threads) lanes *= 2;
     rows_per_block = (rows >= 1024 ? 128 : 32) / lanes;  // a warp at least; 4 warps for prefill-sized launches
   }
   if (p.rows_base) {  // batched entry finishing: a row that completes no entry leaves as a whole block
@@ -730,8 +750,23 @@ void row_op(const RowOpParams& p, cudaStream_t stream) {
     rows_per_block = 1;
   }
   const int blocks = (rows + rows_per_block - 1) / rows_per_block;
-  const size_t smem = p.round == RowRound::IndexerFp4 && p.dim > 32 * kRowValues ? p.dim * sizeof(float) : 0;
-  gpu::launch(row_op_kernel, blocks, lanes * rows_per_block, smem, stream, p, lanes, rows_per_block);
+  gpu::launch(row_op_kernel, blocks, lanes * rows_per_block, row_smem(p), stream, p, lanes, rows_per_block);
+  DSV4_CUDA_LAUNCHED();
+}
+
+void row_op_pair(const RowOpParams& a, const RowOpParams& b, cudaStream_t stream) {
+  const int rows_a = a.tokens * a.heads, rows_b = b.tokens * b.heads;
+  const int threads_a = rows_a ? row_threads(a) : 0, threads_b = rows_b ? row_threads(b) : 0;
+  if (rows_a + rows_b == 0) return;
+  // One row per block, each op's lanes padded to the wider one (padded lanes hold zeros and store nothing).
+  const int lanes = (std::max({threads_a, threads_b, 32}) + 31) / 32 * 32;
+  OPS_CHECK(!a.rows_base && !b.rows_base, "row_op_pair: batched entry finishing (rows_base) runs alone");
+  OPS_CHECK((a.round != RowRound::IndexerFp4 || threads_a == lanes || lanes == 32) &&
+                (b.round != RowRound::IndexerFp4 || threads_b == lanes || lanes == 32),
+            "row_op_pair: FP4 indexer rounding across warps needs its row to fill the block (%d / %d of %d lanes)",
+            threads_a, threads_b, lanes);
+  const size_t smem = std::max(rows_a ? row_smem(a) : 0, rows_b ? row_smem(b) : 0);
+  gpu::launch(row_op_pair_kernel, rows_a + rows_b, lanes, smem, stream, a, b, rows_a, lanes);
   DSV4_CUDA_LAUNCHED();
 }
 
@@ -809,14 +844,6 @@ void window_store(const float* kv_chunk, int n, int dim, int64_t pos0, const int
   const int rows = n < slots ? n : slots;
   gpu::launch(window_store_kernel, blocks_for(int64_t(rows) * dim, 256), 256, 0, stream, kv_chunk, n, dim, pos0, pos_device,
                                                                                  window, slots);
-  DSV4_CUDA_LAUNCHED();
-}
-
-void window_store_rows(const float* kv_chunk, int n, int dim, const int64_t* pos_rows, float* const* rings, int slots,
-                       cudaStream_t stream) {
-  if (n == 0) return;
-  gpu::launch(window_store_rows_kernel, blocks_for(int64_t(n) * dim, 256), 256, 0, stream, kv_chunk, n, dim, pos_rows, rings,
-                                                                                  slots);
   DSV4_CUDA_LAUNCHED();
 }
 

@@ -839,23 +839,6 @@ void CudaRunner::attention_block(int l, int n) {
   qn.norm = true;
   qn.weight = d.q_norm.as<float>();
   qn.eps = c.rms_norm_eps;
-  row_op("attn: q_norm", qn);
-  linear("attn: gemv q-side [wq_b|indexer wq_b]", d.w_q, qr_bf16_.data(), y_q, n, d.n_q);
-
-  RowOpParams q;  // per-head norm (no weight) + RoPE, in place
-  q.x = q.y = y_q;
-  q.x_token_stride = q.y_token_stride = d.n_q;
-  q.x_head_stride = q.y_head_stride = hd;
-  q.tokens = n;
-  q.heads = H;
-  q.dim = hd;
-  q.norm = true;
-  q.eps = c.rms_norm_eps;
-  q.rope_dim = rd;
-  q.inv_freq = d.inv_freq;
-  set_positions(q);
-  row_op("attn: q norm + rope", q);
-
   const RowRound kv_round = numerics_.kv == cpu::KvStorage::FP8    ? RowRound::KvFp8
                             : numerics_.kv == cpu::KvStorage::BF16 ? RowRound::Bf16
                                                                    : RowRound::None;
@@ -876,7 +859,24 @@ void CudaRunner::attention_block(int l, int n) {
   kv.inv_freq = d.inv_freq;
   kv.round = kv_round;
   set_positions(kv);
-  row_op("attn: kv norm + rope + round", kv);
+  // q_norm and the kv row read the x-side output only: one launch for both.
+  gpu::row_op_pair(qn, kv, stream_);
+  launched("attn: q_norm + kv norm + rope + round");
+  linear("attn: gemv q-side [wq_b|indexer wq_b]", d.w_q, qr_bf16_.data(), y_q, n, d.n_q);
+
+  RowOpParams q;  // per-head norm (no weight) + RoPE, in place
+  q.x = q.y = y_q;
+  q.x_token_stride = q.y_token_stride = d.n_q;
+  q.x_head_stride = q.y_head_stride = hd;
+  q.tokens = n;
+  q.heads = H;
+  q.dim = hd;
+  q.norm = true;
+  q.eps = c.rms_norm_eps;
+  q.rope_dim = rd;
+  q.inv_freq = d.inv_freq;
+  set_positions(q);
+  row_op("attn: q norm + rope", q);
 
   // The state kernels below run once over all n rows: a prefill chunk or one-sequence decode step is one part;
   // a batched decode step has one part per sequence (row b = sequence b), and the kernels find each row's state
@@ -1007,12 +1007,12 @@ void CudaRunner::attention_block(int l, int n) {
     ap.window_rings = window_rings(l);
     ap.compressed_rows = r ? compressed_rows(l) : nullptr;
   }
+  // Decode steps store their keys into the rings inside the attention launch; prefill chunks after it (their
+  // later rows may overwrite ring slots that earlier rows of the chunk still read).
+  ap.store_window = batched || n == 1;
   gpu::attention(ap, stream_);
   launched("attn: attention");
-  if (batched) {
-    gpu::window_store_rows(kv_chunk_.as<float>(), n, hd, pos_.as<int64_t>(), window_rings(l), window_slots_, stream_);
-    launched("attn: window store");
-  } else {
+  if (!ap.store_window) {
     gpu::window_store(kv_chunk_.as<float>(), n, hd, part.pos0, part.pos_device, state(part).window.as<float>(),
                       window_slots_, stream_);
     launched("attn: window store");

@@ -29,6 +29,7 @@ struct AttnCase {
   int64_t pos0;
   int max_entries;
   bool graph_position = false;  // position read from device memory
+  bool store_window = false;    // decode: the launch also stores the row's key into its ring slot
 };
 
 void check_attention(const AttnCase& c) {
@@ -86,6 +87,7 @@ void check_attention(const AttnCase& c) {
   p.scale = 1.0f / std::sqrt(float(c.dim));
   p.out = out.as<uint16_t>();
   p.max_entries = c.max_entries;
+  p.store_window = c.store_window;
   const std::vector<int64_t> pos_host = {c.pos0};
   DeviceBuffer dpos = to_device(pos_host);
   if (c.graph_position) p.pos_device = dpos.as<int64_t>();
@@ -94,6 +96,14 @@ void check_attention(const AttnCase& c) {
   gpu::attention(p, nullptr);
   sync();
   const std::vector<uint16_t> got = to_host<uint16_t>(out, size_t(c.n) * c.heads * c.dim);
+  if (c.store_window) {  // the new key in slot pos0 % slots, every other slot as before (queries saw the old ring)
+    const std::vector<float> ring_after = to_host<float>(dring, ring.size());
+    for (int s = 0; s < slots; ++s)
+      for (int i = 0; i < c.dim; ++i) {
+        const float want = s == c.pos0 % slots ? chunk[i] : ring[size_t(s) * c.dim + i];
+        ASSERT_EQ(ring_after[size_t(s) * c.dim + i], want) << "ring slot " << s << " dim " << i;
+      }
+  }
   std::printf("[attention] %-28s splits %d\n", c.name.c_str(), gpu::attention_splits(p));
 
   int bad = 0;
@@ -159,6 +169,13 @@ TEST(CudaAttention, DecodeCsaSplitKeys) {
 TEST(CudaAttention, DecodeCsaGraphPosition) {
   DSV4_REQUIRE_CUDA();
   check_attention({"decode_csa_pos_device", 1, 64, 8, 512, 64, 128, 4, 512, 8210, 2100, true});
+}
+
+TEST(CudaAttention, DecodeStoresItsKeyInTheRing) {
+  DSV4_REQUIRE_CUDA();
+  check_attention({"decode_csa_store", 1, 64, 8, 512, 64, 128, 4, 512, 8210, 2100, true, true});
+  check_attention({"decode_sliding_store_short", 1, 8, 2, 128, 64, 128, 0, 0, 50, 0, false, true});
+  check_attention({"decode_head_groups_store", 1, 512, 8, 64, 32, 32, 4, 16, 1000, 260, false, true});  // 512 heads
 }
 
 TEST(CudaAttention, DecodeHcaAllEntries) {

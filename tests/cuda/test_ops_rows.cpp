@@ -550,6 +550,48 @@ TEST(OpsRowsRowOp, WideHadamardOddRowsAndInverse) {
 
 // Compressor entry finishing in a captured decode graph: emit_ratio with the position on the device. Only the
 // step that completes an entry writes it (in place, RoPE at entry · ratio); other steps leave everything alone.
+// row_op_pair runs two independent row ops in one launch (q_norm and the kv row of a decode step): each must
+// give exactly the bits of its own row_op launch (padded lanes add zeros only).
+void check_pair(int tokens, int dim_a, int dim_b, int rope_b, uint32_t seed) {
+  SCOPED_TRACE("pair tokens " + std::to_string(tokens) + " dims " + std::to_string(dim_a) + "/" + std::to_string(dim_b));
+  std::mt19937 rng(seed);
+  const std::vector<float> xa = random_vector(size_t(tokens) * dim_a, rng, -3.0f, 3.0f);
+  const std::vector<float> xb = random_vector(size_t(tokens) * dim_b, rng, -3.0f, 3.0f);
+  const std::vector<float> wa = random_vector(dim_a, rng, 0.5f, 1.5f), wb = random_vector(dim_b, rng, 0.5f, 1.5f);
+  const std::vector<float> inv_freq = rope_freqs(rope_b);
+  DeviceBuffer dxa = to_device(xa), dxb = to_device(xb), dwa = to_device(wa), dwb = to_device(wb),
+               df = to_device(inv_freq);
+  auto outputs = [&](bool paired) {
+    DeviceBuffer ya = bf16_nan_buffer(xa.size()), yb = nan_buffer(xb.size());
+    gpu::RowOpParams a, b;
+    a.x = dxa.as<float>(), a.x_token_stride = dim_a, a.y_bf16 = ya.as<uint16_t>();
+    a.tokens = tokens, a.dim = dim_a, a.norm = true, a.weight = dwa.as<float>();
+    b.x = dxb.as<float>(), b.x_token_stride = dim_b, b.y = yb.as<float>(), b.y_token_stride = dim_b;
+    b.tokens = tokens, b.dim = dim_b, b.norm = true, b.weight = dwb.as<float>(), b.rope_dim = rope_b;
+    b.inv_freq = df.as<float>(), b.pos0 = 8211, b.round = gpu::RowRound::KvFp8;
+    if (paired) {
+      gpu::row_op_pair(a, b, nullptr);
+    } else {
+      gpu::row_op(a, nullptr);
+      gpu::row_op(b, nullptr);
+    }
+    sync();
+    return std::pair{to_host<uint16_t>(ya, xa.size()), to_host<float>(yb, xb.size())};
+  };
+  const auto [alone_a, alone_b] = outputs(false);
+  const auto [pair_a, pair_b] = outputs(true);
+  EXPECT_EQ(pair_a, alone_a);
+  EXPECT_EQ(bits_differ(pair_b, alone_b), 0);
+  for (float v : pair_b) ASSERT_FALSE(std::isnan(v)) << "an output of b was not written";
+}
+
+TEST(OpsRowsRowOp, PairMatchesTwoLaunches) {
+  DSV4_REQUIRE_CUDA();
+  check_pair(1, 1024, 512, 64, 81);   // Flash decode: q_norm (q_lora 1024) + kv (head 512, rope 64)
+  check_pair(64, 1024, 512, 64, 82);  // a prefill chunk
+  check_pair(3, 64, 128, 64, 83);     // tiny models: rows narrower than a warp
+}
+
 void check_emit(int dim, int rope_dim, int ratio, gpu::RowRound round, uint32_t seed) {
   std::mt19937 rng(seed);
   const int entries = 8;
