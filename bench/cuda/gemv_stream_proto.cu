@@ -19,6 +19,7 @@
 #include <functional>
 #include <vector>
 
+#include "bench_util.cuh"
 #include "cuda/bandwidth.h"
 #include "cuda/dequant.cuh"
 #include "cuda/device.h"
@@ -27,13 +28,7 @@
 namespace {
 
 using namespace dsv4;
-
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) {
-    std::fprintf(stderr, "CUDA error %s in %s\n", cudaGetErrorName(e), what);
-    std::exit(1);
-  }
-}
+using bench::check, bench::fill, bench::time_steps;
 
 constexpr int kRows = 16, kConsumers = 8, kThreads = (kConsumers + 1) * 32, kMaxStages = 8;
 constexpr int kRowPad = 64, kScalePad = 16;
@@ -182,49 +177,6 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_stream_kernel(Args a) {
       if (row < a.n) a.y[row] = __bfloat16_as_ushort(__float2bfloat16_rn(sum * a.y_factor));
     }
   }
-}
-
-__device__ uint32_t hash32(uint64_t i, uint32_t seed) {
-  uint64_t z = i * 0x9E3779B97F4A7C15ull + seed;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return uint32_t(z ^ (z >> 31));
-}
-__global__ void fill_words(uint32_t* p, size_t n_words, uint32_t seed, uint32_t and_mask, uint32_t or_mask) {
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n_words; i += size_t(gridDim.x) * blockDim.x)
-    p[i] = (hash32(i, seed) & and_mask) | or_mask;
-}
-void fill(void* p, size_t bytes, uint32_t seed, uint32_t and_mask, uint32_t or_mask) {
-  fill_words<<<1024, 256>>>(static_cast<uint32_t*>(p), bytes / 4, seed, and_mask, or_mask);
-  check(cudaGetLastError(), "fill");
-}
-
-double time_steps(const std::function<void(cudaStream_t, int)>& enqueue, int steps) {
-  cudaStream_t s;
-  check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
-  cudaGraph_t graph;
-  check(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), "capture");
-  for (int i = 0; i < steps; ++i) enqueue(s, i);
-  check(cudaStreamEndCapture(s, &graph), "end capture");
-  cudaGraphExec_t exec;
-  check(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
-  cudaEvent_t e0, e1;
-  check(cudaEventCreate(&e0), "event"), check(cudaEventCreate(&e1), "event");
-  for (int i = 0; i < 2; ++i) check(cudaGraphLaunch(exec, s), "launch");
-  std::vector<float> ms;
-  for (int r = 0; r < 11; ++r) {
-    check(cudaEventRecord(e0, s), "record");
-    check(cudaGraphLaunch(exec, s), "launch");
-    check(cudaEventRecord(e1, s), "record");
-    check(cudaEventSynchronize(e1), "sync");
-    float v = 0;
-    check(cudaEventElapsedTime(&v, e0, e1), "elapsed");
-    ms.push_back(v);
-  }
-  std::sort(ms.begin(), ms.end());
-  cudaGraphExecDestroy(exec), cudaGraphDestroy(graph), cudaStreamDestroy(s);
-  cudaEventDestroy(e0), cudaEventDestroy(e1);
-  return double(ms[ms.size() / 2]) * 1e-3 / steps;
 }
 
 float bf16f(uint16_t b) {

@@ -383,7 +383,7 @@ void launch_linear_f32(const LinearF32Params& p, int slices, cudaStream_t stream
     return;
   }
   const cudaError_t err =
-      gpu::launch_cluster(linear_f32_kernel<kRows, kVec, true>, grid, kLinearThreads, unsigned(slices), stream, p, slices);
+      gpu::launch_ex(linear_f32_kernel<kRows, kVec, true>, grid, kLinearThreads, 0, unsigned(slices), stream, p, slices);
   DSV4_CUDA_LAUNCHED();  // throws (and clears) a recorded launch error
   OPS_CHECK(err == cudaSuccess, "linear_f32: cluster launch failed: %s", cudaGetErrorString(err));
 }
