@@ -798,6 +798,37 @@ TEST(CudaModel, BatchedDecodeFortySequences) {  // more rows than one mma n-tile
   check_batched_decode("tiny-flash", kDefault, 40, 6);
 }
 
+// Programmatic dependent launch (launch.cuh) lets a kernel start before its predecessor ends; every kernel waits
+// before touching what the step computes, so the logits must be the same bits with it on and off, and the same bits
+// when the same run repeats (a missing wait would show up as a difference that moves between runs).
+TEST(CudaModel, DependentLaunchChangesNoBits) {
+  DSV4_REQUIRE_CUDA();
+  std::string source;
+  const Model model = tiny_model("tiny-flash", kDefault, &source);
+  const int V = model.config().vocab_size, n = 100, steps = 12;
+  std::mt19937 rng(5);
+  std::uniform_int_distribution<int32_t> token(2, V - 1);
+  std::vector<int32_t> prompt(n);
+  for (int32_t& t : prompt) t = token(rng);
+  auto run = [&](bool overlapped) {
+    const bool before = gpu::dependent_launch();
+    gpu::set_dependent_launch(overlapped);
+    std::unique_ptr<SequenceRunner> r = make_cuda_runner(model, n + steps + 1);
+    std::vector<float> logits = r->forward(prompt, false);  // prefill chunks
+    for (int i = 0; i < steps; ++i) {                        // graph-replayed decode
+      const int32_t id[1] = {int32_t(argmax(logits.data() + logits.size() - V, V))};
+      const std::vector<float> row = r->forward(id, true);
+      logits.insert(logits.end(), row.begin(), row.end());
+    }
+    gpu::set_dependent_launch(before);
+    return logits;
+  };
+  const std::vector<float> on = run(true), again = run(true), off = run(false);
+  ASSERT_EQ(on.size(), off.size());
+  EXPECT_EQ(std::memcmp(on.data(), again.data(), on.size() * sizeof(float)), 0) << "PDL run not reproducible";
+  EXPECT_EQ(std::memcmp(on.data(), off.data(), on.size() * sizeof(float)), 0) << "PDL on and off differ";
+}
+
 // Runs anywhere: without a device the runner must refuse with dsv4::Error, not crash.
 TEST(CudaModel, NoDeviceIsAnError) {
   if (cuda_available()) GTEST_SKIP() << "a CUDA device is present";
