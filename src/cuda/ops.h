@@ -176,9 +176,10 @@ void indexer_topk(const IndexerTopkParams& p, cudaStream_t stream);
 // Output bf16, grouped for the output projection: head h of token t goes to out[g][t][(h % hpg)·dim + i] with
 // hpg = heads / groups, g = h / hpg  (layout [groups, out_rows, hpg·dim], out_rows = n unless set: a call for
 // one sequence's rows of a batched decode writes its rows of the whole batch's array). dim <= 512, dim % 32 == 0.
-// Few tokens (decode): the keys of each (token, head) are split over attention_splits(p) blocks whose partials go
-// to `scratch` (attention_scratch_floats(p) floats), then merged in a second launch. The split count depends
-// only on host-known fields (n, heads, window, ratio, topk or max_entries), so graph replays keep their shape.
+// When the launch's blocks do not fill the GPU (decode), the keys of each (token, head) are split over
+// attention_splits(p) blocks whose partials go to `scratch` (attention_scratch_floats(p) floats), then merged in a
+// second launch. The kernel (per head, or 16 heads per block from n · heads >= 512) and the split count depend only
+// on host-known fields (n, heads, window, ratio, topk or max_entries), so graph replays keep their shape.
 struct AttentionParams {
   const float* q = nullptr;  // q[t * q_token_stride + h * dim + i]
   int64_t q_token_stride = 0;
