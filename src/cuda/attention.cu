@@ -235,8 +235,8 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attention_group_kernel(Attent
   }
 }
 
-// Few rows (decode): block (h, t, split) takes keys [split · per, (split + 1) · per) of query t, per = ceil(keys / splits). Each warp runs
-// an online softmax over a strided share of them with the query and accumulator spread over the lanes (element
+// Few rows (decode): block (h, t, split) takes keys [split · per, (split + 1) · per) of query t,
+// per = ceil(keys / splits). Each warp runs an online softmax over a strided share of them with the query and accumulator spread over the lanes (element
 // lane + 32·e), loading the next key before using the current one; the warps are then merged. One split: the
 // sink is added and the output finished here; more: the partial goes to scratch for attention_merge_kernel.
 __global__ void attention_head_kernel(AttentionParams p, int splits) {

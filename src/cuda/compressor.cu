@@ -165,7 +165,8 @@ void compressor_advance(const CompressorParams& p, cudaStream_t stream) {
   const int64_t b_first = p.pos0 / p.ratio, b_end = (p.pos0 + p.n) / p.ratio;
   if (b_end > b_first) {
     OPS_CHECK(b_end - b_first <= 65535, "compressor_advance: %lld entries in one chunk", (long long)(b_end - b_first));
-    gpu::launch(compressor_entries_kernel, dim3(blocks_for(p.dim, kColumnThreads), unsigned(b_end - b_first)), kColumnThreads, 0, stream, p, b_first);
+    gpu::launch(compressor_entries_kernel, dim3(blocks_for(p.dim, kColumnThreads), unsigned(b_end - b_first)),
+                kColumnThreads, 0, stream, p, b_first);
     DSV4_CUDA_LAUNCHED();
   }
   const int width = p.overlap ? 2 * p.dim : p.dim;

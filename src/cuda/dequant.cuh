@@ -26,7 +26,6 @@ __device__ __forceinline__ uint4 load_weights(const uint8_t* p) {
   return r;
 }
 
-
 __device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
   uint32_t r;
   asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));

@@ -304,8 +304,8 @@ cudaError_t act_quant_launch(const uint16_t* x, uint16_t* y, int rows, int k, cu
   const int64_t items = int64_t(rows) * ((k + kChunkK - 1) / kChunkK);
   constexpr int kWarpsPerBlock = 8;
   if (items == 0) return cudaSuccess;
-  gpu::launch(act_quant_kernel, unsigned((items + kWarpsPerBlock - 1) / kWarpsPerBlock), kWarpsPerBlock * 32, 0, stream, 
-      x, y, rows, k);
+  gpu::launch(act_quant_kernel, unsigned((items + kWarpsPerBlock - 1) / kWarpsPerBlock), kWarpsPerBlock * 32, 0,
+              stream, x, y, rows, k);
   return cudaGetLastError();
 }
 

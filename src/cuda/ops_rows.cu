@@ -383,7 +383,8 @@ void launch_linear_f32(const LinearF32Params& p, int slices, cudaStream_t stream
     return;
   }
   const cudaError_t err =
-      gpu::launch_ex(linear_f32_kernel<kRows, kVec, true>, grid, kLinearThreads, 0, unsigned(slices), stream, p, slices);
+      gpu::launch_ex(linear_f32_kernel<kRows, kVec, true>, grid, kLinearThreads, 0, unsigned(slices), stream, p,
+                     slices);
   DSV4_CUDA_LAUNCHED();  // throws (and clears) a recorded launch error
   OPS_CHECK(err == cudaSuccess, "linear_f32: cluster launch failed: %s", cudaGetErrorString(err));
 }
@@ -814,11 +815,11 @@ void hc_post(const float* out, int out_k, const float* out2, const float* post, 
   OPS_CHECK(out_k > 0, "hc_post: out_k %d must be positive", out_k);
   if (int64_t(n) * D == 0) return;
   if (D % 4 == 0 && aligned(out, 16) && (!out2 || aligned(out2, 16)) && aligned(streams, 16)) {
-    gpu::launch(hc_post_vec_kernel, blocks_for(int64_t(n) * (D / 4), kHcPostThreads), kHcPostThreads, 0, stream, 
-        out, out_k, out2, post, comb, n, hc, D, streams);
+    gpu::launch(hc_post_vec_kernel, blocks_for(int64_t(n) * (D / 4), kHcPostThreads), kHcPostThreads, 0, stream,
+                out, out_k, out2, post, comb, n, hc, D, streams);
   } else {
-    gpu::launch(hc_post_kernel, blocks_for(int64_t(n) * D, 256), 256, 0, stream, out, out_k, out2, post, comb, n, hc, D,
-                                                                        streams);
+    gpu::launch(hc_post_kernel, blocks_for(int64_t(n) * D, 256), 256, 0, stream, out, out_k, out2, post, comb, n, hc,
+                D, streams);
   }
   DSV4_CUDA_LAUNCHED();
 }
@@ -831,19 +832,19 @@ void hc_head_norm(const float* streams, const float* mix, const float* base, con
   if (n == 0) return;
   const size_t smem = size_t((D + 3) / 4) * sizeof(float4);
   if (hc <= 4)
-    gpu::launch(hc_head_kernel<4>, n, hc_threads(D, 4), smem, stream, streams, mix, base, scale, norm_weight, hc, D, hc_eps,
-                                                             eps, y_bf16);
+    gpu::launch(hc_head_kernel<4>, n, hc_threads(D, 4), smem, stream, streams, mix, base, scale, norm_weight, hc, D,
+                hc_eps, eps, y_bf16);
   else
-    gpu::launch(hc_head_kernel<kMaxHc>, n, hc_threads(D, kMaxHc), smem, stream, streams, mix, base, scale, norm_weight, hc, D,
-                                                                       hc_eps, eps, y_bf16);
+    gpu::launch(hc_head_kernel<kMaxHc>, n, hc_threads(D, kMaxHc), smem, stream, streams, mix, base, scale, norm_weight,
+                hc, D, hc_eps, eps, y_bf16);
   DSV4_CUDA_LAUNCHED();
 }
 
 void window_store(const float* kv_chunk, int n, int dim, int64_t pos0, const int64_t* pos_device, float* window,
                   int slots, cudaStream_t stream) {
   const int rows = n < slots ? n : slots;
-  gpu::launch(window_store_kernel, blocks_for(int64_t(rows) * dim, 256), 256, 0, stream, kv_chunk, n, dim, pos0, pos_device,
-                                                                                 window, slots);
+  gpu::launch(window_store_kernel, blocks_for(int64_t(rows) * dim, 256), 256, 0, stream, kv_chunk, n, dim, pos0,
+              pos_device, window, slots);
   DSV4_CUDA_LAUNCHED();
 }
 

@@ -123,11 +123,11 @@ struct SequenceDevice {
   }
 };
 
-// Rows row0 .. row0 + n of the chunk being enqueued are positions pos0.. of sequence `seq` (pos0 read from
-// pos_device when set: graph-replayable steps). A prefill chunk is one part; a batched decode step one part per
-// sequence, one row each.
+// The rows of the chunk being enqueued are positions pos0.. of sequence `seq` (pos0 read from pos_device when set:
+// graph-replayable steps). A prefill chunk is one part; a batched decode step one part per sequence, row b for
+// sequence b.
 struct ChunkPart {
-  int seq = 0, row0 = 0, n = 0;
+  int seq = 0;
   int64_t pos0 = 0;
   const int64_t* pos_device = nullptr;
 };
@@ -674,7 +674,7 @@ std::vector<float> CudaRunner::decode_batch(std::span<const int32_t> tokens) {
   for (int b = 0; b < B; ++b) {
     host_tokens_[b] = tokens[b];
     host_pos_[b] = seqs_[b].n_tokens;
-    parts_.push_back({b, b, 1, seqs_[b].n_tokens, pos_.as<int64_t>() + b});
+    parts_.push_back({b, seqs_[b].n_tokens, pos_.as<int64_t>() + b});
   }
   std::vector<float> logits;
   run_parts(B, Rows::All, options_.graph_decode, logits);
@@ -693,7 +693,7 @@ void CudaRunner::run_chunk(std::span<const int32_t> tokens, int64_t pos0, Rows w
   const bool graph = options_.graph_decode && n == 1 && wanted == Rows::Last;
   host_pos_[0] = pos0;
   parts_.clear();
-  parts_.push_back({current_seq_, 0, n, pos0, graph ? pos_.as<int64_t>() : nullptr});
+  parts_.push_back({current_seq_, pos0, graph ? pos_.as<int64_t>() : nullptr});
   run_parts(n, wanted, graph, logits);
 }
 
