@@ -1,8 +1,9 @@
 // SPDX-License-Identifier: MIT
 // dsv4_gemm_bench: the prefill GEMM (gemm.h) at m = 1024 / 4096 / 8192 on DeepSeek-V4-Flash linear shapes, for bf16
 // weights (cuBLASLt alone) and fp8 / nvfp4 weights (decode to the bf16 scratch + cuBLASLt), with the decode timed
-// alone too. Prints TFLOP/s (2 m n k / time) and the fraction of 790 TFLOP/s, the dense bf16 peak that
-// 8192^3 products reach on the H200 (device docs). Each timing is the median of 7 runs of 10 back-to-back calls.
+// alone too, and gemv()'s tiled tensor-core kernel (weights decoded in registers, no scratch) on the same data.
+// Prints TFLOP/s (2 m n k / time) and the fraction of 790 TFLOP/s, the dense bf16 peak that 8192^3 products reach
+// on the H200 (device docs). Each timing is the median of 7 runs of 10 back-to-back calls.
 // Usage: dsv4_gemm_bench   (needs a GPU)
 #include <cuda_runtime.h>
 
@@ -16,6 +17,7 @@
 
 #include "cuda/device.h"
 #include "cuda/gemm.h"
+#include "cuda/gemv.h"
 
 namespace {
 
@@ -91,7 +93,7 @@ int main() try {
                           {"2048x4096", 2048, 4096}};
   const Format formats[] = {{"bf16", GemvWeight::BF16}, {"fp8_block", GemvWeight::FP8_BLOCK},
                             {"nvfp4", GemvWeight::NVFP4}};
-  const int ms[] = {1024, 4096, 8192};
+  const int ms[] = {128, 512, 1024, 4096, 8192};
   size_t max_nk = 0, max_mk = 0, max_mn = 0;
   for (const Shape& sh : shapes) {
     max_nk = std::max(max_nk, size_t(sh.n) * sh.k);
@@ -104,8 +106,8 @@ int main() try {
   cudaStream_t s;
   check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
 
-  std::printf("%-10s %-18s %6s %10s %9s %7s %12s\n", "format", "shape", "m", "time (us)", "TFLOP/s", "of peak",
-              "decode (us)");
+  std::printf("%-10s %-18s %6s %10s %9s %7s %12s | %-10s %9s %7s\n", "format", "shape", "m", "time (us)", "TFLOP/s",
+              "of peak", "decode (us)", "tiled (us)", "TFLOP/s", "of peak");
   for (const Format& f : formats) {
     // Valid codes: bf16 in +-[0.5, 1), e4m3 without NaN, any e2m1; scales 2^0 (e8m0 127) / e4m3 1.0 (0x38).
     fill(w, 3, f.w == GemvWeight::BF16 ? 0x807F807Fu : f.w == GemvWeight::FP8_BLOCK ? 0xBFBFBFBFu : ~0u,
@@ -125,8 +127,14 @@ int main() try {
         p.w_scale_2 = 0.5f, p.y = y.data(), p.out = GemvOut::BF16, p.stream = s;
         const double t = time_call([&](cudaStream_t) { ctx.gemm(p); }, s);
         const double tflops = 2.0 * m * sh.n * sh.k / t * 1e-12;
-        std::printf("%-10s %-18s %6d %10.1f %9.1f %6.1f%% %12.1f\n", f.name, sh.name, m, t * 1e6, tflops,
-                    100.0 * tflops / kPeakTflops, t_decode * 1e6);
+        GemvParams g;
+        g.m = m, g.n = sh.n, g.k = sh.k, g.x = x.data(), g.w = w.data(), g.w_scale = wd.w_scale, g.w_scale_2 = 0.5f;
+        g.y = y.data(), g.weight = f.w, g.out = GemvOut::BF16;
+        const double t_tiled = time_call([&](cudaStream_t st) { g.stream = st; gemv(g); }, s);
+        const double tiled_tflops = 2.0 * m * sh.n * sh.k / t_tiled * 1e-12;
+        std::printf("%-10s %-18s %6d %10.1f %9.1f %6.1f%% %12.1f | %10.1f %9.1f %6.1f%%\n", f.name, sh.name, m,
+                    t * 1e6, tflops, 100.0 * tflops / kPeakTflops, t_decode * 1e6, t_tiled * 1e6, tiled_tflops,
+                    100.0 * tiled_tflops / kPeakTflops);
       }
     }
   }

@@ -7,7 +7,7 @@
 //            decode context and one embedding row per sequence) / copy bandwidth measured in the same run, times
 //            the batch. Batches > 1 are sequences copied from the batch-1 one (same context, no B prefills).
 //   prefill  FLOPs per token (2 x active params + attention) / the bf16 tensor-core rate, and the weight-streaming
-//            bound of the runner's chunked prefill (every chunk of kCudaMaxChunk tokens reads the weights once)
+//            bound of the runner's chunked prefill (every chunk of prefill_chunk tokens reads the weights once)
 // docs/bench.md explains the accounting. `--plan-only` prints the accounting without a GPU.
 #include <fmt/format.h>
 
@@ -44,9 +44,9 @@ using nlohmann::json;
 constexpr double kBf16DenseFlops = 790e12;
 constexpr int kDecodeWarmupSteps = 2;  // the first 1-token step captures the CUDA graph
 #ifdef DSV4_HAVE_CUDA
-constexpr int kPrefillChunk = kCudaMaxChunk;
+constexpr int kPlanPrefillChunk = kCudaPrefillChunk;
 #else
-constexpr int kPrefillChunk = 64;  // the CUDA runner's chunk (kCudaMaxChunk), for --plan-only in CPU builds
+constexpr int kPlanPrefillChunk = 512;  // the CUDA runner's default (kCudaPrefillChunk), for --plan-only in CPU builds
 #endif
 
 enum class BenchFormat { NVFP4, BF16 };
@@ -69,6 +69,7 @@ struct BenchArgs {
   std::string json_path;
   bool plan_only = false;
   bool profile = false;  // one more decode step with an event after every launch site
+  int profile_prefill = 0;  // > 0: a prefill of this many tokens with an event after every launch site
   std::string act_quant = "none";  // --act-quant: fp8 runs the fp4 decode GEMVs as W4A8
   // Decode is timed once per launch mode: "pdl" (the default: programmatic dependent launch) or "plain" (serialised
   // launches). Prefill and --profile use the first.
@@ -211,7 +212,8 @@ struct PrefillBounds {
   double streaming_tok_s = 0;
 };
 
-PrefillBounds prefill_bounds(const ModelConfig& c, BenchFormat f, int tokens, double bandwidth_bytes_s) {
+PrefillBounds prefill_bounds(const ModelConfig& c, BenchFormat f, int tokens, int chunk_tokens,
+                             double bandwidth_bytes_s) {
   const LinearElements e = linear_elements(c);
   const double w = linear_bytes_per_element(f);
   PrefillBounds b;
@@ -221,11 +223,11 @@ PrefillBounds prefill_bounds(const ModelConfig& c, BenchFormat f, int tokens, do
                              e.shared + e.fp32);
   b.flops_per_token = linear + attention / tokens + 2 * e.head / tokens;
   b.compute_tok_s = kBf16DenseFlops / b.flops_per_token;
-  const int chunk = std::min(tokens, kPrefillChunk);
+  const int chunk = std::min(tokens, chunk_tokens);
   b.weight_bytes_per_chunk = (e.attention + e.compressors + e.indexer + e.shared) * w + e.fp32 * 4 +
                              experts_touched(c, chunk) * e.routed_expert * w;
   if (bandwidth_bytes_s > 0) {
-    const double chunks = std::ceil(double(tokens) / kPrefillChunk);
+    const double chunks = std::ceil(double(tokens) / chunk_tokens);
     b.streaming_seconds = (chunks * b.weight_bytes_per_chunk + e.head * 2) / bandwidth_bytes_s;
     b.streaming_tok_s = tokens / b.streaming_seconds;
   }
@@ -255,9 +257,10 @@ void validate(BenchArgs& a) {
   DSV4_CHECK(!a.launch_modes.empty(), "dsv4 bench: --launch-modes lists no mode");
   // Sequence 0 goes on from batch to batch and mode to mode (the others are copied from it).
   const int timed_runs = int(a.decode_batch.size() * a.launch_modes.size());
-  const int needed = std::max(*std::max_element(a.prefill.begin(), a.prefill.end()),
+  DSV4_CHECK(a.profile_prefill >= 0, "dsv4 bench: --profile-prefill {} must be >= 0", a.profile_prefill);
+  const int needed = std::max({*std::max_element(a.prefill.begin(), a.prefill.end()), a.profile_prefill,
                               a.decode_context + timed_runs * (kDecodeWarmupSteps + a.decode_steps) +
-                                  (a.profile ? int(a.decode_batch.size()) : 0));
+                                  (a.profile ? int(a.decode_batch.size()) : 0)});
   if (a.max_context == 0) a.max_context = needed;
   DSV4_CHECK(a.max_context >= needed, "dsv4 bench: --max-context {} is below the {} tokens the runs need",
              a.max_context, needed);
@@ -290,7 +293,7 @@ json args_json(const BenchArgs& a, const ModelConfig& c) {
           {"seed", a.seed},
           {"act_quant", a.act_quant},
           {"launch_modes", a.launch_modes},
-          {"config", c.summary()}, {"bf16_dense_flops", kBf16DenseFlops}, {"prefill_chunk", kPrefillChunk}};
+          {"config", c.summary()}, {"bf16_dense_flops", kBf16DenseFlops}, {"prefill_chunk", kPlanPrefillChunk}};
 }
 
 // The accounting alone, no GPU needed.
@@ -311,10 +314,10 @@ int run_plan(const BenchArgs& a) {
     }
     json prefill = json::array();
     for (int len : a.prefill) {
-      const PrefillBounds b = prefill_bounds(config, f, len, 0);
+      const PrefillBounds b = prefill_bounds(config, f, len, kPlanPrefillChunk, 0);
       fmt::print("  prefill {:>6}: {:.2f} GFLOP/token -> compute bound {:.0f} tok/s; {:.2f} GB of weights per "
                  "{}-token chunk\n", len, b.flops_per_token / 1e9, b.compute_tok_s, b.weight_bytes_per_chunk / 1e9,
-                 std::min(len, kPrefillChunk));
+                 std::min(len, kPlanPrefillChunk));
       prefill.push_back({{"tokens", len}, {"flops_per_token", b.flops_per_token},
                          {"compute_bound_tok_s", b.compute_tok_s},
                          {"weight_bytes_per_chunk", b.weight_bytes_per_chunk}});
@@ -349,10 +352,9 @@ size_t device_used_bytes() {
   return total_bytes - free_bytes;
 }
 
-// One more decode step with direct launches and an event after every launch site: GPU time per site summed
-// over the layers, largest first, against the graph step's time.
-json profile_decode_step(SequenceRunner& runner, std::span<const int32_t> tokens, double graph_ms) {
-  const std::vector<LaunchTiming> timings = cuda_runner_profile_step(runner, tokens);
+// GPU time per launch site of a profiled step or prefill, summed over the layers (and chunks), largest first.
+json print_profile(const std::vector<LaunchTiming>& timings, const std::string& title, double reference_ms,
+                   const char* reference_name) {
   struct Site {
     std::string name;
     int launches = 0, kernels = 0;
@@ -370,12 +372,11 @@ json profile_decode_step(SequenceRunner& runner, std::span<const int32_t> tokens
     total_us += t.us;
   }
   std::sort(sites.begin(), sites.end(), [](const Site& x, const Site& y) { return x.us > y.us; });
-  fmt::print("\nprofile of one decode step at batch {} (direct launches, an event after each launch site): {:.3f} ms "
-             "of GPU time in {} launch sites; the graph step above took {:.3f} ms\n",
-             tokens.size(), total_us / 1e3, timings.size(), graph_ms);
+  fmt::print("\nprofile of {} (direct launches, an event after each launch site): {:.3f} ms of GPU time in {} launch "
+             "sites; {} took {:.3f} ms\n", title, total_us / 1e3, timings.size(), reference_name, reference_ms);
   fmt::print("  {:<44} {:>8} {:>8} {:>10} {:>9} {:>9} {:>7}\n", "site", "launches", "kernels", "total us",
              "mean us", "max us", "share");
-  json out = {{"total_us", total_us}, {"graph_step_ms", graph_ms}, {"sites", json::array()}};
+  json out = {{"total_us", total_us}, {"reference_ms", reference_ms}, {"sites", json::array()}};
   for (const Site& s : sites) {
     fmt::print("  {:<44} {:>8} {:>8} {:>10.1f} {:>9.2f} {:>9.2f} {:>7.3f}\n", s.name, s.launches, s.kernels, s.us,
                s.us / s.launches, s.max_us, s.us / total_us);
@@ -405,7 +406,9 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
                  {"state_bytes", runner->state_bytes()}, {"gpu_memory_used_bytes", used}};
   std::mt19937_64 rng(a.seed);
 
-  fmt::print("\nprefill (last-row logits; chunks of {} tokens):\n", kPrefillChunk);
+  const int chunk = cuda_runner_prefill_chunk(*runner);
+  report["prefill_chunk"] = chunk;
+  fmt::print("\nprefill (last-row logits; chunks of {} tokens):\n", chunk);
   fmt::print("  {:>7} {:>9} {:>10} {:>13} {:>9} {:>15} {:>9}\n", "tokens", "seconds", "tok/s", "compute bound",
              "fraction", "weight-stream", "fraction");
   json prefill = json::array();
@@ -418,7 +421,7 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
     runner->forward(prompt, true);
     const double seconds = seconds_since(start);
     const double tok_s = len / seconds;
-    const PrefillBounds b = prefill_bounds(c, f, len, bandwidth);
+    const PrefillBounds b = prefill_bounds(c, f, len, chunk, bandwidth);
     fmt::print("  {:>7} {:>9.3f} {:>10.0f} {:>13.0f} {:>9.3f} {:>15.0f} {:>9.3f}\n", len, seconds, tok_s,
                b.compute_tok_s, tok_s / b.compute_tok_s, b.streaming_tok_s, tok_s / b.streaming_tok_s);
     prefill.push_back({{"tokens", len}, {"seconds", seconds}, {"tok_s", tok_s},
@@ -429,6 +432,18 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
                        {"fraction_of_weight_streaming_bound", tok_s / b.streaming_tok_s}});
   }
   report["prefill"] = prefill;
+  if (a.profile_prefill > 0) {
+    runner->reset();
+    const std::vector<int32_t> prompt = random_tokens(rng, a.profile_prefill, c.vocab_size);
+    start = std::chrono::steady_clock::now();
+    runner->forward(prompt, true);
+    const double timed_ms = 1e3 * seconds_since(start);
+    runner->reset();
+    report["prefill_profile"] =
+        print_profile(cuda_runner_profile_prefill(*runner, prompt),
+                      fmt::format("a prefill of {} tokens in chunks of {}", a.profile_prefill, chunk), timed_ms,
+                      "the same prefill timed with PDL");
+  }
 
   runner->reset();
   if (a.decode_context > 0) runner->forward(random_tokens(rng, a.decode_context, c.vocab_size), true);
@@ -476,7 +491,8 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
     set_launch_mode(a.launch_modes.front());
     if (a.profile)
       report[B == 1 ? std::string("decode_profile") : fmt::format("decode_profile_batch_{}", B)] =
-          profile_decode_step(*runner, std::span<const int32_t>(tokens.data(), B), first_mode_ms);
+          print_profile(cuda_runner_profile_step(*runner, std::span<const int32_t>(tokens.data(), B)),
+                        fmt::format("one decode step at batch {}", B), first_mode_ms, "the graph step above");
   }
   report["decode"] = decodes;
   return report;
@@ -549,6 +565,8 @@ void add_bench_command(CLI::App& app, Handler& handler) {
       ->delimiter(',')->capture_default_str()->check(CLI::IsMember({"pdl", "plain"}));
   cmd->add_flag("--profile", args->profile,
                 "After the timed decode steps, time every launch site of one more step (events, no graph)");
+  cmd->add_option("--profile-prefill", args->profile_prefill,
+                  "After the timed prefills, time every launch site of a prefill of this many tokens");
   cmd->add_flag("--plan-only", args->plan_only,
                 "Print the bytes / FLOPs accounting only (no GPU needed)");
   cmd->callback([&handler, args] {

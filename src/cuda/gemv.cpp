@@ -9,12 +9,25 @@
 #include "cuda/cuda_check.h"
 #include "cuda/device.h"
 #include "cuda/gemv_launch.h"
+#include "spdlog/spdlog.h"
 
 namespace dsv4 {
 namespace {
 
 
 bool aligned(const void* p, uintptr_t a) { return reinterpret_cast<uintptr_t>(p) % a == 0; }
+
+// m > kGemvMaxM without the tiled kernel (FP8 block weights with f32 scales): the skinny kernel on 64-row pieces.
+bool untiled_rows(const GemvParams& p) {
+  if (p.m <= kGemvMaxM || detail::gemv_tiled_supported(p)) return false;
+  static bool logged = false;
+  if (!logged) {
+    logged = true;
+    spdlog::info("gemv: fp8_block weights with f32 scales run m = {} rows as skinny 64-row pieces (the tiled "
+                 "tensor-core kernel covers the other formats)", p.m);
+  }
+  return true;
+}
 
 }  // namespace
 
@@ -79,7 +92,7 @@ namespace {
 // Checks every field of p; returns false when there is nothing to do (m == 0 or n == 0).
 bool check_gemv_params(const GemvParams& p, const char* what) {
   const char* fmt_name = gemv_weight_name(p.weight);
-  DSV4_CHECK(p.m >= 0 && p.m <= kGemvMaxM, "{}: m = {} is outside [0, {}]", what, p.m, kGemvMaxM);
+  DSV4_CHECK(p.m >= 0 && p.m <= kGemvMaxRows, "{}: m = {} is outside [0, {}]", what, p.m, kGemvMaxRows);
   DSV4_CHECK(p.n >= 0 && p.k > 0, "{}: expected n >= 0 and k > 0, got n = {}, k = {}", what, p.n, p.k);
   DSV4_CHECK(p.k % gemv_k_multiple(p.weight) == 0, "{} ({}): k = {} must be a multiple of {}", what, fmt_name, p.k,
              gemv_k_multiple(p.weight));
@@ -128,6 +141,19 @@ void act_quant_fp8(const void* x, void* y, int rows, int k, cudaStream_t stream)
 void gemv(const GemvParams& p) {
   if (!check_gemv_params(p, "gemv")) return;
   const GemvParams q = with_quantised_x(p, p.m, "gemv");
+  if (untiled_rows(q)) {
+    const int64_t ldy = q.ldy ? q.ldy : q.n, y_bytes = q.out == GemvOut::BF16 ? 2 : 4;
+    for (int r0 = 0; r0 < q.m; r0 += kGemvMaxM) {
+      GemvParams piece = q;
+      piece.m = std::min(kGemvMaxM, q.m - r0);
+      piece.x = static_cast<const uint16_t*>(q.x) + int64_t(r0) * q.k;
+      piece.y = static_cast<char*>(q.y) + int64_t(r0) * ldy * y_bytes;
+      piece.ldy = ldy;
+      piece.act = GemvAct::BF16;  // x is quantised already
+      gemv(piece);
+    }
+    return;
+  }
   const int split = q.split_k ? q.split_k : gemv_default_split_k(q, current_sm_count());
   DSV4_CUDA_CHECK(detail::gemv_launch(q, split));
 }
@@ -142,6 +168,18 @@ void gemv_batched(const GemvBatchedParams& b) {
              "gemv_batched: x_batch_stride = {} must be >= 0 and keep x 16-byte aligned (a multiple of 8)",
              b.x_batch_stride);
   DSV4_CHECK(b.y_batch_stride >= 0, "gemv_batched: y_batch_stride = {} must be >= 0", b.y_batch_stride);
+  if (untiled_rows(b.base)) {
+    const int64_t ldy = b.base.ldy ? b.base.ldy : b.base.n, y_bytes = b.base.out == GemvOut::BF16 ? 2 : 4;
+    for (int r0 = 0; r0 < b.base.m; r0 += kGemvMaxM) {
+      GemvBatchedParams piece = b;
+      piece.base.m = std::min(kGemvMaxM, b.base.m - r0);
+      piece.base.x = static_cast<const uint16_t*>(b.base.x) + int64_t(r0) * b.base.k;
+      piece.base.y = static_cast<char*>(b.base.y) + int64_t(r0) * ldy * y_bytes;
+      piece.base.ldy = ldy;
+      gemv_batched(piece);
+    }
+    return;
+  }
   // The split is chosen for all batches' rows together: they share the grid.
   GemvParams whole = b.base;
   whole.n = b.base.n * b.batch;

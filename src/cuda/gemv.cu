@@ -277,7 +277,10 @@ KernelArgs plain_args(const GemvParams& p, int split_k) {
   return a;
 }
 
-// One block of moe_slots: counting sort of the pairs by expert (experts and pairs <= 4096).
+// One block of moe_slots: counting sort of the pairs by expert (experts and pairs <= 4096). The block counts with
+// shared-memory atomics; then warp 0 alone scans the counts (each lane a run of experts, a shuffle scan across
+// lanes) and places the pairs 32 at a time in ascending order (lanes of one expert ranked by __match_any_sync), so
+// the order is stable without a serial loop over the pairs.
 __global__ void moe_slots_kernel(MoeSlotsParams p) {
   gpu::dependent_enter();
   __shared__ int count[4096];
@@ -298,26 +301,52 @@ __global__ void moe_slots_kernel(MoeSlotsParams p) {
     }
   }
   __syncthreads();
-  if (threadIdx.x == 0) {  // serial scan: E <= a few hundred in practice
-    int offset = 0, slots = 0;
-    for (int e = 0; e < p.experts; ++e) {
-      start[e] = offset;
-      if (count[e]) {
-        p.slots.expert[slots] = e;
-        p.slots.offset[slots] = offset;
-        ++slots;
-      }
-      offset += count[e];
+  if (threadIdx.x >= 32) return;
+  const int lane = threadIdx.x;
+  const int per_lane = (p.experts + 31) / 32, e0 = min(p.experts, lane * per_lane),
+            e1 = min(p.experts, e0 + per_lane);
+  int rows = 0, slots = 0;  // this lane's run of experts
+  for (int e = e0; e < e1; ++e) rows += count[e], slots += count[e] > 0;
+  int rows_before = rows, slots_before = slots;  // inclusive scans across lanes, then made exclusive
+#pragma unroll
+  for (int d = 1; d < 32; d *= 2) {
+    const int r = __shfl_up_sync(0xffffffffu, rows_before, d), s = __shfl_up_sync(0xffffffffu, slots_before, d);
+    if (lane >= d) rows_before += r, slots_before += s;
+  }
+  rows_before -= rows, slots_before -= slots;
+  for (int e = e0; e < e1; ++e) {
+    start[e] = rows_before;
+    if (count[e]) {
+      p.slots.expert[slots_before] = e;
+      p.slots.offset[slots_before] = rows_before;
+      ++slots_before;
     }
-    p.slots.offset[slots] = offset;
-    *p.slots.count = slots;
-    for (int i = 0; i < pairs; ++i) p.slots.row_order[start[expert_of(i)]++] = i;  // stable: ascending pair index
+    rows_before += count[e];
+  }
+  if (lane == 31) {
+    p.slots.offset[slots_before] = rows_before;
+    *p.slots.count = slots_before;
+  }
+  __syncwarp();
+  for (int i0 = 0; i0 < pairs; i0 += 32) {
+    const int i = i0 + lane;
+    const bool valid = i < pairs;
+    const int e = valid ? expert_of(i) : -1;
+    const unsigned peers = __match_any_sync(0xffffffffu, e);
+    if (valid) {
+      const unsigned lower = peers & ((1u << lane) - 1u);
+      p.slots.row_order[start[e] + __popc(lower)] = i;
+    }
+    __syncwarp();
+    if (valid && (peers & ((1u << lane) - 1u)) == 0) start[e] += __popc(peers);  // the group's lowest lane
+    __syncwarp();
   }
 }
 
 }  // namespace
 
 cudaError_t gemv_launch(const GemvParams& p, int split_k) {
+  if (gemv_tiled_supported(p)) return gemv_tiled_launch(plain_args(p, split_k), p, dim3(1, 1, 1), false);
   if (gemv_w4a8_supported(p)) return gemv_w4a8_launch(plain_args(p, split_k), p, dim3(1, 1, 1), false);
   return launch<false>(p, plain_args(p, split_k), dim3(1, 1, 1));
 }
@@ -326,6 +355,7 @@ cudaError_t gemv_batched_launch(const GemvBatchedParams& b, int split_k) {
   KernelArgs a = plain_args(b.base, split_k);
   a.x_batch_stride = b.x_batch_stride;
   a.y_batch_stride = b.y_batch_stride;
+  if (gemv_tiled_supported(b.base)) return gemv_tiled_launch(a, b.base, dim3(1, b.batch, 1), false);
   return launch<false>(b.base, a, dim3(1, b.batch, 1));
 }
 
@@ -345,12 +375,13 @@ cudaError_t gemv_grouped_launch(const GemvGroupedParams& g, int split_k) {
   a.scale_2_second = g.base.weight == GemvWeight::NVFP4 ? g.second.scale_2 : nullptr;
   a.y_second = g.second.y;
   const dim3 grid(1, g.max_slots, g.second.w ? 2 : 1);
+  if (gemv_tiled_supported(g.base)) return gemv_tiled_launch(a, g.base, grid, true);
   if (gemv_w4a8_supported(g.base)) return gemv_w4a8_launch(a, g.base, grid, true);
   return launch<true>(g.base, a, grid);
 }
 
 cudaError_t moe_slots_launch(const MoeSlotsParams& p) {
-  gpu::launch(moe_slots_kernel, 1, 256, 0, p.stream, p);
+  gpu::launch(moe_slots_kernel, 1, 1024, 0, p.stream, p);
   return cudaGetLastError();
 }
 

@@ -1,8 +1,12 @@
 // SPDX-License-Identifier: MIT
-// Decode-batch GEMM ("skinny GEMM") with compressed weights:  y[m, n] = sum_k x[m, k] * W[n, k]   (gemm_nt)
-// for m = 1..64. Weights stay in their checkpoint layout in GPU memory and are decoded to bf16 in registers;
-// products and sums run on the tensor cores (mma.sync bf16, fp32 accumulate), so each weight byte is read once
-// per launch for all m rows, and the kernel runs at memory bandwidth for small m.
+// GEMM with compressed weights:  y[m, n] = sum_k x[m, k] * W[n, k]   (gemm_nt), for decode batches and prefill
+// chunks. Weights stay in their checkpoint layout in GPU memory and are decoded to bf16 in registers; products and
+// sums run on the tensor cores (mma.sync bf16, fp32 accumulate).
+//   m <= 64 (kGemvMaxM): the skinny kernel (gemv.cu): each weight byte is read once per launch for all m rows,
+//     activations come through L1; at small m it runs at memory bandwidth.
+//   m > 64: the tiled kernel (gemv_tiled.cu): 256 weight rows x 64 activation rows per block, activations staged
+//     in shared memory, weights from DRAM about once and from L2 for the further row tiles. FP8 block weights
+//     with f32 scales have no tiled kernel: they run as skinny 64-row pieces (logged once).
 //
 // Contract
 //   x  [m, k] bf16, row-major, contiguous (row stride k).
@@ -16,9 +20,11 @@
 //                                                                            W = e2m1 * e4m3(scale) * w_scale_2
 //   y  [m, n] fp32 or bf16 (round to nearest even), row stride ldy (0 = n). Every element y[i, 0..n) is written,
 //      nothing else (a fused projection writes its parts side by side into one [m, ldy] buffer).
-//   k: multiple of 8 (BF16), 16 (FP8_BLOCK), 32 (MXFP4, NVFP4). m in [0, 64]; m == 0 or n == 0 is a no-op.
+//   k: multiple of 8 (BF16), 16 (FP8_BLOCK), 32 (MXFP4, NVFP4). m in [0, kGemvMaxRows]; m == 0 or n == 0 is a
+//   no-op.
 // Numerics: W decodes exactly to bf16 (see dequant.cuh for the scale ranges), bf16 x bf16 products are exact,
-// accumulation is fp32 in an unspecified order (tensor-core sums, then a split-k sum across warps).
+// accumulation is fp32 in an unspecified order (tensor-core sums, then a split-k sum across warps in the skinny
+// kernel; k in order of chunks in the tiled one), so m <= 64 and m > 64 may differ in the last bits.
 // Activations (act):
 //   BF16  x as given.
 //   FP8   x is first quantised like the official reference's FP8/FP4 linears (act_quant_fp8 below): per row and
@@ -41,7 +47,8 @@ enum class GemvScale { E8M0, F32 };  // element type of the FP8_BLOCK scale tens
 enum class GemvOut { F32, BF16 };
 enum class GemvAct { BF16, FP8 };  // activations as given, or quantised per 128-block (see Activations above)
 
-constexpr int kGemvMaxM = 64;
+constexpr int kGemvMaxM = 64;            // the skinny kernel's rows; above, the tiled kernel
+constexpr int kGemvMaxRows = 1 << 20;     // rows of one call
 
 struct GemvParams {
   int m = 0, n = 0, k = 0;
@@ -100,9 +107,11 @@ struct MoeSlots {
 //   slots.row_order[slots.offset[s] .. slots.offset[s+1]):   y[r, :] = x[r / x_row_div, :] · W_eᵀ
 // W_e = the format of `base` at base.w + e·w_expert_stride bytes (scale: base.w_scale + e·scale_expert_stride),
 // NVFP4 global scale scale_2[e] (nullptr: base.w_scale_2 for every expert). base.m is the most rows any slot
-// holds (<= 64, the kernel's tile width; a host-known bound such as the chunk's token count), base.n / base.k the
+// holds (a host-known bound such as the chunk's token count; it picks the kernel and tile width), base.n / base.k the
 // shape of one expert, base.x [rows, k] bf16, base.y [pairs, ldy]. Slots past *slots.count exit at once; the grid
-// has max_slots of them, so the launch shape does not depend on the routing (graph capture).
+// has max_slots of them, so the launch shape does not depend on the routing (graph capture). base.m > 64 runs the
+// tiled kernel (a slot's rows in 64-row tiles); a slot with more than base.m rows is still computed whole
+// (further passes over its weights), only slower.
 // second.w set: a second projection of the same x and routing in the same launch (the experts' w1 and w3), with
 // base's shape, format and strides, its own weights, scales and output.
 struct GemvGroupedParams {

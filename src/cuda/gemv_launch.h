@@ -51,6 +51,12 @@ constexpr int kW4a8MaxK = 16384;
 bool gemv_w4a8_supported(const GemvParams& p);
 cudaError_t gemv_w4a8_launch(const KernelArgs& a, const GemvParams& p, dim3 grid, bool grouped);
 
+// The tiled kernel for m > kGemvMaxM (gemv_tiled.cu): every format except FP8 block weights with f32 scales.
+// Plain, batched (grid.y) and grouped (grid.y slots, grid.z projections) like the skinny kernel; a.m is the row
+// count (grouped: the most rows a slot holds; more are covered by further passes).
+bool gemv_tiled_supported(const GemvParams& p);
+cudaError_t gemv_tiled_launch(const KernelArgs& a, const GemvParams& p, dim3 grid, bool grouped);
+
 // y[r, :] = act_quant_fp8(x[r, :]) as bf16 for r < rows (act_quant_fp8 in gemv.h).
 cudaError_t act_quant_launch(const uint16_t* x, uint16_t* y, int rows, int k, cudaStream_t stream);
 

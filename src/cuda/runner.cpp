@@ -146,7 +146,8 @@ class CudaRunner final : public SequenceRunner {
   void reset() override;
   size_t state_bytes() const override { return state_bytes_; }
   CudaRunnerStats stats() const { return stats_; }
-  std::vector<LaunchTiming> profile_step(std::span<const int32_t> tokens);
+  std::vector<LaunchTiming> profile_step(std::span<const int32_t> tokens, bool prefill = false);
+  int prefill_chunk() const { return chunk_; }
   int sequences() const { return int(seqs_.size()); }
   void select_sequence(int seq);
   std::vector<float> decode_batch(std::span<const int32_t> tokens);
@@ -168,6 +169,9 @@ class CudaRunner final : public SequenceRunner {
   // Everything from the token upload to the logits download, asynchronously, for the rows of parts_. Parts with
   // pos_device read their positions from device memory and decide entry finishing on the device (graph capture).
   void enqueue_chunk(int n, Rows rows);
+  // The head (final mHC collapse, norm, lm_head) of rows [first, first + rows), rows <= kCudaMaxChunk, and the
+  // copy of their logits into host_logits_.
+  void enqueue_head(int first, int rows);
   void attention_block(int l, int n);
   void ffn_block(int l, int n);
   // The positions of a row op over all n rows of the chunk: one sequence's pos0 / pos_device, or (batched decode)
@@ -278,9 +282,10 @@ class CudaRunner final : public SequenceRunner {
   const Numerics numerics_;
   const GemvAct act_;  // FP8 under Numerics::act == FP8: the inputs of the reference's FP8/FP4 linears
   int max_context_ = 0, window_slots_ = 0;
+  int chunk_ = kCudaMaxChunk;  // tokens per prefill chunk (last-row logits); workspaces hold this many rows
   std::vector<SequenceDevice> seqs_;
   int current_seq_ = 0;              // the sequence forward() / reset() / n_tokens() act on
-  std::vector<ChunkPart> parts_;     // of the chunk being enqueued (capacity kCudaMaxChunk: never reallocates)
+  std::vector<ChunkPart> parts_;     // of the chunk being enqueued (capacity chunk_: never reallocates)
   size_t state_bytes_ = 0;
   CudaRunnerStats stats_;
   int64_t launches_ = 0;
@@ -296,7 +301,7 @@ class CudaRunner final : public SequenceRunner {
   std::optional<HcDevice> hc_head_;
   std::vector<LayerDevice> layers_;
 
-  // workspaces, sized for kCudaMaxChunk tokens
+  // workspaces, sized for chunk_ tokens (the logits for kCudaMaxChunk rows)
   DeviceBuffer tokens_, streams_, mix_, post_, comb_, normed_, normed_bf16_, y_x_, qr_bf16_, y_q_, kv_chunk_,
       index_w_, scores_, selected_, o_grouped_, z_, attn_out_, router_logits_, expert_ids_,
       expert_weights_, slot_count_, slot_expert_, slot_offset_, row_order_, expert_gate_, expert_up_, h_, y_pairs_,
@@ -305,7 +310,7 @@ class CudaRunner final : public SequenceRunner {
   MoeSlots slots_;     // views of slot_count_ .. row_order_
   int max_slots_ = 1;  // grouped-gemv grid: min(experts, picks of a full chunk)
   int max_entries_ = 1;  // largest compressed-entry count of any layer (scores scratch row length)
-  int32_t* host_tokens_ = nullptr;  // pinned [kCudaMaxChunk]
+  int32_t* host_tokens_ = nullptr;  // pinned [chunk_]
   int64_t* host_pos_ = nullptr;     // pinned [kCudaMaxChunk], the decode steps' positions (one per part)
   DeviceBuffer pos_;                // int64 [kCudaMaxChunk] positions read by the decode steps' kernels
   DeviceBuffer state_tables_;       // [layer][StateTable][sequence] state pointers
@@ -459,8 +464,22 @@ CudaRunner::CudaRunner(const Model& model, int max_context, CudaRunnerOptions op
                            d.w3.bytes() + d.w2.bytes() + d.shared_w13.bytes() + d.shared_w2.bytes();
     for (const DeviceBuffer* b : {&d.gate, &d.index_wproj}) stats_.weight_bytes += bytes_of(*b);
   }
-  const size_t C = kCudaMaxChunk, f = sizeof(float), b16 = sizeof(uint16_t);
   const int n_mix = (2 + hc) * hc, k = c.n_experts_per_tok, pairs = k + 1;  // + the shared expert's pair
+  DSV4_CHECK(options.prefill_chunk >= kCudaMaxChunk && options.prefill_chunk <= 4096 &&
+                 options.prefill_chunk % kCudaMaxChunk == 0,
+             "cuda runner: prefill_chunk = {} must be a multiple of {} in [{}, 4096]", options.prefill_chunk,
+             kCudaMaxChunk, kCudaMaxChunk);
+  {
+    const int by_slots = 4096 / pairs / kCudaMaxChunk * kCudaMaxChunk;  // moe_slots sorts <= 4096 pairs
+    const int by_scores = int(std::min<int64_t>(4096, (int64_t(256) << 20) / (int64_t(max_entries_) * 4)) /
+                              kCudaMaxChunk * kCudaMaxChunk);
+    const int by_context = (max_context + kCudaMaxChunk - 1) / kCudaMaxChunk * kCudaMaxChunk;
+    chunk_ = std::max(kCudaMaxChunk, std::min({options.prefill_chunk, by_slots, by_scores, by_context}));
+    if (chunk_ < options.prefill_chunk && chunk_ < by_context)
+      spdlog::info("cuda runner: prefill chunks of {} tokens instead of {} ({} routed pairs per token, {} indexer "
+                   "scores per row)", chunk_, options.prefill_chunk, pairs, max_entries_);
+  }
+  const size_t C = chunk_, f = sizeof(float), b16 = sizeof(uint16_t);
   tokens_ = zeros(C * sizeof(int32_t));
   streams_ = zeros(C * hc * D * f);
   mix_ = zeros(C * n_mix * f);
@@ -497,10 +516,10 @@ CudaRunner::CudaRunner(const Model& model, int max_context, CudaRunnerOptions op
   h_shared_ = zeros(C * max_shared * b16);
   shared_out_ = zeros(C * D * f);
   head_in_ = zeros(C * D * b16);
-  logits_ = zeros(C * c.vocab_size * f);
+  logits_ = zeros(size_t(kCudaMaxChunk) * c.vocab_size * f);
   size_t attention_scratch = 0;  // split-key partials of the chunks with few tokens (decode)
   for (const LayerDevice& d : layers_)
-    for (int n = 1; n <= kCudaMaxChunk; ++n) {
+    for (int n = 1; n <= chunk_; ++n) {
       gpu::AttentionParams ap;
       ap.n = n;
       ap.heads = H;
@@ -523,10 +542,10 @@ CudaRunner::CudaRunner(const Model& model, int max_context, CudaRunnerOptions op
                                 &h_, &y_pairs_, &shared_y13_, &h_shared_, &shared_out_, &head_in_, &logits_,
                                 &attention_scratch_, &pair_weights_, &act_scratch_})
     stats_.workspace_bytes += bytes_of(*b);
-  pos_ = zeros(C * sizeof(int64_t));
+  pos_ = zeros(kCudaMaxChunk * sizeof(int64_t));
   DSV4_CUDA_CHECK(cudaMallocHost(&host_tokens_, C * sizeof(int32_t)));
-  DSV4_CUDA_CHECK(cudaMallocHost(&host_pos_, C * sizeof(int64_t)));
-  DSV4_CUDA_CHECK(cudaMallocHost(&host_logits_, C * c.vocab_size * f));
+  DSV4_CUDA_CHECK(cudaMallocHost(&host_pos_, kCudaMaxChunk * sizeof(int64_t)));
+  DSV4_CUDA_CHECK(cudaMallocHost(&host_logits_, size_t(kCudaMaxChunk) * c.vocab_size * f));
   DSV4_CHECK(options.sequences >= 1 && options.sequences <= kCudaMaxChunk,
              "cuda runner: sequences = {} must be in [1, {}] (a batched decode step is one chunk)", options.sequences,
              kCudaMaxChunk);
@@ -644,8 +663,8 @@ std::vector<float> CudaRunner::forward(std::span<const int32_t> tokens, bool las
   launches_ = 0;
   stats_.last_forward_replayed_graph = false;
   std::vector<float> logits;
-  for (int at = 0; at < n; at += kCudaMaxChunk) {
-    const int len = std::min(kCudaMaxChunk, n - at);
+  for (int at = 0; at < n; at += chunk_) {
+    const int len = std::min(chunk_, n - at);
     const Rows rows = !last_only ? Rows::All : at + len == n ? Rows::Last : Rows::None;
     run_chunk(tokens.subspan(at, len), seq.n_tokens, rows, logits);
     seq.n_tokens += len;
@@ -728,6 +747,15 @@ void CudaRunner::run_parts(int n, Rows wanted, bool graph, std::vector<float>& l
     upload_pending_ = true;
     return;
   }
+  if (wanted == Rows::All && n > kCudaMaxChunk) {  // the logits buffers hold kCudaMaxChunk rows
+    for (int first = 0; first < n; first += kCudaMaxChunk) {
+      const int rows = std::min(kCudaMaxChunk, n - first);
+      enqueue_head(first, rows);
+      DSV4_CUDA_CHECK(cudaStreamSynchronize(stream_));
+      logits.insert(logits.end(), host_logits_, host_logits_ + size_t(rows) * c_.vocab_size);
+    }
+    return;
+  }
   DSV4_CUDA_CHECK(cudaStreamSynchronize(stream_));
   const size_t count = size_t(wanted == Rows::Last ? 1 : n) * c_.vocab_size;
   logits.insert(logits.end(), host_logits_, host_logits_ + count);
@@ -735,7 +763,7 @@ void CudaRunner::run_parts(int n, Rows wanted, bool graph, std::vector<float>& l
 
 void CudaRunner::enqueue_chunk(int n, Rows wanted) {
   const ModelConfig& c = c_;
-  const int D = c.hidden_size, hc = c.hc_mult, V = c.vocab_size;
+  const int D = c.hidden_size, hc = c.hc_mult;
   DSV4_CUDA_CHECK(cudaMemcpyAsync(tokens_.data(), host_tokens_, n * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
   if (parts_.front().pos_device)
     DSV4_CUDA_CHECK(cudaMemcpyAsync(pos_.data(), host_pos_, parts_.size() * sizeof(int64_t), cudaMemcpyHostToDevice,
@@ -750,9 +778,14 @@ void CudaRunner::enqueue_chunk(int n, Rows wanted) {
     ffn_block(l, n);
   }
   current_layer_ = -1;
-  if (wanted == Rows::None) return;
-  // 5: final collapse, norm, head for the rows asked for
-  const int first = wanted == Rows::Last ? n - 1 : 0, rows = n - first;
+  if (wanted == Rows::Last) enqueue_head(n - 1, 1);
+  if (wanted == Rows::All && n <= kCudaMaxChunk) enqueue_head(0, n);  // larger chunks: run_parts, 64 rows at a time
+}
+
+void CudaRunner::enqueue_head(int first, int rows) {
+  const ModelConfig& c = c_;
+  const int D = c.hidden_size, hc = c.hc_mult, V = c.vocab_size;
+  // 5: final collapse, norm, head for rows first .. first + rows - 1 (<= kCudaMaxChunk) into host_logits_
   const float* streams = streams_.as<float>() + size_t(first) * hc * D;
   linear_f32("head: mHC mix", streams, hc_head_->fn, mix_.as<float>(), rows, hc, hc * D);
   gpu::hc_head_norm(streams, mix_.as<float>(), hc_head_->base.as<float>(), hc_head_->scale.as<float>(),
@@ -779,7 +812,7 @@ void CudaRunner::launched(const char* site, int kernels) {
   marks_.push_back({site, current_layer_, kernels});
 }
 
-std::vector<LaunchTiming> CudaRunner::profile_step(std::span<const int32_t> tokens) {
+std::vector<LaunchTiming> CudaRunner::profile_step(std::span<const int32_t> tokens, bool prefill) {
   marks_.clear();
   struct Restore {  // direct, serialised launches and events for this step only, however it ends
     CudaRunner& r;
@@ -796,7 +829,7 @@ std::vector<LaunchTiming> CudaRunner::profile_step(std::span<const int32_t> toke
   // The GPU waits while the host queues the step, so host launch time does not show up between events.
   launch_delay_kernel(20000.0, stream_);
   record_event(0);
-  if (tokens.size() == 1)
+  if (tokens.size() == 1 || prefill)
     forward(tokens, true);
   else
     decode_batch(tokens);
@@ -1154,6 +1187,16 @@ void cuda_runner_drop_graphs(SequenceRunner& runner) { as_cuda(runner, "cuda_run
 
 std::vector<LaunchTiming> cuda_runner_profile_step(SequenceRunner& runner, std::span<const int32_t> tokens) {
   return as_cuda(runner, "cuda_runner_profile_step").profile_step(tokens);
+}
+
+std::vector<LaunchTiming> cuda_runner_profile_prefill(SequenceRunner& runner, std::span<const int32_t> tokens) {
+  return as_cuda(runner, "cuda_runner_profile_prefill").profile_step(tokens, true);
+}
+
+int cuda_runner_prefill_chunk(const SequenceRunner& runner) {
+  const auto* cuda = dynamic_cast<const CudaRunner*>(&runner);
+  DSV4_CHECK(cuda, "cuda_runner_prefill_chunk: not a CUDA runner");
+  return cuda->prefill_chunk();
 }
 
 CudaRunnerStats cuda_runner_stats(const SequenceRunner& runner) {

@@ -4,9 +4,11 @@
 //             weight projection stay fp32 like the reference), norms / hc / sink / ape fp32, embedding bf16.
 //   state     preallocated from max_context with the CPU layout and sizes of model/state.h (window ring,
 //             compressed KV, indexer keys, compressor partial states), fp32.
-//   forward   chunks of at most kCudaMaxChunk tokens (= gemv's m limit; spec 3.11 makes chunking exact), every
-//             activation in preallocated workspaces; only token ids go up and logits come back. Decoding one
-//             token allocates nothing and synchronises once (the logits copy).
+//   forward   a prompt in chunks of CudaRunnerOptions::prefill_chunk tokens (spec 3.11 makes chunking exact;
+//             above 64 rows the linear layers run gemv's tiled tensor-core kernel). Every activation lives in
+//             preallocated workspaces; only token ids go up and logits come back (every row's logits through a
+//             kCudaMaxChunk-row buffer, one synchronisation per 64 rows). Decoding one token allocates nothing and
+//             synchronises once (the logits copy).
 //   batches   CudaRunnerOptions::sequences independent sequences share the weights, each with its own state;
 //             cuda_runner_decode_batch advances sequences 0..B-1 by one token each in one step (one chunk of B
 //             rows: every linear layer reads its weights once for the B tokens; the state-bound kernels, i.e.
@@ -25,7 +27,8 @@
 
 namespace dsv4 {
 
-constexpr int kCudaMaxChunk = 64;
+constexpr int kCudaMaxChunk = 64;       // rows of a decode batch, and of the logits buffers
+constexpr int kCudaPrefillChunk = 512;  // default tokens per prefill chunk
 
 struct CudaRunnerOptions {
   // Capture the 1-token decode step (token and position uploads, every kernel, the logits copy) once as a CUDA
@@ -40,6 +43,10 @@ struct CudaRunnerOptions {
   uint64_t synthetic_seed = 1;
   // Sequences held, each with its own state sized by max_context (1 .. kCudaMaxChunk).
   int sequences = 1;
+  // Tokens per prefill chunk: a multiple of 64 in [64, 4096]. The
+  // runner lowers it (logged) so that the routed pairs of a chunk fit moe_slots (4096) and the indexer's score
+  // scratch [chunk, max_context / ratio] stays within 256 MiB. Larger chunks read the weights fewer times.
+  int prefill_chunk = kCudaPrefillChunk;
 };
 
 // Throws dsv4::Error when no CUDA device is usable or the model has a shape the kernels do not support.
@@ -80,5 +87,9 @@ struct LaunchTiming {
 // --profile: one token advances the selected sequence like forward({token}, true), more advance sequences
 // 0..n-1 like cuda_runner_decode_batch. Throws for non-CUDA runners.
 std::vector<LaunchTiming> cuda_runner_profile_step(SequenceRunner& runner, std::span<const int32_t> tokens);
+// The same for a prefill of `tokens` on the selected sequence (its chunks as forward(tokens, true) runs them).
+std::vector<LaunchTiming> cuda_runner_profile_prefill(SequenceRunner& runner, std::span<const int32_t> tokens);
+// Tokens per prefill chunk the runner settled on (CudaRunnerOptions::prefill_chunk after its limits).
+int cuda_runner_prefill_chunk(const SequenceRunner& runner);
 
 }  // namespace dsv4

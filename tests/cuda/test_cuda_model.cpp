@@ -402,18 +402,24 @@ CudaRunnerStats compare_runners(const std::string& name, const std::string& sour
   std::unique_ptr<SequenceRunner> cpu = make_cpu_runner(reference, max_context);
   std::unique_ptr<SequenceRunner> gpu = make_cuda_runner(model, max_context);  // decode replays a CUDA graph
   std::unique_ptr<SequenceRunner> plain = make_cuda_runner(model, max_context, {.graph_decode = false, .synthetic_format = std::nullopt});
+  // Prefill in 64-token chunks: the skinny gemv only (gpu and plain take the prompt as one chunk of up to 512
+  // tokens, the tiled kernel's rows).
+  std::unique_ptr<SequenceRunner> small = make_cuda_runner(
+      model, max_context, {.graph_decode = false, .synthetic_format = std::nullopt, .prefill_chunk = kCudaMaxChunk});
   EXPECT_EQ(gpu->state_bytes(), cpu->state_bytes());
   std::mt19937 rng(99);
   std::uniform_int_distribution<int32_t> token(2, V - 1);
   std::vector<int32_t> prompt(prompt_len);
   for (int32_t& t : prompt) t = token(rng);
 
-  // Prefill: every row (the GPU splits the prompt into 64-token chunks).
+  // Prefill: every row.
   Diff prefill, decode;
   const std::vector<float> cpu_rows = cpu->forward(prompt, false);
   const std::vector<float> gpu_rows = gpu->forward(prompt, false);
   prefill.add(gpu_rows, cpu_rows, V);
   plain->forward(prompt, true);
+  Diff prefill_small;
+  prefill_small.add(small->forward(prompt, false), cpu_rows, V);
 
   // Teacher-forced decode with the CPU's greedy tokens.
   int32_t next = argmax(&cpu_rows[size_t(prompt_len - 1) * V], V);
@@ -483,6 +489,8 @@ CudaRunnerStats compare_runners(const std::string& name, const std::string& sour
               "[cuda-model]   greedy: %d/%d margin-checked steps agree; free-running %d/%d before a near-tie (margin < %.3g)\n"
               "[cuda-model]   decode graph %.1f tok/s (%.3f ms/token incl. logits copy, %lld launch = %lld kernels), "
               "direct %.1f tok/s (%lld launches/token), graph vs direct max|diff| %.3g\n"
+              "[cuda-model]   prefill in chunks of %d: max|diff| %.3g (median %.3g); in chunks of 64: max|diff| %.3g "
+              "(median %.3g), rows within tol %.0f%%\n"
               "[cuda-model]   weights %.2f MiB, workspaces %.2f MiB, state %.2f MiB\n",
               name.c_str(), source.c_str(), int(numerics.kv), int(numerics.indexer), int(numerics.act), prompt_len, decode_steps,
               prefill.max_abs, prefill.max_ref, prefill.max_abs / prefill.max_ref, prefill.quantile(0.5),
@@ -491,11 +499,14 @@ CudaRunnerStats compare_runners(const std::string& name, const std::string& sour
               100 * decode.fraction_within(rel_tol * decode.max_ref), agree, checked, same, compared, near_tie,
               decode_steps / decode_seconds, 1e3 * decode_seconds / decode_steps, (long long)launches,
               (long long)st.graph_kernels, decode_steps / plain_seconds, (long long)plain_launches, graph_vs_plain,
+              cuda_runner_prefill_chunk(*gpu), prefill.max_abs, prefill.quantile(0.5), prefill_small.max_abs,
+              prefill_small.quantile(0.5), 100 * prefill_small.fraction_within(rel_tol * prefill_small.max_ref),
               st.weight_bytes / 1048576.0, st.workspace_bytes / 1048576.0, gpu->state_bytes() / 1048576.0);
   // Discrete choices (router top-k, indexer top-k, clamps) can flip on a difference of this size and move a
   // row's logits by O(1) (the CPU alone moves as much from bf16 weight rounding: Bf16SensitivityOfTinyModels),
   // so the bound is on most rows, the max is reported.
   EXPECT_GE(prefill.fraction_within(rel_tol * prefill.max_ref), min_fraction);
+  EXPECT_GE(prefill_small.fraction_within(rel_tol * prefill_small.max_ref), min_fraction);
   EXPECT_GE(decode.fraction_within(rel_tol * decode.max_ref), min_fraction);
   if (prefill_median) *prefill_median = prefill.quantile(0.5);
   return st;

@@ -315,6 +315,14 @@ std::vector<Case> all_cases() {
     }
     for (int split : {1, 2, 4, 8}) cases.push_back({f.w, f.s, 8, 301, f.k_wide, GemvOut::F32, split});
     for (int m : {1, 64}) cases.push_back({f.w, f.s, m, 34000, f.k_tall, GemvOut::F32, 0});  // many tiles: split 1
+    // m > 64: the tiled kernel (partial row and weight tiles, k not a multiple of its chunk, several row tiles)
+    for (int m : {65, 130, 200}) {
+      cases.push_back({f.w, f.s, m, 301, f.k_wide, GemvOut::F32, 0});
+      cases.push_back({f.w, f.s, m, 45, f.k_deep, GemvOut::F32, 0});
+    }
+    cases.push_back({f.w, f.s, 130, 301, f.k_wide, GemvOut::BF16, 0});
+    cases.push_back({f.w, f.s, 300, 600, 512, GemvOut::F32, 0});
+    cases.push_back({f.w, f.s, 130, 301, f.k_wide, GemvOut::F32, 0, GemvAct::FP8});
     // act FP8: the W4A8 kernel (fp4 weights, m = 1) or x quantised into act_scratch first (everything else)
     for (int m : {1, 3, 64}) {
       cases.push_back({f.w, f.s, m, 301, f.k_wide, GemvOut::F32, 0, GemvAct::FP8});
@@ -494,11 +502,16 @@ std::vector<GroupedCase> grouped_cases() {
     cases.push_back({w, s, 40, 2, 8, 72, 256, 2, true});       // 80 rows on one expert: two passes over W
     cases.push_back({w, s, 1, 6, 16, 200, 1056, 6, false, true});   // w1 + w3 of a decode step
     cases.push_back({w, s, 64, 6, 16, 136, 512, 6, false, true});   // w1 + w3 of a prefill chunk
+    // base.m > 64: the tiled kernel (slots of ~56 and of 0..150 rows; 200 rows on one expert: a second pass)
+    cases.push_back({w, s, 150, 6, 16, 136, 512, 6, false, true});
+    cases.push_back({w, s, 150, 6, 16, 136, 512, 1, false});
+    cases.push_back({w, s, 100, 2, 8, 72, 256, 2, true});
     // act FP8: decode slots (W4A8 for fp4 weights), a slot holding two rows, and quantised x rows (m > 1)
     cases.push_back({w, s, 1, 6, 16, 200, 1056, 6, false, true, GemvAct::FP8});
     cases.push_back({w, s, 1, 6, 16, 200, 1056, 1, false, false, GemvAct::FP8});
     cases.push_back({w, s, 1, 2, 8, 72, 256, 2, true, false, GemvAct::FP8});
     cases.push_back({w, s, 5, 6, 16, 200, 1056, 1, false, false, GemvAct::FP8});
+    cases.push_back({w, s, 100, 6, 16, 136, 512, 6, false, true, GemvAct::FP8});
   }
   return cases;
 }
@@ -604,7 +617,7 @@ TEST(GemvBatched, GroupsIntoTokenMajorOutput) {
   for (const auto& [w, s] : {std::pair{GemvWeight::BF16, GemvScale::E8M0}, {GemvWeight::FP8_BLOCK, GemvScale::E8M0},
                              {GemvWeight::FP8_BLOCK, GemvScale::F32}, {GemvWeight::MXFP4, GemvScale::E8M0},
                              {GemvWeight::NVFP4, GemvScale::E8M0}})
-    for (int m : {1, 3, 64}) {
+    for (int m : {1, 3, 64, 100}) {  // 100: the tiled kernel
       const int batch = 8, n = 48, k = 1056, ldy = batch * n + 1;
       const HostProblem h = make_problem({w, s, m * batch, batch * n, k, GemvOut::F32, 0}, rng);  // x [batch, m, k]
       DeviceBuffer x(h.x.size() * 2), dw(h.w.size()), ds(std::max<size_t>(h.scale.size(), 16)),
@@ -695,7 +708,8 @@ TEST(ActQuant, MatchesFp8SimulateBlock) {
 }
 
 TEST(GemvArgs, RejectsBadShapesAndPointers) {
-  EXPECT_THROW(gemv(fake_params(GemvWeight::BF16, 65, 16, 64)), Error);   // m > 64
+  EXPECT_THROW(gemv(fake_params(GemvWeight::BF16, kGemvMaxRows + 1, 16, 64)), Error);  // m too large
+  EXPECT_THROW(gemv(fake_params(GemvWeight::BF16, -1, 16, 64)), Error);
   EXPECT_THROW(gemv(fake_params(GemvWeight::BF16, 1, 16, 0)), Error);     // k == 0
   EXPECT_THROW(gemv(fake_params(GemvWeight::BF16, 1, 16, 12)), Error);    // k % 8
   EXPECT_THROW(gemv(fake_params(GemvWeight::FP8_BLOCK, 1, 16, 24)), Error);  // k % 16

@@ -1,0 +1,296 @@
+// SPDX-License-Identifier: MIT
+// The tiled tensor-core kernel behind gemv() for m > kGemvMaxM (prefill chunks; contract in gemv.h).
+// A block computes 256 weight rows x 64 activation rows: each of its 8 warps owns two 16-row weight tiles, decodes
+// them from the checkpoint bytes in registers exactly like the skinny kernel (same per-thread 16-byte pieces, same
+// k permutation), and multiplies them against 64 activation rows that the block stages in shared memory once per
+// k-chunk (cp.async, three stages), so an activation fragment feeds two weight tiles and a weight fragment eight
+// activation tiles. Blocks of one weight tile and consecutive row tiles are adjacent in the grid, so the weight
+// bytes come from DRAM about once and from L2 for the other row tiles.
+// FP8 block weights with f32 scales are not handled here (gemv.cpp runs the skinny kernel for them).
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "cuda/dequant.cuh"
+#include "cuda/gemv_launch.h"
+#include "cuda/gemv_slot.cuh"
+#include "cuda/launch.cuh"
+
+namespace dsv4::detail {
+namespace {
+
+enum class Fmt { BF16, FP8, MXFP4, NVFP4 };
+
+constexpr int kWarps = 8, kThreads = kWarps * 32;
+constexpr int kWeightTiles = 2;                        // 16-row weight tiles per warp
+constexpr int kBlockRows = kWarps * kWeightTiles * 16;  // weight rows per block
+constexpr int kBlockTokens = 64;                        // activation rows per block (8 mma n-tiles)
+constexpr int kTokenTiles = kBlockTokens / 8;
+constexpr int kStages = 3;
+
+template <Fmt F>
+__host__ __device__ constexpr int piece_elems() {  // weight elements in one thread's 16-byte piece of a row
+  return F == Fmt::BF16 ? 8 : F == Fmt::FP8 ? 16 : 32;
+}
+template <Fmt F>
+__host__ __device__ constexpr int chunk_k() {  // k per chunk: the four quad threads' pieces of a 64-byte row slice
+  return 4 * piece_elems<F>();
+}
+
+// Shared-memory position (in 16-byte units, within a token's row of the stage) of logical 8-element chunk c of
+// token `tok`. Readers are the 8 lanes (g = 0..1, t = 0..3) of a quarter warp, reading chunk t·(piece/8) + cc of
+// tokens g: the XORs put those 8 reads in 8 different bank groups.
+template <Fmt F>
+__device__ __forceinline__ int swizzle(int c, int tok) {
+  if constexpr (F == Fmt::BF16) return c;  // 64-byte rows: token parity already alternates the bank halves
+  else if constexpr (F == Fmt::FP8) return c ^ (tok & 1);
+  else return c ^ ((c >> 2) & 2) ^ (tok & 1);
+}
+
+__device__ __forceinline__ void mma_bf16(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
+  const uint32_t s = uint32_t(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+
+// One weight row's piece of a chunk as loaded: 16 bytes and the raw scale bits that apply to it.
+struct Piece {
+  uint4 raw;
+  uint32_t scale;
+};
+
+// Decoder factors of a piece (see dequant.cuh); NVFP4 has one per 16-element half.
+template <Fmt F>
+__device__ __forceinline__ void piece_factors(uint32_t scale, uint32_t f[2]) {
+  if constexpr (F == Fmt::FP8) f[0] = f[1] = dq::fp8_factor_e8m0(scale);
+  else if constexpr (F == Fmt::MXFP4) f[0] = f[1] = dq::mxfp4_factor(scale);
+  else if constexpr (F == Fmt::NVFP4) f[0] = dq::nvfp4_factor(scale & 0xff), f[1] = dq::nvfp4_factor(scale >> 8);
+  else f[0] = f[1] = 0;
+}
+
+// Elements 8·cc .. 8·cc + 7 of a piece as four bf16x2 words (element order).
+template <Fmt F>
+__device__ __forceinline__ void decode_eight(const uint4& raw, int cc, const uint32_t f[2], uint32_t out[4]) {
+  const uint32_t word[4] = {raw.x, raw.y, raw.z, raw.w};
+  if constexpr (F == Fmt::BF16) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) out[i] = word[i];
+  } else if constexpr (F == Fmt::FP8) {
+    dq::e4m3x4_to_bf16x2(word[2 * cc], f[0], out);
+    dq::e4m3x4_to_bf16x2(word[2 * cc + 1], f[0], out + 2);
+  } else {
+    dq::e2m1x8_to_bf16x2(word[cc], f[cc >> 1], out);
+  }
+}
+
+template <Fmt F, bool kGrouped>
+__global__ void __launch_bounds__(kThreads, 1) gemv_tiled_kernel(const KernelArgs a) {
+  gpu::allow_dependents();
+  constexpr int kPiece = piece_elems<F>(), kChunkK = chunk_k<F>();
+  constexpr int kRowChunks = kChunkK / 8;                       // 16-byte units per token per stage
+  constexpr int kCopies = kBlockTokens * kRowChunks / kThreads;  // cp.async per thread per stage
+  static_assert(kCopies >= 1 && kBlockTokens * kRowChunks % kThreads == 0);
+  __shared__ __align__(16) uint4 stage[kStages][kBlockTokens * kRowChunks];
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int token_blocks = int(gridDim.x) / ((a.n + kBlockRows - 1) / kBlockRows);
+  const int tok_first = int(blockIdx.x) % token_blocks * kBlockTokens;
+  const int row_block0 = int(blockIdx.x) / token_blocks * kBlockRows;
+  const size_t row_bytes = F == Fmt::BF16 ? size_t(a.k) * 2 : F == Fmt::FP8 ? size_t(a.k) : size_t(a.k) / 2;
+
+  const uint8_t* w_base = a.w;
+  const uint8_t* w_scale = a.w_scale;
+  const __nv_bfloat16* x = reinterpret_cast<const __nv_bfloat16*>(a.x);
+  float y_factor = a.y_factor;
+  int m_rows = a.m, order0 = 0, w_row0 = a.w_row0;
+  int64_t y_offset = 0;
+  if constexpr (kGrouped) {
+    gpu::dependent_wait();  // the slots are the previous kernel's output
+    GroupedSlot slot;
+    if (!grouped_slot(a, slot)) return;
+    w_base = slot.w;
+    w_scale = slot.w_scale;
+    y_factor = slot.y_factor;
+    order0 = slot.order0;
+    m_rows = slot.m_rows;
+  } else {
+    w_row0 += blockIdx.y * a.n;
+    x += blockIdx.y * a.x_batch_stride;
+    y_offset = blockIdx.y * a.y_batch_stride;
+  }
+  auto pair_of = [&](int row) { return kGrouped ? __ldg(a.row_order + order0 + row) : row; };
+
+  // This thread's weight rows: r = row_block0 + (warp·2 + wt)·16 + g (+ 8 for hi), byte t·16 of each chunk.
+  w_base += size_t(w_row0) * row_bytes;
+  if constexpr (F == Fmt::MXFP4) w_scale += size_t(w_row0) * (a.k / 32);
+  if constexpr (F == Fmt::NVFP4) w_scale += size_t(w_row0) * (a.k / 16);
+  int rows[kWeightTiles][2];
+#pragma unroll
+  for (int wt = 0; wt < kWeightTiles; ++wt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) rows[wt][h] = row_block0 + (warp * kWeightTiles + wt) * 16 + g + 8 * h;
+  const int n_chunks = (a.k + kChunkK - 1) / kChunkK;
+
+  auto load_pieces = [&](int c, Piece p[kWeightTiles][2]) {
+    const int kk = c * kChunkK + t * kPiece;
+#pragma unroll
+    for (int wt = 0; wt < kWeightTiles; ++wt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = rows[wt][h];
+        const bool ok = c < n_chunks && kk < a.k && r < a.n;
+        p[wt][h].raw = ok ? dq::load_weights(w_base + size_t(r) * row_bytes + size_t(c) * 64 + t * 16)
+                          : make_uint4(0, 0, 0, 0);
+        uint32_t s = 0;
+        if constexpr (F == Fmt::FP8) {  // [ceil(n/128), ceil(k/128)] e8m0, one per 128 x 128 block
+          if (ok) s = __ldg(w_scale + size_t((w_row0 + r) / 128) * size_t((a.k + 127) / 128) + size_t(kk / 128));
+        } else if constexpr (F == Fmt::MXFP4) {
+          if (ok) s = __ldg(w_scale + size_t(r) * (a.k / 32) + kk / 32);
+        } else if constexpr (F == Fmt::NVFP4) {
+          if (ok) s = __ldg(reinterpret_cast<const uint16_t*>(w_scale) + (size_t(r) * (a.k / 16) + kk / 16) / 2);
+        }
+        p[wt][h].scale = s;
+      }
+  };
+
+  if constexpr (!kGrouped) gpu::dependent_wait();  // x and y belong to the step
+  // Activation rows tok0 .. tok0 + 63 (more rows than the grid's row tiles cover take further passes).
+  for (int tok0 = tok_first; tok0 < m_rows; tok0 += token_blocks * kBlockTokens) {
+  const int tokens = min(kBlockTokens, m_rows - tok0);
+  // The activation rows this thread copies into every stage (fixed token and 16-byte unit per copy).
+  const __nv_bfloat16* src[kCopies];
+  int dst[kCopies], unit[kCopies];
+#pragma unroll
+  for (int i = 0; i < kCopies; ++i) {
+    const int idx = threadIdx.x + i * kThreads, tok = idx / kRowChunks, c = idx % kRowChunks;
+    unit[i] = c;
+    dst[i] = tok * kRowChunks + swizzle<F>(c, tok);
+    src[i] = tok < tokens ? x + size_t(kGrouped ? pair_of(tok0 + tok) / a.x_row_div : tok0 + tok) * a.k : nullptr;
+  }
+  auto copy_stage = [&](int c) {
+    if (c < n_chunks) {
+#pragma unroll
+      for (int i = 0; i < kCopies; ++i) {
+        const int kk = c * kChunkK + unit[i] * 8;
+        const bool valid = src[i] && kk < a.k;
+        cp_async_16(&stage[c % kStages][dst[i]], valid ? src[i] + kk : x, valid);
+      }
+    }
+    cp_async_commit();  // empty groups keep the wait counts uniform
+  };
+
+  float acc[kWeightTiles][kTokenTiles][4];
+#pragma unroll
+  for (int wt = 0; wt < kWeightTiles; ++wt)
+#pragma unroll
+    for (int j = 0; j < kTokenTiles; ++j) acc[wt][j][0] = acc[wt][j][1] = acc[wt][j][2] = acc[wt][j][3] = 0.0f;
+
+  Piece cur[kWeightTiles][2], next[kWeightTiles][2];
+  load_pieces(0, cur);
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) copy_stage(s);
+  for (int c = 0; c < n_chunks; ++c) {
+    load_pieces(c + 1, next);  // in flight while this chunk multiplies
+    cp_async_wait<kStages - 2>();
+    __syncthreads();            // stage c is complete for every thread; stage c - 1 is no longer read
+    copy_stage(c + kStages - 1);
+    const uint4* st = stage[c % kStages];
+    uint32_t f[kWeightTiles][2][2];
+#pragma unroll
+    for (int wt = 0; wt < kWeightTiles; ++wt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) piece_factors<F>(cur[wt][h].scale, f[wt][h]);
+#pragma unroll
+    for (int cc = 0; cc < kPiece / 8; ++cc) {
+      uint32_t wa[kWeightTiles][2][4];  // [tile][lo/hi][word]
+#pragma unroll
+      for (int wt = 0; wt < kWeightTiles; ++wt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) decode_eight<F>(cur[wt][h].raw, cc, f[wt][h], wa[wt][h]);
+      const int unit_c = t * (kPiece / 8) + cc;
+#pragma unroll
+      for (int j = 0; j < kTokenTiles; ++j) {
+        const int tok = j * 8 + g;
+        const uint4 xb = st[tok * kRowChunks + swizzle<F>(unit_c, tok)];
+#pragma unroll
+        for (int wt = 0; wt < kWeightTiles; ++wt) {
+          const uint32_t a0[4] = {wa[wt][0][0], wa[wt][1][0], wa[wt][0][1], wa[wt][1][1]};
+          const uint32_t a1[4] = {wa[wt][0][2], wa[wt][1][2], wa[wt][0][3], wa[wt][1][3]};
+          mma_bf16(acc[wt][j], a0, xb.x, xb.y);
+          mma_bf16(acc[wt][j], a1, xb.z, xb.w);
+        }
+      }
+    }
+#pragma unroll
+    for (int wt = 0; wt < kWeightTiles; ++wt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) cur[wt][h] = next[wt][h];
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // every stage read: a further pass may refill them
+
+  // acc[wt][j] = {(row g, token 2t), (row g, token 2t+1), (row g+8, token 2t), (row g+8, token 2t+1)}.
+  void* y = kGrouped && blockIdx.z == 1 ? a.y_second : a.y;
+#pragma unroll
+  for (int j = 0; j < kTokenTiles; ++j)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int tok = j * 8 + 2 * t + e;
+      if (tok >= tokens) continue;
+      const int64_t out_row = y_offset + int64_t(pair_of(tok0 + tok)) * a.ldy;
+#pragma unroll
+      for (int wt = 0; wt < kWeightTiles; ++wt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int r = rows[wt][h];
+          if (r >= a.n) continue;
+          const float v = acc[wt][j][2 * h + e] * y_factor;
+          if (a.out_bf16)
+            static_cast<__nv_bfloat16*>(y)[out_row + r] = __float2bfloat16_rn(v);
+          else
+            static_cast<float*>(y)[out_row + r] = v;
+        }
+    }
+  }  // row passes
+}
+
+template <Fmt F, bool kGrouped>
+cudaError_t launch_fmt(const KernelArgs& a, dim3 grid, cudaStream_t stream) {
+  const int token_blocks = (a.m + kBlockTokens - 1) / kBlockTokens;
+  grid.x = unsigned((a.n + kBlockRows - 1) / kBlockRows * token_blocks);
+  gpu::launch(gemv_tiled_kernel<F, kGrouped>, grid, kThreads, 0, stream, a);
+  return cudaGetLastError();
+}
+
+template <Fmt F>
+cudaError_t launch_any(const KernelArgs& a, dim3 grid, cudaStream_t stream, bool grouped) {
+  return grouped ? launch_fmt<F, true>(a, grid, stream) : launch_fmt<F, false>(a, grid, stream);
+}
+
+}  // namespace
+
+bool gemv_tiled_supported(const GemvParams& p) {
+  return p.m > kGemvMaxM && !(p.weight == GemvWeight::FP8_BLOCK && p.fp8_scale == GemvScale::F32);
+}
+
+cudaError_t gemv_tiled_launch(const KernelArgs& a, const GemvParams& p, dim3 grid, bool grouped) {
+  switch (p.weight) {
+    case GemvWeight::BF16: return launch_any<Fmt::BF16>(a, grid, p.stream, grouped);
+    case GemvWeight::FP8_BLOCK: return launch_any<Fmt::FP8>(a, grid, p.stream, grouped);
+    case GemvWeight::MXFP4: return launch_any<Fmt::MXFP4>(a, grid, p.stream, grouped);
+    case GemvWeight::NVFP4: return launch_any<Fmt::NVFP4>(a, grid, p.stream, grouped);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace dsv4::detail
