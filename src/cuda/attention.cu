@@ -1,7 +1,9 @@
 // SPDX-License-Identifier: MIT
 // Sparse attention with sink over the sliding window and the compressed entries (contract in ops.h).
 // A (token, head) has one query and at most window + top-k (or all compressed) keys, all heads reading the same
-// keys (one shared K = V head). Two kernels, chosen by rows x heads (use_head_groups):
+// keys (one shared K = V head). Prefill chunks (more than 64 rows, head dim 512 or 128) run the tensor-core kernel
+// (64 heads of a token per block, bf16 products like the reference); below that two CUDA-core kernels, chosen by
+// rows x heads (use_head_groups):
 //   head groups (prefill chunks, large decode batches): a block takes 16 heads of one token, its keys pass through
 //     shared memory in tiles of 8 once for all 16 heads (each warp owns two heads);
 //   per head (small decode steps): a block takes one (token, head), its warps walk interleaved keys from L2.
@@ -374,6 +376,218 @@ __global__ void attention_merge_kernel(AttentionParams p, int splits) {
   store_grouped(o, p, h, t, threadIdx.x, blockDim.x);
 }
 
+
+// ---- tensor-core kernel (prefill chunks) --------------------------------------------------------------------
+// Block (64-head group, token t): all 64 heads of a token share its keys (one K = V head), so per tile of 64 keys
+// S = Q Kᵀ is a 64 x 64 x dim product and O += P V a 64 x dim x 64 one, both on mma.sync (bf16 in, fp32 sums),
+// like the reference, which computes logits from bf16 q and bf16 keys and casts the probabilities to bf16 for P·V
+// (spec 8.1). Q (bf16) and the key tile (fp32 state -> bf16) sit in shared memory; warp w computes S for heads
+// 16·(w % 4) and keys 32·(w / 4) of a tile, writes P (bf16) to shared memory, and accumulates O for all 64 heads
+// and dims [w·dim/8, (w+1)·dim/8) in registers. Online softmax per head row: the running max and sum live in shared
+// memory and are advanced once per tile after every warp has used them.
+constexpr int kMmaHeads = 64, kMmaKeys = 64, kMmaWarps = 8;
+constexpr int kMmaMinRows = 65;  // rows from which the tensor-core kernel runs (prefill chunks, not decode batches)
+
+template <int kDim>
+struct MmaLayout {
+  static constexpr int kStride = kDim + 8;          // bf16 per Q / K row (16 bytes of padding: no bank conflicts)
+  static constexpr int kPStride = kMmaKeys + 8;     // bf16 per P row
+  static constexpr size_t kQ = 0, kK = kQ + size_t(kMmaHeads) * kStride * 2, kP = kK + size_t(kMmaKeys) * kStride * 2;
+  static constexpr size_t kStats = kP + size_t(kMmaHeads) * kPStride * 2;  // floats: max[2][64] sum[2][64] m[64] l[64]
+  static constexpr size_t kBytes = kStats + 6 * kMmaHeads * sizeof(float);
+};
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t r[4], const void* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
+}
+__device__ __forceinline__ void mma_16816(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  return uint32_t(f32_to_bf16(lo)) | uint32_t(f32_to_bf16(hi)) << 16;
+}
+
+template <int kDim>
+__global__ void __launch_bounds__(kMmaWarps * 32, 1) attention_mma_kernel(AttentionParams p) {
+  gpu::dependent_enter();
+  using L = MmaLayout<kDim>;
+  constexpr int kStride = L::kStride, kPStride = L::kPStride;
+  constexpr int kWarpDims = kDim / kMmaWarps, kDimTiles = kWarpDims / 8;  // PV: this warp's dims
+  static_assert(kWarpDims % 16 == 0, "two dim tiles per ldmatrix");
+  extern __shared__ __align__(16) unsigned char smem[];
+  uint16_t* q_s = reinterpret_cast<uint16_t*>(smem + L::kQ);
+  uint16_t* k_s = reinterpret_cast<uint16_t*>(smem + L::kK);
+  uint16_t* p_s = reinterpret_cast<uint16_t*>(smem + L::kP);
+  float* red_max = reinterpret_cast<float*>(smem + L::kStats);  // [2][64]
+  float* red_sum = red_max + 2 * kMmaHeads;                      // [2][64]
+  float* m_s = red_sum + 2 * kMmaHeads;                          // [64] running max
+  float* l_s = m_s + kMmaHeads;                                  // [64] running sum
+
+  const int t = blockIdx.y, h0 = blockIdx.x * kMmaHeads;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
+  const KeyRange r = key_range(p, t);
+  const int n_keys = r.n_window + r.n_comp;
+  store_own_key(p, r, t);
+
+  // Q rows (heads past p.heads are zero) as bf16.
+  for (int i = threadIdx.x; i < kMmaHeads * kDim / 4; i += blockDim.x) {
+    const int h = i / (kDim / 4), d = (i % (kDim / 4)) * 4;
+    float4 v = make_float4(0, 0, 0, 0);
+    if (h0 + h < p.heads) v = *reinterpret_cast<const float4*>(p.q + t * p.q_token_stride + int64_t(h0 + h) * kDim + d);
+    *reinterpret_cast<uint2*>(q_s + h * kStride + d) = make_uint2(pack_bf16(v.x, v.y), pack_bf16(v.z, v.w));
+  }
+  if (threadIdx.x < kMmaHeads) {
+    m_s[threadIdx.x] = -INFINITY;
+    l_s[threadIdx.x] = 0.0f;
+  }
+
+  const int s_heads = 16 * (warp % 4), s_keys = 32 * (warp / 4);  // S: this warp's heads and keys of a tile
+  const int d0 = warp * kWarpDims;                               // PV: this warp's dims
+  float o[4][kDimTiles][4];
+#pragma unroll
+  for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < kDimTiles; ++nt) o[mt][nt][0] = o[mt][nt][1] = o[mt][nt][2] = o[mt][nt][3] = 0.0f;
+
+  for (int j0 = 0; j0 < n_keys; j0 += kMmaKeys) {
+    // Keys j0 .. j0 + 63 (zeros past n_keys; their logits are masked below). Warp w loads keys w, w + 8, ...
+    for (int kk = warp; kk < kMmaKeys; kk += kMmaWarps) {
+      const int j = j0 + kk;
+      const float* key = j < n_keys ? key_ptr(p, r, t, j) : nullptr;
+      for (int v = lane; v < kDim / 4; v += 32) {
+        const float4 x = key ? *reinterpret_cast<const float4*>(key + 4 * v) : make_float4(0, 0, 0, 0);
+        *reinterpret_cast<uint2*>(k_s + kk * kStride + 4 * v) = make_uint2(pack_bf16(x.x, x.y), pack_bf16(x.z, x.w));
+      }
+    }
+    __syncthreads();  // (A) the tile, Q, and the running max / sum of the previous tile
+
+    // S = Q Kᵀ for heads s_heads.. and keys s_keys.. (4 key tiles of 8).
+    float s[4][4];
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+#pragma unroll 4
+    for (int ks = 0; ks < kDim / 16; ++ks) {
+      uint32_t a[4], b[2][4];
+      ldmatrix_x4(a, q_s + (s_heads + (lane & 15)) * kStride + ks * 16 + (lane >> 4) * 8);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {  // key tiles 2·half, 2·half + 1: matrices (tile, dims 0-7 / 8-15)
+        const int mat = lane >> 3, key = s_keys + 16 * half + (mat >> 1) * 8 + (lane & 7);
+        ldmatrix_x4(b[half], k_s + key * kStride + ks * 16 + (mat & 1) * 8);
+      }
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) mma_16816(s[nt], a, b[nt >> 1][2 * (nt & 1)], b[nt >> 1][2 * (nt & 1) + 1]);
+    }
+    // Rows g and g + 8 of the warp's heads; columns 2·tq, 2·tq + 1 of each key tile.
+    float row_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = j0 + s_keys + 8 * nt + 2 * tq + (e & 1);
+        s[nt][e] = key < n_keys ? s[nt][e] * p.scale : -INFINITY;
+        row_max[e >> 1] = fmaxf(row_max[e >> 1], s[nt][e]);
+      }
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      row_max[hr] = fmaxf(row_max[hr], __shfl_xor_sync(0xffffffffu, row_max[hr], 1));
+      row_max[hr] = fmaxf(row_max[hr], __shfl_xor_sync(0xffffffffu, row_max[hr], 2));
+      if (tq == 0) red_max[(warp / 4) * kMmaHeads + s_heads + g + 8 * hr] = row_max[hr];
+    }
+    __syncthreads();  // (B) both key halves' maxima
+    float row_sum[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int h = s_heads + g + 8 * hr;
+      const float m_new = fmaxf(m_s[h], fmaxf(red_max[h], red_max[kMmaHeads + h]));
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        const float w0 = expf(s[nt][2 * hr] - m_new), w1 = expf(s[nt][2 * hr + 1] - m_new);
+        row_sum[hr] += w0 + w1;
+        *reinterpret_cast<uint32_t*>(p_s + h * kPStride + s_keys + 8 * nt + 2 * tq) = pack_bf16(w0, w1);
+      }
+      row_sum[hr] += __shfl_xor_sync(0xffffffffu, row_sum[hr], 1);
+      row_sum[hr] += __shfl_xor_sync(0xffffffffu, row_sum[hr], 2);
+      if (tq == 0) red_sum[(warp / 4) * kMmaHeads + h] = row_sum[hr];
+    }
+    __syncthreads();  // (C) P and the sums
+
+    // O = O · exp(m_old - m_new) + P V for all heads, dims d0 .. d0 + kWarpDims - 1.
+#pragma unroll
+    for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int h = 16 * mt + g + 8 * hr;
+        const float m_old = m_s[h], m_new = fmaxf(m_old, fmaxf(red_max[h], red_max[kMmaHeads + h]));
+        const float alpha = expf(m_old - m_new);  // 0 while m_old is -inf
+#pragma unroll
+        for (int nt = 0; nt < kDimTiles; ++nt) o[mt][nt][2 * hr] *= alpha, o[mt][nt][2 * hr + 1] *= alpha;
+      }
+#pragma unroll
+    for (int ks = 0; ks < kMmaKeys / 16; ++ks) {
+      uint32_t a[4][4];
+#pragma unroll
+      for (int mt = 0; mt < 4; ++mt)
+        ldmatrix_x4(a[mt], p_s + (16 * mt + (lane & 15)) * kPStride + ks * 16 + (lane >> 4) * 8);
+#pragma unroll
+      for (int np = 0; np < kDimTiles / 2; ++np) {  // dim tiles 2·np, 2·np + 1: matrices (keys 0-7 / 8-15, tile)
+        const int mat = lane >> 3, key = ks * 16 + (mat & 1) * 8 + (lane & 7);
+        uint32_t b[4];
+        ldmatrix_x4_trans(b, k_s + key * kStride + d0 + 16 * np + (mat >> 1) * 8);
+#pragma unroll
+        for (int mt = 0; mt < 4; ++mt) {
+          mma_16816(o[mt][2 * np], a[mt], b[0], b[1]);
+          mma_16816(o[mt][2 * np + 1], a[mt], b[2], b[3]);
+        }
+      }
+    }
+    __syncthreads();  // (D) every warp is done with K, P and the old running max
+    if (threadIdx.x < kMmaHeads) {
+      const int h = threadIdx.x;
+      const float m_old = m_s[h], m_new = fmaxf(m_old, fmaxf(red_max[h], red_max[kMmaHeads + h]));
+      l_s[h] = l_s[h] * expf(m_old - m_new) + red_sum[h] + red_sum[kMmaHeads + h];
+      m_s[h] = m_new;
+    }
+  }
+  __syncthreads();
+
+  // Sink (a virtual key with zero value), normalisation, inverse RoPE on the last rope_dim dims, bf16 out.
+  const int heads_per_group = p.heads / p.groups, width = heads_per_group * kDim;
+  const int rope0 = kDim - p.rope_dim;
+#pragma unroll
+  for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int hl = 16 * mt + g + 8 * hr, h = h0 + hl;
+      if (h >= p.heads) continue;
+      const float sink = p.sink[h], m = m_s[hl], mx = fmaxf(sink, m);
+      const float factor = expf(m - mx), scale = factor / (l_s[hl] * factor + expf(sink - mx));
+      uint16_t* out = p.out + (int64_t(h / heads_per_group) * (p.out_rows ? p.out_rows : p.n) + t) * width +
+                      (h % heads_per_group) * kDim;
+#pragma unroll
+      for (int nt = 0; nt < kDimTiles; ++nt) {
+        const int d = d0 + 8 * nt + 2 * tq;
+        float a = o[mt][nt][2 * hr] * scale, b = o[mt][nt][2 * hr + 1] * scale;
+        if (d >= rope0) {
+          const float angle = __fmul_rn(float(r.pos), p.inv_freq[(d - rope0) / 2]);
+          const float c = float(cos(double(angle))), sn = -float(sin(double(angle)));
+          const float a0 = a, b0 = b;
+          a = __fsub_rn(__fmul_rn(a0, c), __fmul_rn(b0, sn));
+          b = __fadd_rn(__fmul_rn(a0, sn), __fmul_rn(b0, c));
+        }
+        *reinterpret_cast<uint32_t*>(out + d) = pack_bf16(a, b);
+      }
+    }
+}
 }  // namespace
 
 namespace {
@@ -386,9 +600,29 @@ bool use_head_groups(const AttentionParams& p) { return int64_t(p.n) * p.heads >
 
 }  // namespace
 
+bool attention_uses_tensor_cores(const AttentionParams& p) {
+  return p.n >= kMmaMinRows && (p.dim == 512 || p.dim == 128) && p.rope_dim % 2 == 0;
+}
+
+namespace {
+
+template <int kDim>
+void launch_mma(const AttentionParams& p, cudaStream_t stream) {
+  const size_t smem = MmaLayout<kDim>::kBytes;
+  static const cudaError_t configured =
+      cudaFuncSetAttribute(attention_mma_kernel<kDim>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  OPS_CHECK(configured == cudaSuccess, "attention: cannot give the tensor-core kernel %zu bytes of shared memory",
+            smem);
+  gpu::launch(attention_mma_kernel<kDim>, dim3((p.heads + kMmaHeads - 1) / kMmaHeads, p.n), kMmaWarps * 32, smem,
+              stream, p);
+}
+
+}  // namespace
+
 int attention_splits(const AttentionParams& p) {
   const int64_t comp = p.ratio == 0 ? 0 : p.selected ? p.topk : std::max(p.max_entries, 0);
   const int64_t max_keys = p.window + comp, sms = current_sm_count();
+  if (attention_uses_tensor_cores(p)) return 1;
   if (!use_head_groups(p)) {  // per head: split only when (token, head) blocks do not fill the GPU
     if (int64_t(p.n) * p.heads >= 2 * sms) return 1;
     return int(std::clamp<int64_t>((max_keys + kHeadKeysPerSplit - 1) / kHeadKeysPerSplit, 1, kMaxSplits));
@@ -420,7 +654,12 @@ void attention(const AttentionParams& p, cudaStream_t stream) {
             "attention: max_entries must be set when all compressed entries are attended (ratio %d)", p.ratio);
   const int splits = attention_splits(p);
   OPS_CHECK(splits == 1 || p.scratch, "attention: %d key splits need scratch (attention_scratch_floats)", splits);
-  if (!use_head_groups(p)) {
+  if (attention_uses_tensor_cores(p)) {
+    if (p.dim == 512)
+      launch_mma<512>(p, stream);
+    else
+      launch_mma<128>(p, stream);
+  } else if (!use_head_groups(p)) {
     gpu::launch(attention_head_kernel, dim3(p.heads, p.n, splits), kAttnWarps * 32, 0, stream, p, splits);
   } else {
     const dim3 grid((p.heads + kBlockHeads - 1) / kBlockHeads, p.n, splits);

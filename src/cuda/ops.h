@@ -212,7 +212,12 @@ struct AttentionParams {
   // covers (window_slots >= window, or the position is below window_slots), so no query of the launch reads it.
   bool store_window = false;
 };
+// Numerics: the CUDA-core kernels use fp32 q, keys and weights. Chunks of more than 64 rows with dim 512 or 128
+// (attention_uses_tensor_cores) run a tensor-core kernel with the reference's precisions (spec 8.1): logits from
+// bf16(q) · bf16(key) with fp32 sums, probabilities rounded to bf16 for P·V, bf16 values, fp32 accumulation;
+// the softmax max, sums and normalisation stay fp32.
 void attention(const AttentionParams& p, cudaStream_t stream);
+bool attention_uses_tensor_cores(const AttentionParams& p);
 int attention_splits(const AttentionParams& p);
 size_t attention_scratch_floats(const AttentionParams& p);
 

@@ -104,7 +104,13 @@ void check_attention(const AttnCase& c) {
         ASSERT_EQ(ring_after[size_t(s) * c.dim + i], want) << "ring slot " << s << " dim " << i;
       }
   }
-  std::printf("[attention] %-28s splits %d\n", c.name.c_str(), gpu::attention_splits(p));
+  // The tensor-core kernel (prefill chunks) works like the reference: bf16 q and keys, probabilities rounded to
+  // bf16 for P·V. The fp64 reference then takes bf16 q and keys too, and allows 2^-8 of Σ_j w_j |k_j[i]| more for
+  // the probability rounding.
+  const bool tensor_cores = gpu::attention_uses_tensor_cores(p);
+  auto in = [&](float v) { return tensor_cores ? double(round_bf16(v)) : double(v); };
+  std::printf("[attention] %-28s splits %d%s\n", c.name.c_str(), gpu::attention_splits(p),
+              tensor_cores ? ", tensor cores" : "");
 
   int bad = 0;
   double worst = 0;
@@ -126,18 +132,23 @@ void check_attention(const AttnCase& c) {
       double mx = sink[h];
       for (size_t j = 0; j < keys.size(); ++j) {
         double dot = 0;
-        for (int i = 0; i < c.dim; ++i) dot += double(qv[i]) * keys[j][i];
+        for (int i = 0; i < c.dim; ++i) dot += in(qv[i]) * in(keys[j][i]);
         logit[j] = dot / std::sqrt(double(c.dim));
         mx = std::max(mx, logit[j]);
       }
       double denom = std::exp(sink[h] - mx);
-      std::vector<double> o(c.dim, 0.0);
+      std::vector<double> o(c.dim, 0.0), spread(c.dim, 0.0);
       for (size_t j = 0; j < keys.size(); ++j) {
         const double w = std::exp(logit[j] - mx);
         denom += w;
-        for (int i = 0; i < c.dim; ++i) o[i] += w * keys[j][i];
+        for (int i = 0; i < c.dim; ++i) {
+          o[i] += w * in(keys[j][i]);
+          spread[i] += w * std::fabs(in(keys[j][i]));
+        }
       }
       for (double& v : o) v /= denom;
+      for (int i = 0; i < c.dim; ++i) spread[i] = tensor_cores ? 0x1p-8 * spread[i] / denom : 0.0;
+      for (int i = c.dim - c.rope_dim; i + 1 < c.dim; i += 2) spread[i] = spread[i + 1] = std::max(spread[i], spread[i + 1]);
       for (int i = 0; i < c.rope_dim / 2; ++i) {  // inverse RoPE at pos
         const double angle = double(float(pos) * inv_freq[i]);
         const double cs = std::cos(angle), sn = -std::sin(angle);
@@ -150,7 +161,7 @@ void check_attention(const AttnCase& c) {
       const int g = h / hpg;
       const uint16_t* row = &got[(size_t(g) * c.n + t) * width + size_t(h % hpg) * c.dim];
       for (int i = 0; i < c.dim; ++i) {
-        const double v = bf16_to_f32(row[i]), err = std::fabs(v - o[i]), allowed = 4e-3 * std::fabs(o[i]) + 2e-5;
+        const double v = bf16_to_f32(row[i]), err = std::fabs(v - o[i]), allowed = 4e-3 * std::fabs(o[i]) + 2e-5 + spread[i];
         worst = std::max(worst, err / allowed);
         if (!(err <= allowed) && ++bad <= 5)
           ADD_FAILURE() << "token " << t << " head " << h << " dim " << i << ": got " << v << ", want " << o[i];
@@ -210,6 +221,17 @@ TEST(CudaAttention, PrefillChunkHeadGroups) {
   DSV4_REQUIRE_CUDA();
   check_attention({"prefill_csa", 64, 16, 4, 512, 64, 128, 4, 512, 2000, 600});
   check_attention({"prefill_hca_start", 64, 16, 4, 512, 64, 128, 128, 0, 0, 8});
+}
+
+// More than 64 rows with head dim 512 or 128: the tensor-core kernel (64 heads per block; fewer heads are padded,
+// more take several blocks; partial key tiles; window keys from the chunk and the ring).
+TEST(CudaAttention, PrefillChunkTensorCores) {
+  DSV4_REQUIRE_CUDA();
+  check_attention({"prefill_csa_tc", 100, 64, 8, 512, 64, 128, 4, 512, 2000, 600});
+  check_attention({"prefill_csa_tc_few_entries", 130, 128, 8, 512, 64, 128, 4, 512, 30, 60});
+  check_attention({"prefill_hca_tc_start", 200, 64, 8, 512, 64, 128, 128, 0, 0, 8});
+  check_attention({"prefill_sliding_tc_dim128", 70, 6, 2, 128, 64, 16, 0, 0, 40, 0});
+  check_attention({"prefill_csa_tc_dim128_all", 150, 4, 1, 128, 64, 128, 4, 0, 0, 40});
 }
 
 }  // namespace
