@@ -2,13 +2,16 @@
 // The tiled tensor-core kernel behind gemv() for m > kGemvMaxM (prefill chunks; contract in gemv.h).
 // A block computes 256 weight rows x 64 activation rows: each of its 8 warps owns two 16-row weight tiles, decodes
 // them from the checkpoint bytes in registers exactly like the skinny kernel (same per-thread 16-byte pieces, same
-// k permutation), and multiplies them against 64 activation rows that the block stages in shared memory once per
-// k-chunk (cp.async, three stages), so an activation fragment feeds two weight tiles and a weight fragment eight
-// activation tiles. Blocks of one weight tile and consecutive row tiles are adjacent in the grid, so the weight
-// bytes come from DRAM about once and from L2 for the other row tiles.
+// k permutation), and multiplies them against 64 activation rows. Per k-chunk the block stages the activation tile
+// and its 256 x 64-byte weight slice in shared memory (cp.async, four stages; the scale bits come one chunk ahead
+// through registers), so an activation fragment feeds two weight tiles and a weight fragment eight activation
+// tiles. The outputs go through shared memory so that each token's row is stored coalesced. Blocks of one weight
+// tile and consecutive row tiles are adjacent in the grid, so the weight bytes come from DRAM about once and from
+// L2 for the other row tiles.
 // FP8 block weights with f32 scales are not handled here (gemv.cpp runs the skinny kernel for them).
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "cuda/dequant.cuh"
@@ -26,7 +29,7 @@ constexpr int kWeightTiles = 2;                        // 16-row weight tiles pe
 constexpr int kBlockRows = kWarps * kWeightTiles * 16;  // weight rows per block
 constexpr int kBlockTokens = 64;                        // activation rows per block (8 mma n-tiles)
 constexpr int kTokenTiles = kBlockTokens / 8;
-constexpr int kStages = 3;
+constexpr int kStages = 4;
 
 template <Fmt F>
 __host__ __device__ constexpr int piece_elems() {  // weight elements in one thread's 16-byte piece of a row
@@ -62,12 +65,6 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
 
-// One weight row's piece of a chunk as loaded: 16 bytes and the raw scale bits that apply to it.
-struct Piece {
-  uint4 raw;
-  uint32_t scale;
-};
-
 // Decoder factors of a piece (see dequant.cuh); NVFP4 has one per 16-element half.
 template <Fmt F>
 __device__ __forceinline__ void piece_factors(uint32_t scale, uint32_t f[2]) {
@@ -92,14 +89,29 @@ __device__ __forceinline__ void decode_eight(const uint4& raw, int cc, const uin
   }
 }
 
+// Shared memory of one block: kStages stages of (activation tile, weight tile), reused by the epilogue as the
+// [64 tokens][kBlockRows] fp32 output tile.
+template <Fmt F>
+struct TiledSmem {
+  static constexpr int kXUnits = kBlockTokens * chunk_k<F>() / 8;  // 16-byte units per stage
+  static constexpr int kWUnits = kBlockRows * 4;                    // 64 bytes of each weight row per stage
+  static constexpr int kOutStride = kBlockRows + 4;                 // floats per token row of the output tile
+  static constexpr size_t kStageBytes = size_t(kXUnits + kWUnits) * 16;
+  static constexpr size_t kBytes = std::max(kStages * kStageBytes, size_t(kBlockTokens) * kOutStride * 4);
+};
+
 template <Fmt F, bool kGrouped>
 __global__ void __launch_bounds__(kThreads, 1) gemv_tiled_kernel(const KernelArgs a) {
   gpu::allow_dependents();
+  using S = TiledSmem<F>;
   constexpr int kPiece = piece_elems<F>(), kChunkK = chunk_k<F>();
-  constexpr int kRowChunks = kChunkK / 8;                       // 16-byte units per token per stage
-  constexpr int kCopies = kBlockTokens * kRowChunks / kThreads;  // cp.async per thread per stage
-  static_assert(kCopies >= 1 && kBlockTokens * kRowChunks % kThreads == 0);
-  __shared__ __align__(16) uint4 stage[kStages][kBlockTokens * kRowChunks];
+  constexpr int kRowChunks = kChunkK / 8;            // 16-byte units per token per stage
+  constexpr int kXCopies = S::kXUnits / kThreads;     // cp.async per thread per stage
+  constexpr int kWCopies = S::kWUnits / kThreads;
+  static_assert(kXCopies >= 1 && S::kXUnits % kThreads == 0 && S::kWUnits % kThreads == 0);
+  extern __shared__ __align__(16) uint4 smem[];
+  auto x_stage = [&](int c) { return smem + (c % kStages) * (S::kXUnits + S::kWUnits); };
+  auto w_stage = [&](int c) { return smem + (c % kStages) * (S::kXUnits + S::kWUnits) + S::kXUnits; };
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -130,60 +142,76 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_tiled_kernel(const KernelArg
   }
   auto pair_of = [&](int row) { return kGrouped ? __ldg(a.row_order + order0 + row) : row; };
 
-  // This thread's weight rows: r = row_block0 + (warp·2 + wt)·16 + g (+ 8 for hi), byte t·16 of each chunk.
   w_base += size_t(w_row0) * row_bytes;
   if constexpr (F == Fmt::MXFP4) w_scale += size_t(w_row0) * (a.k / 32);
   if constexpr (F == Fmt::NVFP4) w_scale += size_t(w_row0) * (a.k / 16);
-  int rows[kWeightTiles][2];
+  const int n_chunks = (a.k + kChunkK - 1) / kChunkK;
+  // This thread's weight rows in the block's tile: (warp·2 + wt)·16 + g (+ 8 for hi); its piece is bytes t·16.
+  int local[kWeightTiles][2];
 #pragma unroll
   for (int wt = 0; wt < kWeightTiles; ++wt)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) rows[wt][h] = row_block0 + (warp * kWeightTiles + wt) * 16 + g + 8 * h;
-  const int n_chunks = (a.k + kChunkK - 1) / kChunkK;
+    for (int h = 0; h < 2; ++h) local[wt][h] = (warp * kWeightTiles + wt) * 16 + g + 8 * h;
 
-  auto load_pieces = [&](int c, Piece p[kWeightTiles][2]) {
+  // The raw scale bits of this thread's pieces of chunk c (direct loads, one chunk ahead: they are small).
+  auto load_scales = [&](int c, uint32_t sc[kWeightTiles][2]) {
     const int kk = c * kChunkK + t * kPiece;
 #pragma unroll
     for (int wt = 0; wt < kWeightTiles; ++wt)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int r = rows[wt][h];
+        const int r = row_block0 + local[wt][h];
         const bool ok = c < n_chunks && kk < a.k && r < a.n;
-        p[wt][h].raw = ok ? dq::load_weights(w_base + size_t(r) * row_bytes + size_t(c) * 64 + t * 16)
-                          : make_uint4(0, 0, 0, 0);
-        uint32_t s = 0;
+        uint32_t v = 0;
         if constexpr (F == Fmt::FP8) {  // [ceil(n/128), ceil(k/128)] e8m0, one per 128 x 128 block
-          if (ok) s = __ldg(w_scale + size_t((w_row0 + r) / 128) * size_t((a.k + 127) / 128) + size_t(kk / 128));
+          if (ok) v = __ldg(w_scale + size_t((w_row0 + r) / 128) * size_t((a.k + 127) / 128) + size_t(kk / 128));
         } else if constexpr (F == Fmt::MXFP4) {
-          if (ok) s = __ldg(w_scale + size_t(r) * (a.k / 32) + kk / 32);
+          if (ok) v = __ldg(w_scale + size_t(r) * (a.k / 32) + kk / 32);
         } else if constexpr (F == Fmt::NVFP4) {
-          if (ok) s = __ldg(reinterpret_cast<const uint16_t*>(w_scale) + (size_t(r) * (a.k / 16) + kk / 16) / 2);
+          if (ok) v = __ldg(reinterpret_cast<const uint16_t*>(w_scale) + (size_t(r) * (a.k / 16) + kk / 16) / 2);
         }
-        p[wt][h].scale = s;
+        sc[wt][h] = v;
       }
   };
+
+  // Weight pieces this thread copies into every stage: row idx / 4 of the tile, piece idx % 4.
+  const uint8_t* w_src[kWCopies];
+  int w_piece_k[kWCopies];
+#pragma unroll
+  for (int i = 0; i < kWCopies; ++i) {
+    const int idx = threadIdx.x + i * kThreads, r = row_block0 + idx / 4;
+    w_piece_k[i] = (idx % 4) * kPiece;
+    w_src[i] = r < a.n ? w_base + size_t(r) * row_bytes + (idx % 4) * 16 : nullptr;
+  }
 
   if constexpr (!kGrouped) gpu::dependent_wait();  // x and y belong to the step
   // Activation rows tok0 .. tok0 + 63 (more rows than the grid's row tiles cover take further passes).
   for (int tok0 = tok_first; tok0 < m_rows; tok0 += token_blocks * kBlockTokens) {
   const int tokens = min(kBlockTokens, m_rows - tok0);
   // The activation rows this thread copies into every stage (fixed token and 16-byte unit per copy).
-  const __nv_bfloat16* src[kCopies];
-  int dst[kCopies], unit[kCopies];
+  const __nv_bfloat16* x_src[kXCopies];
+  int x_dst[kXCopies], x_unit[kXCopies];
 #pragma unroll
-  for (int i = 0; i < kCopies; ++i) {
+  for (int i = 0; i < kXCopies; ++i) {
     const int idx = threadIdx.x + i * kThreads, tok = idx / kRowChunks, c = idx % kRowChunks;
-    unit[i] = c;
-    dst[i] = tok * kRowChunks + swizzle<F>(c, tok);
-    src[i] = tok < tokens ? x + size_t(kGrouped ? pair_of(tok0 + tok) / a.x_row_div : tok0 + tok) * a.k : nullptr;
+    x_unit[i] = c;
+    x_dst[i] = tok * kRowChunks + swizzle<F>(c, tok);
+    x_src[i] = tok < tokens ? x + size_t(kGrouped ? pair_of(tok0 + tok) / a.x_row_div : tok0 + tok) * a.k : nullptr;
   }
   auto copy_stage = [&](int c) {
     if (c < n_chunks) {
+      uint4* xs = x_stage(c);
 #pragma unroll
-      for (int i = 0; i < kCopies; ++i) {
-        const int kk = c * kChunkK + unit[i] * 8;
-        const bool valid = src[i] && kk < a.k;
-        cp_async_16(&stage[c % kStages][dst[i]], valid ? src[i] + kk : x, valid);
+      for (int i = 0; i < kXCopies; ++i) {
+        const int kk = c * kChunkK + x_unit[i] * 8;
+        const bool valid = x_src[i] && kk < a.k;
+        cp_async_16(xs + x_dst[i], valid ? x_src[i] + kk : x, valid);
+      }
+      uint4* ws = w_stage(c);
+#pragma unroll
+      for (int i = 0; i < kWCopies; ++i) {
+        const bool valid = w_src[i] && c * kChunkK + w_piece_k[i] < a.k;
+        cp_async_16(ws + threadIdx.x + i * kThreads, valid ? w_src[i] + size_t(c) * 64 : a.w, valid);
       }
     }
     cp_async_commit();  // empty groups keep the wait counts uniform
@@ -195,33 +223,38 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_tiled_kernel(const KernelArg
 #pragma unroll
     for (int j = 0; j < kTokenTiles; ++j) acc[wt][j][0] = acc[wt][j][1] = acc[wt][j][2] = acc[wt][j][3] = 0.0f;
 
-  Piece cur[kWeightTiles][2], next[kWeightTiles][2];
-  load_pieces(0, cur);
+  uint32_t sc_cur[kWeightTiles][2], sc_next[kWeightTiles][2];
+  load_scales(0, sc_cur);
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) copy_stage(s);
   for (int c = 0; c < n_chunks; ++c) {
-    load_pieces(c + 1, next);  // in flight while this chunk multiplies
+    load_scales(c + 1, sc_next);
     cp_async_wait<kStages - 2>();
-    __syncthreads();            // stage c is complete for every thread; stage c - 1 is no longer read
+    __syncthreads();  // stage c is complete for every thread; stage c - 1 is no longer read
     copy_stage(c + kStages - 1);
-    const uint4* st = stage[c % kStages];
+    const uint4* xs = x_stage(c);
+    const uint4* ws = w_stage(c);
+    uint4 raw[kWeightTiles][2];
     uint32_t f[kWeightTiles][2][2];
 #pragma unroll
     for (int wt = 0; wt < kWeightTiles; ++wt)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) piece_factors<F>(cur[wt][h].scale, f[wt][h]);
+      for (int h = 0; h < 2; ++h) {
+        raw[wt][h] = ws[local[wt][h] * 4 + t];
+        piece_factors<F>(sc_cur[wt][h], f[wt][h]);
+      }
 #pragma unroll
     for (int cc = 0; cc < kPiece / 8; ++cc) {
       uint32_t wa[kWeightTiles][2][4];  // [tile][lo/hi][word]
 #pragma unroll
       for (int wt = 0; wt < kWeightTiles; ++wt)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) decode_eight<F>(cur[wt][h].raw, cc, f[wt][h], wa[wt][h]);
+        for (int h = 0; h < 2; ++h) decode_eight<F>(raw[wt][h], cc, f[wt][h], wa[wt][h]);
       const int unit_c = t * (kPiece / 8) + cc;
 #pragma unroll
       for (int j = 0; j < kTokenTiles; ++j) {
         const int tok = j * 8 + g;
-        const uint4 xb = st[tok * kRowChunks + swizzle<F>(unit_c, tok)];
+        const uint4 xb = xs[tok * kRowChunks + swizzle<F>(unit_c, tok)];
 #pragma unroll
         for (int wt = 0; wt < kWeightTiles; ++wt) {
           const uint32_t a0[4] = {wa[wt][0][0], wa[wt][1][0], wa[wt][0][1], wa[wt][1][1]};
@@ -234,33 +267,36 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_tiled_kernel(const KernelArg
 #pragma unroll
     for (int wt = 0; wt < kWeightTiles; ++wt)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) cur[wt][h] = next[wt][h];
+      for (int h = 0; h < 2; ++h) sc_cur[wt][h] = sc_next[wt][h];
   }
   cp_async_wait<0>();
-  __syncthreads();  // every stage read: a further pass may refill them
+  __syncthreads();  // every stage read: the output tile reuses them
 
-  // acc[wt][j] = {(row g, token 2t), (row g, token 2t+1), (row g+8, token 2t), (row g+8, token 2t+1)}.
+  // acc[wt][j] = {(row g, token 2t), (row g, token 2t+1), (row g+8, token 2t), (row g+8, token 2t+1)} -> the
+  // [token][row] tile in shared memory, then each token's row of outputs with consecutive threads on consecutive
+  // columns (coalesced stores).
+  float* tile = reinterpret_cast<float*>(smem);
+#pragma unroll
+  for (int wt = 0; wt < kWeightTiles; ++wt)
+#pragma unroll
+    for (int j = 0; j < kTokenTiles; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        tile[(j * 8 + 2 * t + (e & 1)) * S::kOutStride + local[wt][e >> 1]] = acc[wt][j][e] * y_factor;
+  __syncthreads();
   void* y = kGrouped && blockIdx.z == 1 ? a.y_second : a.y;
-#pragma unroll
-  for (int j = 0; j < kTokenTiles; ++j)
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int tok = j * 8 + 2 * t + e;
-      if (tok >= tokens) continue;
-      const int64_t out_row = y_offset + int64_t(pair_of(tok0 + tok)) * a.ldy;
-#pragma unroll
-      for (int wt = 0; wt < kWeightTiles; ++wt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int r = rows[wt][h];
-          if (r >= a.n) continue;
-          const float v = acc[wt][j][2 * h + e] * y_factor;
-          if (a.out_bf16)
-            static_cast<__nv_bfloat16*>(y)[out_row + r] = __float2bfloat16_rn(v);
-          else
-            static_cast<float*>(y)[out_row + r] = v;
-        }
+  const int cols = min(kBlockRows, a.n - row_block0);
+  for (int tok = warp; tok < tokens; tok += kWarps) {
+    const int64_t out_row = y_offset + int64_t(pair_of(tok0 + tok)) * a.ldy + row_block0;
+    for (int col = lane; col < cols; col += 32) {
+      const float v = tile[tok * S::kOutStride + col];
+      if (a.out_bf16)
+        static_cast<__nv_bfloat16*>(y)[out_row + col] = __float2bfloat16_rn(v);
+      else
+        static_cast<float*>(y)[out_row + col] = v;
     }
+  }
+  __syncthreads();  // the tile is read: a further pass may refill the stages
   }  // row passes
 }
 
@@ -268,7 +304,11 @@ template <Fmt F, bool kGrouped>
 cudaError_t launch_fmt(const KernelArgs& a, dim3 grid, cudaStream_t stream) {
   const int token_blocks = (a.m + kBlockTokens - 1) / kBlockTokens;
   grid.x = unsigned((a.n + kBlockRows - 1) / kBlockRows * token_blocks);
-  gpu::launch(gemv_tiled_kernel<F, kGrouped>, grid, kThreads, 0, stream, a);
+  constexpr size_t smem = TiledSmem<F>::kBytes;
+  static const cudaError_t configured =
+      cudaFuncSetAttribute(gemv_tiled_kernel<F, kGrouped>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  if (configured != cudaSuccess) return configured;
+  gpu::launch(gemv_tiled_kernel<F, kGrouped>, grid, kThreads, smem, stream, a);
   return cudaGetLastError();
 }
 

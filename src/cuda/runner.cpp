@@ -30,6 +30,7 @@
 #include "cuda/cuda_check.h"
 #include "cuda/device.h"
 #include "cuda/device_weights.h"
+#include "cuda/gemm.h"
 #include "cuda/gemv.h"
 #include "cuda/ops.h"
 #include "model/model.h"
@@ -37,6 +38,10 @@
 
 namespace dsv4 {
 namespace {
+
+// Rows from which a dense linear runs as dequantise + cuBLASLt (dsv4_gemm_bench on the H200: at 512 rows cuBLASLt
+// with the decode included beats the tiled gemv on every Flash shape, at 128 the tiled gemv wins on the wide ones).
+constexpr int kGemmMinRows = 256;
 
 using gpu::RowOpParams;
 using gpu::RowRound;
@@ -207,14 +212,31 @@ class CudaRunner final : public SequenceRunner {
     p.act_scratch = act_scratch_.data();
     return p;
   }
-  // y[m, :] = x[m, k] · Wᵀ with bf16 x (gemv: m <= 64 by construction of the chunk size); `fp8_linear`: one of the
-  // reference's FP8/FP4 linears, whose input is quantised under --act-quant fp8.
+  // y[m, :] = x[m, k] · Wᵀ with bf16 x; `fp8_linear`: one of the reference's FP8/FP4 linears, whose input is
+  // quantised under --act-quant fp8.
   void linear(const char* site, const DeviceLinear& w, const void* x, void* y, int m, GemvOut out,
               bool fp8_linear = false) {
     GemvParams p = w.params(x, y, m, out);
     p.stream = stream_;
-    gemv(fp8_linear ? quantised(p) : p);
+    dense(fp8_linear ? quantised(p) : p);
     launched(site);
+  }
+  // A dense linear layer: prefill chunks of kGemmMinRows rows or more through cuBLASLt (the weight decoded into
+  // the context's bf16 scratch first; measured faster than the tiled gemv from there on, docs/perf.md), else
+  // gemv. Quantised activations and row ranges stay on gemv.
+  void dense(const GemvParams& p) {
+    const int64_t ldy = p.ldy ? p.ldy : p.n, out_bytes = p.out == GemvOut::BF16 ? 2 : 4;
+    auto aligned16 = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
+    if (!gemm_ || p.m < kGemmMinRows || p.act != GemvAct::BF16 || p.w_row0 != 0 || !aligned16(p.x) ||
+        !aligned16(p.y) || ldy * out_bytes % 16 != 0) {
+      gemv(p);
+      return;
+    }
+    GemmParams g;
+    g.m = p.m, g.n = p.n, g.k = p.k, g.x = p.x, g.weight = p.weight, g.w = p.w, g.w_scale = p.w_scale;
+    g.w_scale_2 = p.w_scale_2, g.fp8_scale = p.fp8_scale, g.y = p.y, g.ldy = ldy, g.out = p.out, g.stream = p.stream;
+    gemm_->gemm(g);
+    ++stats_.cublas_linears;
   }
   // Every part of a fused projection into its columns of y [m, f.n] (fp32); columns below fp8_rows belong to
   // FP8/FP4 linears of the reference (a part that straddles the boundary runs as two calls).
@@ -226,7 +248,7 @@ class CudaRunner final : public SequenceRunner {
         if (rows == 0) continue;
         GemvParams p = part.weight.params(x, y + part.row0 + row0, m, GemvOut::F32, f.n, row0, rows);
         p.stream = stream_;
-        gemv(fp8 ? quantised(p) : p);
+        dense(fp8 ? quantised(p) : p);
         launched(site);
       }
     }
@@ -283,6 +305,7 @@ class CudaRunner final : public SequenceRunner {
   const GemvAct act_;  // FP8 under Numerics::act == FP8: the inputs of the reference's FP8/FP4 linears
   int max_context_ = 0, window_slots_ = 0;
   int chunk_ = kCudaMaxChunk;  // tokens per prefill chunk (last-row logits); workspaces hold this many rows
+  std::optional<GemmContext> gemm_;  // cuBLASLt for the dense linears of chunks >= kGemmMinRows rows
   std::vector<SequenceDevice> seqs_;
   int current_seq_ = 0;              // the sequence forward() / reset() / n_tokens() act on
   std::vector<ChunkPart> parts_;     // of the chunk being enqueued (capacity chunk_: never reallocates)
@@ -480,6 +503,20 @@ CudaRunner::CudaRunner(const Model& model, int max_context, CudaRunnerOptions op
                    "scores per row)", chunk_, options.prefill_chunk, pairs, max_entries_);
   }
   const size_t C = chunk_, f = sizeof(float), b16 = sizeof(uint16_t);
+  if (chunk_ >= kGemmMinRows) {  // scratch for the largest non-bf16 dense weight (the experts stay on gemv)
+    size_t scratch = 0;
+    auto need = [&](const DeviceLinear& w) {
+      if (w.format != GemvWeight::BF16) scratch = std::max(scratch, size_t(w.n) * w.k);
+    };
+    for (const LayerDevice& d : layers_) {
+      for (const FusedLinear* fl : {&d.w_x, &d.w_q, &d.shared_w13})
+        for (const FusedLinear::Part& part : fl->parts) need(part.weight);
+      need(d.wo_b);
+      need(d.shared_w2);
+    }
+    gemm_.emplace(scratch);
+    stats_.workspace_bytes += scratch * b16 + GemmContext::kWorkspaceBytes;
+  }
   tokens_ = zeros(C * sizeof(int32_t));
   streams_ = zeros(C * hc * D * f);
   mix_ = zeros(C * n_mix * f);

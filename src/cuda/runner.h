@@ -56,6 +56,7 @@ struct CudaRunnerStats {
   int64_t launches_last_forward = 0;  // kernels (or graph replays) enqueued by the last forward() call
   int64_t graph_kernels = 0;          // kernel nodes in the captured decode graph (0 until captured)
   bool last_forward_replayed_graph = false;
+  int64_t cublas_linears = 0;         // dense linears run through cuBLASLt so far (prefill chunks of >= 256 rows)
   size_t weight_bytes = 0, workspace_bytes = 0;
 };
 // Stats of a runner made by make_cuda_runner (throws for other runners).

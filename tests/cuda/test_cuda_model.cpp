@@ -529,6 +529,17 @@ TEST(CudaModel, TinyFlashF32) {
   DSV4_REQUIRE_CUDA();
   check_model("tiny-flash", kF32, 150, 40, 3e-2, 0.9);
 }
+// A prompt of 300 tokens: one prefill chunk of more than 256 rows, so the dense linears run through cuBLASLt
+// (and the experts and attention through the tiled / tensor-core kernels).
+TEST(CudaModel, TinyFlashLongPromptCublas) {
+  DSV4_REQUIRE_CUDA();
+  std::string source;
+  const Model model = tiny_model("tiny-flash", kF32, &source);
+  const Model reference(model.config(), bf16_linears(model.weights()), kF32);
+  const CudaRunnerStats st = compare_runners("tiny-flash", source, model, reference, 300, 8, 3e-2, 0.9);
+  EXPECT_GT(st.cublas_linears, 0) << "the 300-token prefill did not reach cuBLASLt";
+}
+
 TEST(CudaModel, TinyFlashFp8Fp4) {
   DSV4_REQUIRE_CUDA();
   check_model("tiny-flash", kDefault, 150, 40, 5e-2, 0.65);
