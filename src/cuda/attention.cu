@@ -439,12 +439,24 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 1) attention_mma_kernel(Attent
   const int n_keys = r.n_window + r.n_comp;
   store_own_key(p, r, t);
 
-  // Q rows (heads past p.heads are zero) as bf16.
-  for (int i = threadIdx.x; i < kMmaHeads * kDim / 4; i += blockDim.x) {
-    const int h = i / (kDim / 4), d = (i % (kDim / 4)) * 4;
-    float4 v = make_float4(0, 0, 0, 0);
-    if (h0 + h < p.heads) v = *reinterpret_cast<const float4*>(p.q + t * p.q_token_stride + int64_t(h0 + h) * kDim + d);
-    *reinterpret_cast<uint2*>(q_s + h * kStride + d) = make_uint2(pack_bf16(v.x, v.y), pack_bf16(v.z, v.w));
+  // Q rows (heads past p.heads are zero) as bf16. Loads are issued 8 at a time before their stores: the global
+  // pointers could alias shared memory as far as the compiler knows, so it would not hoist them itself.
+  constexpr int kQLoads = kMmaHeads * kDim / 4 / (kMmaWarps * 32);
+  static_assert(kQLoads % 8 == 0);
+  for (int i0 = 0; i0 < kQLoads; i0 += 8) {
+    float4 v[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int idx = threadIdx.x + (i0 + i) * kMmaWarps * 32, h = idx / (kDim / 4), d = (idx % (kDim / 4)) * 4;
+      v[i] = h0 + h < p.heads
+                 ? __ldg(reinterpret_cast<const float4*>(p.q + t * p.q_token_stride + int64_t(h0 + h) * kDim + d))
+                 : make_float4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int idx = threadIdx.x + (i0 + i) * kMmaWarps * 32, h = idx / (kDim / 4), d = (idx % (kDim / 4)) * 4;
+      *reinterpret_cast<uint2*>(q_s + h * kStride + d) = make_uint2(pack_bf16(v[i].x, v[i].y), pack_bf16(v[i].z, v[i].w));
+    }
   }
   if (threadIdx.x < kMmaHeads) {
     m_s[threadIdx.x] = -INFINITY;
@@ -460,14 +472,28 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 1) attention_mma_kernel(Attent
     for (int nt = 0; nt < kDimTiles; ++nt) o[mt][nt][0] = o[mt][nt][1] = o[mt][nt][2] = o[mt][nt][3] = 0.0f;
 
   for (int j0 = 0; j0 < n_keys; j0 += kMmaKeys) {
-    // Keys j0 .. j0 + 63 (zeros past n_keys; their logits are masked below). Warp w loads keys w, w + 8, ...
-    for (int kk = warp; kk < kMmaKeys; kk += kMmaWarps) {
-      const int j = j0 + kk;
-      const float* key = j < n_keys ? key_ptr(p, r, t, j) : nullptr;
-      for (int v = lane; v < kDim / 4; v += 32) {
-        const float4 x = key ? *reinterpret_cast<const float4*>(key + 4 * v) : make_float4(0, 0, 0, 0);
-        *reinterpret_cast<uint2*>(k_s + kk * kStride + 4 * v) = make_uint2(pack_bf16(x.x, x.y), pack_bf16(x.z, x.w));
+    // Keys j0 .. j0 + 63 (zeros past n_keys; their logits are masked below). Warp w loads keys w, w + 8, ..., two
+    // keys' loads in flight before their stores (see the Q loads).
+    constexpr int kPerLane = kDim / 128;  // float4 of one key per lane
+    for (int i0 = 0; i0 < kMmaKeys / kMmaWarps; i0 += 2) {
+      const float* key[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int j = j0 + warp + kMmaWarps * (i0 + e);
+        key[e] = j < n_keys ? key_ptr(p, r, t, j) : nullptr;
       }
+      float4 v[2][kPerLane];
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+#pragma unroll
+        for (int u = 0; u < kPerLane; ++u)
+          v[e][u] = key[e] ? __ldg(reinterpret_cast<const float4*>(key[e]) + lane + 32 * u) : make_float4(0, 0, 0, 0);
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+#pragma unroll
+        for (int u = 0; u < kPerLane; ++u)
+          *reinterpret_cast<uint2*>(k_s + (warp + kMmaWarps * (i0 + e)) * kStride + 4 * (lane + 32 * u)) =
+              make_uint2(pack_bf16(v[e][u].x, v[e][u].y), pack_bf16(v[e][u].z, v[e][u].w));
     }
     __syncthreads();  // (A) the tile, Q, and the running max / sum of the previous tile
 

@@ -389,6 +389,66 @@ void launch_linear_f32(const LinearF32Params& p, int slices, cudaStream_t stream
   OPS_CHECK(err == cudaSuccess, "linear_f32: cluster launch failed: %s", cudaGetErrorString(err));
 }
 
+// Prefill chunks (m >= kLinearTallRows): the kernel above re-reads the 4 rows of x once per output column (the mHC
+// mix: 24 x 32 MB from L2 per chunk of 512). Here block (row group, column group) keeps all kCols outputs of its
+// kTallRows rows in registers: each thread walks its share of k once, loading the x rows and the kCols weight rows
+// at each step, then the block sums the partials (warp trees, then the 8 warps in order: deterministic).
+constexpr int kLinearTallRows = 64;  // m from which linear_f32_tall_kernel runs
+constexpr int kTallRows = 4;
+
+template <int kCols>
+__global__ void __launch_bounds__(kLinearThreads) linear_f32_tall_kernel(LinearF32Params p) {
+  gpu::dependent_enter();
+  __shared__ float partial[kLinearThreads / 32][kTallRows][kCols];
+  const int row0 = blockIdx.x * kTallRows, col0 = blockIdx.y * kCols, cols = min(kCols, p.n - col0);
+  const int units = p.k / 4;
+  const float4* x[kTallRows];
+#pragma unroll
+  for (int r = 0; r < kTallRows; ++r)  // rows past m re-read row m - 1 (never stored)
+    x[r] = reinterpret_cast<const float4*>(p.x + int64_t(min(row0 + r, p.m - 1)) * p.k);
+  const float4* w = reinterpret_cast<const float4*>(p.w + int64_t(col0) * p.k);
+  float acc[kTallRows][kCols];
+#pragma unroll
+  for (int r = 0; r < kTallRows; ++r)
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) acc[r][c] = 0.0f;
+  for (int u = threadIdx.x; u < units; u += kLinearThreads) {
+    float4 xv[kTallRows];
+#pragma unroll
+    for (int r = 0; r < kTallRows; ++r) xv[r] = x[r][u];
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) {
+      const float4 wv = c < cols ? w[int64_t(c) * units + u] : float4{};
+#pragma unroll
+      for (int r = 0; r < kTallRows; ++r) acc[r][c] = dot_acc(xv[r], wv, acc[r][c]);
+    }
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int r = 0; r < kTallRows; ++r)
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) {
+      const float v = detail::warp_sum(acc[r][c]);
+      if (lane == 0) partial[warp][r][c] = v;
+    }
+  __syncthreads();
+  for (int i = threadIdx.x; i < kTallRows * kCols; i += kLinearThreads) {
+    const int r = i / kCols, c = i % kCols;
+    if (row0 + r >= p.m || c >= cols) continue;
+    float total = 0.0f;
+    for (int wp = 0; wp < kLinearThreads / 32; ++wp) total += partial[wp][r][c];
+    p.y[int64_t(row0 + r) * p.n + col0 + c] = total * p.scale;
+  }
+}
+
+// Columns per block: the n of the mHC mixes (24) and of small routers / weight projections in one group.
+template <int kCols>
+void launch_linear_f32_tall(const LinearF32Params& p, cudaStream_t stream) {
+  const dim3 grid(unsigned((p.m + kTallRows - 1) / kTallRows), unsigned((p.n + kCols - 1) / kCols));
+  gpu::launch(linear_f32_tall_kernel<kCols>, grid, kLinearThreads, 0, stream, p);
+  DSV4_CUDA_LAUNCHED();
+}
+
 // ---- mHC ---------------------------------------------------------------------------------------------------------
 // One block per token (hc_pre: two, see hc_pre_kernel); thread i owns the column groups d = 4i, 4i + 4·blockDim, ..
 // of all hc streams. kHc is the register array bound (4 covers the models; 8 the contract's limit).
@@ -773,6 +833,17 @@ void row_op_pair(const RowOpParams& a, const RowOpParams& b, cudaStream_t stream
 
 void linear_f32(const LinearF32Params& p, cudaStream_t stream) {
   if (int64_t(p.m) * p.n == 0) return;
+  if (p.m >= kLinearTallRows && p.k % 4 == 0 && aligned(p.x, 16) && aligned(p.w, 16)) {
+    if (p.n <= 8)
+      launch_linear_f32_tall<8>(p, stream);
+    else if (p.n <= 16)
+      launch_linear_f32_tall<16>(p, stream);
+    else if (p.n <= 24)
+      launch_linear_f32_tall<24>(p, stream);
+    else
+      launch_linear_f32_tall<32>(p, stream);
+    return;
+  }
   const int rows_per_block = p.m >= 4 ? 4 : 1;
   const int64_t row_groups = (p.m + rows_per_block - 1) / rows_per_block;
   OPS_CHECK(row_groups <= 65535, "linear_f32: m = %d rows exceed one grid", p.m);

@@ -381,6 +381,12 @@ TEST(OpsRowsLinearF32, PrefillShapes) {
   check_linear_f32(64, 64, 4096, 1.0f, 0, 47);
   check_linear_f32(64, 256, 4096, 1.0f, 0, 48);
   check_linear_f32(6, 24, 16384, 1.0f, 0, 49);   // a partial group of four rows
+  // from 64 rows: 4 rows x up to 32 columns per block (column groups of 8 / 16 / 24 / 32, partial groups)
+  check_linear_f32(512, 24, 16384, 1.0f, 0, 54);  // mHC mix of a 512-token chunk
+  check_linear_f32(130, 4, 16384, 1.0f, 0, 55);   // head mix, partial row group
+  check_linear_f32(101, 64, 4096, 0.25f, 0, 56);  // indexer weights_proj: two column groups
+  check_linear_f32(70, 257, 4096, 1.0f, 0, 57);   // router gate + 1: a last group of one column
+  check_linear_f32(64, 13, 2048, -1.0f, 4, 58);   // x offset by 16 bytes
 }
 
 TEST(OpsRowsLinearF32, OddKAndMisalignedPointers) {
