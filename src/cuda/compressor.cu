@@ -2,7 +2,9 @@
 // 3.5 KV compressor advance (contract in ops.h). Decode steps (one token, or a graph replay reading the position on
 // the device) walk the reference state update token by token; prefill chunks compute every entry that completes
 // in the chunk in parallel (a block per (entry, 128 columns)), then rewrite the partial-block state in a second
-// launch. Both give the same bits: each entry is pooled over the same rows in the same order.
+// launch (not overlapped: a thread per (column, position)). Both give the same bits: each entry is pooled over the
+// same rows in the same order.
+#include <algorithm>
 #include <cmath>
 
 #include "cuda/launch.cuh"
@@ -93,29 +95,48 @@ struct ChunkRows {
 };
 
 // Block (column slice, entry b_first + blockIdx.y): the entry's softmax pool over its rows (previous block's first
-// half + current block's second half when overlapped), in the walk kernel's row order and roundings.
+// half + current block's second half when overlapped), in the walk kernel's row order and roundings. The block's
+// kEntryGroups thread groups first stage the (kv, score) rows in shared memory, all loads in flight together; then
+// one thread per column pools them in order (the max is order-free, the sums run in the walk's order: same bits).
+constexpr int kEntryGroups = 8;
+
 __global__ void compressor_entries_kernel(CompressorParams p, int64_t b_first) {
   gpu::dependent_enter();
-  const int j = blockIdx.x * blockDim.x + threadIdx.x;
-  if (j >= p.dim) return;
+  extern __shared__ float entry_rows[];  // kv [n_rows][kColumnThreads], then score [n_rows][kColumnThreads]
+  const int jl = threadIdx.x % kColumnThreads, group = threadIdx.x / kColumnThreads;
+  const int j = blockIdx.x * kColumnThreads + jl;
   const int r = p.ratio, d = p.dim, width = p.overlap ? 2 * d : d, n_rows = p.overlap ? 2 * r : r;
+  float* kv_rows = entry_rows;
+  float* score_rows = entry_rows + n_rows * kColumnThreads;
   const ChunkRows rows{p, r, width, (p.pos0 / r) * r};
   const int64_t b = b_first + blockIdx.y, first = p.overlap ? (b - 1) * r : b * r;
+  if (j < d)
+    for (int rr = group; rr < n_rows; rr += kEntryGroups)
+      rows.get(first + rr, p.overlap && rr >= r ? d + j : j, kv_rows[rr * kColumnThreads + jl],
+               score_rows[rr * kColumnThreads + jl]);
+  __syncthreads();
+  if (group != 0 || j >= d) return;
   float mx = -INFINITY;
-  for (int rr = 0; rr < n_rows; ++rr) {
-    float kv, score;
-    rows.get(first + rr, p.overlap && rr >= r ? d + j : j, kv, score);
-    mx = fmaxf(mx, score);
-  }
+  for (int rr = 0; rr < n_rows; ++rr) mx = fmaxf(mx, score_rows[rr * kColumnThreads + jl]);
   float sum = 0, acc = 0;
   for (int rr = 0; rr < n_rows; ++rr) {
-    float kv, score;
-    rows.get(first + rr, p.overlap && rr >= r ? d + j : j, kv, score);
-    const float e = expf(score - mx);
+    const float e = expf(score_rows[rr * kColumnThreads + jl] - mx);
     sum = __fadd_rn(sum, e);
-    acc = __fadd_rn(acc, __fmul_rn(e, kv));
+    acc = __fadd_rn(acc, __fmul_rn(e, kv_rows[rr * kColumnThreads + jl]));
   }
   p.entries[b * d + j] = acc / sum;
+}
+
+// Not overlapped: the partial block at the end of the chunk is a plain copy of chunk rows (score = gate + ape), one
+// thread per (column, position) of it.
+__global__ void compressor_state_copy_kernel(CompressorParams p, int64_t from) {
+  gpu::dependent_enter();
+  const int col = blockIdx.x * blockDim.x + threadIdx.x;
+  if (col >= p.dim) return;
+  const int64_t pos = from + blockIdx.y, t = pos - p.pos0;
+  const int i = int(pos % p.ratio);
+  p.state_kv[i * p.dim + col] = p.kv_in[t * p.in_stride + col];
+  p.state_score[i * p.dim + col] = p.gate_in[t * p.in_stride + col] + p.ape[i * p.dim + col];
 }
 
 // After the entries: the state the walk would leave, per column col < width. Overlapped: rows 0..r-1 = the last
@@ -165,9 +186,23 @@ void compressor_advance(const CompressorParams& p, cudaStream_t stream) {
   const int64_t b_first = p.pos0 / p.ratio, b_end = (p.pos0 + p.n) / p.ratio;
   if (b_end > b_first) {
     OPS_CHECK(b_end - b_first <= 65535, "compressor_advance: %lld entries in one chunk", (long long)(b_end - b_first));
+    const int n_rows = p.overlap ? 2 * p.ratio : p.ratio;
+    const size_t smem = size_t(2) * n_rows * kColumnThreads * sizeof(float);
+    OPS_CHECK(smem <= size_t(200) << 10, "compressor_advance: ratio %d stages %zu bytes of rows", p.ratio, smem);
+    static const cudaError_t configured = cudaFuncSetAttribute(
+        compressor_entries_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(size_t(200) << 10));
+    OPS_CHECK(configured == cudaSuccess, "compressor_advance: cannot give the entry kernel 200 KB of shared memory");
     gpu::launch(compressor_entries_kernel, dim3(blocks_for(p.dim, kColumnThreads), unsigned(b_end - b_first)),
-                kColumnThreads, 0, stream, p, b_first);
+                kColumnThreads * kEntryGroups, smem, stream, p, b_first);
     DSV4_CUDA_LAUNCHED();
+  }
+  if (!p.overlap) {  // the rows of the partial block at the end come straight from the chunk
+    const int64_t end = p.pos0 + p.n, from = std::max(end / p.ratio * p.ratio, p.pos0);
+    if (end > from)
+      gpu::launch(compressor_state_copy_kernel, dim3(blocks_for(p.dim, kColumnThreads), unsigned(end - from)),
+                  kColumnThreads, 0, stream, p, from);
+    DSV4_CUDA_LAUNCHED();
+    return;
   }
   const int width = p.overlap ? 2 * p.dim : p.dim;
   gpu::launch(compressor_state_kernel, blocks_for(width, kColumnThreads), kColumnThreads, 0, stream, p);

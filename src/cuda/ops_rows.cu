@@ -677,6 +677,7 @@ int hc_threads(int D, int hc_bound) {
   return warps * 32 < limit ? warps * 32 : limit;
 }
 
+constexpr int kHcPrefillRows = 64;  // hc_pre rows from which a row gets 256 threads
 constexpr int kHcPostThreads = 64;  // a decode step's 1024 column groups over 16 blocks
 
 // 16-byte groups of four columns: D % 4 == 0 and every pointer aligned.
@@ -873,10 +874,15 @@ void hc_pre(const HcPreParams& p, cudaStream_t stream) {
   if (p.n == 0) return;
   const dim3 grid(unsigned(p.n), 2);
   const size_t smem = size_t((p.D + 3) / 4) * sizeof(float4);
+  // A decode step's few tokens spread each row over up to 1024 threads (latency); a prefill chunk's rows fill the
+  // GPU anyway, so 256 threads per row let 8 rows share an SM instead of 2 (measured 72 -> see docs/perf.md).
+  auto threads = [&](int bound) {
+    return p.n >= kHcPrefillRows ? std::min(hc_threads(p.D, bound), 256) : hc_threads(p.D, bound);
+  };
   if (p.hc <= 4)
-    gpu::launch(hc_pre_kernel<4>, grid, hc_threads(p.D, 4), smem, stream, p);
+    gpu::launch(hc_pre_kernel<4>, grid, threads(4), smem, stream, p);
   else
-    gpu::launch(hc_pre_kernel<kMaxHc>, grid, hc_threads(p.D, kMaxHc), smem, stream, p);
+    gpu::launch(hc_pre_kernel<kMaxHc>, grid, threads(kMaxHc), smem, stream, p);
   DSV4_CUDA_LAUNCHED();
 }
 

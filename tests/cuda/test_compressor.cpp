@@ -106,6 +106,12 @@ TEST(CudaCompressor, ChunkedRatio128MatchesWalk) {
   DSV4_REQUIRE_CUDA();
   check_chunked_equals_walk(128, 512, false, {64, 64, 64, 64, 30, 64});  // entries at chunk ends and mid-chunk
   check_chunked_equals_walk(128, 64, false, {100, 64, 64});
+  check_chunked_equals_walk(128, 96, false, {512, 300, 1, 200});       // prefill chunks: several entries each
+}
+
+TEST(CudaCompressor, PrefillChunksOverlappedMatchWalk) {
+  DSV4_REQUIRE_CUDA();
+  check_chunked_equals_walk(4, 512, true, {512, 70, 1, 130});
 }
 
 }  // namespace

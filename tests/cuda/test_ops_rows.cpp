@@ -243,6 +243,8 @@ TEST(OpsRowsHcPre, OddSizesAndMisalignedStreams) {
   check_hc_pre({2, 4, 4096, true, true}, 8);    // streams not 16-byte aligned
   check_hc_pre({2, 6, 96, false, true}, 9);     // hc 6: 36 Sinkhorn cells, two per lane
   check_hc_pre({1, 8, 1000, false, true}, 10);  // hc 8, the contract's limit
+  check_hc_pre({70, 8, 1000, false, true}, 11);  // prefill rows (256 threads each), hc 8
+  check_hc_pre({65, 4, 4099, false, true}, 12);  // prefill rows, scalar loads
   check_hc_pre({2, 1, 64, false, true}, 11);
 }
 
