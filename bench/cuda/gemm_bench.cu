@@ -18,6 +18,7 @@
 #include "cuda/device.h"
 #include "cuda/gemm.h"
 #include "cuda/gemv.h"
+#include "cuda/gemv_launch.h"
 
 namespace {
 
@@ -106,8 +107,8 @@ int main() try {
   cudaStream_t s;
   check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
 
-  std::printf("%-10s %-18s %6s %10s %9s %7s %12s | %-10s %9s %7s\n", "format", "shape", "m", "time (us)", "TFLOP/s",
-              "of peak", "decode (us)", "tiled (us)", "TFLOP/s", "of peak");
+  std::printf("%-10s %-18s %6s %10s %9s %7s %12s | %-10s %9s %7s | %-12s %9s\n", "format", "shape", "m", "time (us)",
+              "TFLOP/s", "of peak", "decode (us)", "tiled (us)", "TFLOP/s", "of peak", "tiled 1 (us)", "TFLOP/s");
   for (const Format& f : formats) {
     // Valid codes: bf16 in +-[0.5, 1), e4m3 without NaN, any e2m1; scales 2^0 (e8m0 127) / e4m3 1.0 (0x38).
     fill(w, 3, f.w == GemvWeight::BF16 ? 0x807F807Fu : f.w == GemvWeight::FP8_BLOCK ? 0xBFBFBFBFu : ~0u,
@@ -130,11 +131,16 @@ int main() try {
         GemvParams g;
         g.m = m, g.n = sh.n, g.k = sh.k, g.x = x.data(), g.w = w.data(), g.w_scale = wd.w_scale, g.w_scale_2 = 0.5f;
         g.y = y.data(), g.weight = f.w, g.out = GemvOut::BF16;
+        detail::tiled_weight_tiles = 2;
         const double t_tiled = time_call([&](cudaStream_t st) { g.stream = st; gemv(g); }, s);
         const double tiled_tflops = 2.0 * m * sh.n * sh.k / t_tiled * 1e-12;
-        std::printf("%-10s %-18s %6d %10.1f %9.1f %6.1f%% %12.1f | %10.1f %9.1f %6.1f%%\n", f.name, sh.name, m,
-                    t * 1e6, tflops, 100.0 * tflops / kPeakTflops, t_decode * 1e6, t_tiled * 1e6, tiled_tflops,
-                    100.0 * tiled_tflops / kPeakTflops);
+        detail::tiled_weight_tiles = 1;  // the variant with one 16-row weight tile per warp, two blocks per SM
+        const double t_tiled1 = time_call([&](cudaStream_t st) { g.stream = st; gemv(g); }, s);
+        detail::tiled_weight_tiles = 0;
+        std::printf("%-10s %-18s %6d %10.1f %9.1f %6.1f%% %12.1f | %10.1f %9.1f %6.1f%% | %12.1f %9.1f\n", f.name,
+                    sh.name, m, t * 1e6, tflops, 100.0 * tflops / kPeakTflops, t_decode * 1e6, t_tiled * 1e6,
+                    tiled_tflops, 100.0 * tiled_tflops / kPeakTflops, t_tiled1 * 1e6,
+                    2.0 * m * sh.n * sh.k / t_tiled1 * 1e-12);
       }
     }
   }

@@ -55,6 +55,10 @@ cudaError_t gemv_w4a8_launch(const KernelArgs& a, const GemvParams& p, dim3 grid
 // Plain, batched (grid.y) and grouped (grid.y slots, grid.z projections) like the skinny kernel; a.m is the row
 // count (grouped: the most rows a slot holds; more are covered by further passes).
 bool gemv_tiled_supported(const GemvParams& p);
+// 16-row weight tiles per warp of the tiled kernel: 0 = chosen per launch (1 when 256-row blocks would not give
+// every SM two blocks, else 2), or forced to 2 (256 rows per block, one block per SM) or 1 (128 rows, two blocks
+// per SM). Benchmarks and tests force it to compare; the engine leaves 0.
+extern int tiled_weight_tiles;
 cudaError_t gemv_tiled_launch(const KernelArgs& a, const GemvParams& p, dim3 grid, bool grouped);
 
 // y[r, :] = act_quant_fp8(x[r, :]) as bf16 for r < rows (act_quant_fp8 in gemv.h).

@@ -1,13 +1,13 @@
 // SPDX-License-Identifier: MIT
 // The tiled tensor-core kernel behind gemv() for m > kGemvMaxM (prefill chunks; contract in gemv.h).
-// A block computes 256 weight rows x 64 activation rows: each of its 8 warps owns two 16-row weight tiles, decodes
-// them from the checkpoint bytes in registers exactly like the skinny kernel (same per-thread 16-byte pieces, same
-// k permutation), and multiplies them against 64 activation rows. Per k-chunk the block stages the activation tile
-// and its 256 x 64-byte weight slice in shared memory (cp.async, four stages; the scale bits come one chunk ahead
-// through registers), so an activation fragment feeds two weight tiles and a weight fragment eight activation
-// tiles. The outputs go through shared memory so that each token's row is stored coalesced. Blocks of one weight
-// tile and consecutive row tiles are adjacent in the grid, so the weight bytes come from DRAM about once and from
-// L2 for the other row tiles.
+// A block computes 256 weight rows x 64 activation rows (128 x 64 when that leaves SMs idle): each of its 8 warps
+// owns two (one) 16-row weight tiles, decodes them from the checkpoint bytes in registers exactly like the skinny
+// kernel (same per-thread 16-byte pieces, same k permutation), and multiplies them against 64 activation rows. Per
+// k-chunk the block stages the activation tile and its 64-byte weight slices in shared memory (cp.async, four
+// stages; the scale bits come one chunk ahead through registers), so an activation fragment feeds the warp's weight
+// tiles and a weight fragment eight activation tiles. The outputs go through shared memory so that each token's
+// row is stored coalesced. Blocks of one weight tile and consecutive row tiles are adjacent in the grid, so the
+// weight bytes come from DRAM about once and from L2 for the other row tiles.
 // FP8 block weights with f32 scales are not handled here (gemv.cpp runs the skinny kernel for them).
 #include <cuda_bf16.h>
 
@@ -15,6 +15,7 @@
 #include <cstdint>
 
 #include "cuda/dequant.cuh"
+#include "cuda/device.h"
 #include "cuda/gemv_launch.h"
 #include "cuda/gemv_slot.cuh"
 #include "cuda/launch.cuh"
@@ -25,8 +26,6 @@ namespace {
 enum class Fmt { BF16, FP8, MXFP4, NVFP4 };
 
 constexpr int kWarps = 8, kThreads = kWarps * 32;
-constexpr int kWeightTiles = 2;                        // 16-row weight tiles per warp
-constexpr int kBlockRows = kWarps * kWeightTiles * 16;  // weight rows per block
 constexpr int kBlockTokens = 64;                        // activation rows per block (8 mma n-tiles)
 constexpr int kTokenTiles = kBlockTokens / 8;
 constexpr int kStages = 4;
@@ -91,8 +90,10 @@ __device__ __forceinline__ void decode_eight(const uint4& raw, int cc, const uin
 
 // Shared memory of one block: kStages stages of (activation tile, weight tile), reused by the epilogue as the
 // [64 tokens][kBlockRows] fp32 output tile.
-template <Fmt F>
+// kWeightTiles: 16-row weight tiles per warp (2: one block of 256 rows per SM; 1: two blocks of 128 rows).
+template <Fmt F, int kWeightTiles>
 struct TiledSmem {
+  static constexpr int kBlockRows = kWarps * kWeightTiles * 16;  // weight rows per block
   static constexpr int kXUnits = kBlockTokens * chunk_k<F>() / 8;  // 16-byte units per stage
   static constexpr int kWUnits = kBlockRows * 4;                    // 64 bytes of each weight row per stage
   static constexpr int kOutStride = kBlockRows + 4;                 // floats per token row of the output tile
@@ -100,10 +101,11 @@ struct TiledSmem {
   static constexpr size_t kBytes = std::max(kStages * kStageBytes, size_t(kBlockTokens) * kOutStride * 4);
 };
 
-template <Fmt F, bool kGrouped>
-__global__ void __launch_bounds__(kThreads, 1) gemv_tiled_kernel(const KernelArgs a) {
+template <Fmt F, bool kGrouped, int kWeightTiles>
+__global__ void __launch_bounds__(kThreads, kWeightTiles == 1 ? 2 : 1) gemv_tiled_kernel(const KernelArgs a) {
   gpu::allow_dependents();
-  using S = TiledSmem<F>;
+  using S = TiledSmem<F, kWeightTiles>;
+  constexpr int kBlockRows = S::kBlockRows;
   constexpr int kPiece = piece_elems<F>(), kChunkK = chunk_k<F>();
   constexpr int kRowChunks = kChunkK / 8;            // 16-byte units per token per stage
   constexpr int kXCopies = S::kXUnits / kThreads;     // cp.async per thread per stage
@@ -300,24 +302,33 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_tiled_kernel(const KernelArg
   }  // row passes
 }
 
-template <Fmt F, bool kGrouped>
+template <Fmt F, bool kGrouped, int kWeightTiles>
 cudaError_t launch_fmt(const KernelArgs& a, dim3 grid, cudaStream_t stream) {
+  using S = TiledSmem<F, kWeightTiles>;
   const int token_blocks = (a.m + kBlockTokens - 1) / kBlockTokens;
-  grid.x = unsigned((a.n + kBlockRows - 1) / kBlockRows * token_blocks);
-  constexpr size_t smem = TiledSmem<F>::kBytes;
-  static const cudaError_t configured =
-      cudaFuncSetAttribute(gemv_tiled_kernel<F, kGrouped>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  grid.x = unsigned((a.n + S::kBlockRows - 1) / S::kBlockRows * token_blocks);
+  constexpr size_t smem = S::kBytes;
+  static const cudaError_t configured = cudaFuncSetAttribute(gemv_tiled_kernel<F, kGrouped, kWeightTiles>,
+                                                             cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   if (configured != cudaSuccess) return configured;
-  gpu::launch(gemv_tiled_kernel<F, kGrouped>, grid, kThreads, smem, stream, a);
+  gpu::launch(gemv_tiled_kernel<F, kGrouped, kWeightTiles>, grid, kThreads, smem, stream, a);
   return cudaGetLastError();
 }
 
 template <Fmt F>
 cudaError_t launch_any(const KernelArgs& a, dim3 grid, cudaStream_t stream, bool grouped) {
-  return grouped ? launch_fmt<F, true>(a, grid, stream) : launch_fmt<F, false>(a, grid, stream);
+  // One tile per warp when 256-row blocks would leave SMs idle (dsv4_gemm_bench: same speed on large grids, up to
+  // 1.6x faster on small ones, e.g. 1024 x 4096 at m = 128).
+  const int64_t big_blocks = int64_t((a.n + 255) / 256) * ((a.m + kBlockTokens - 1) / kBlockTokens) * grid.y * grid.z;
+  const int tiles = tiled_weight_tiles ? tiled_weight_tiles : big_blocks < 2 * int64_t(current_sm_count()) ? 1 : 2;
+  if (tiles == 1)
+    return grouped ? launch_fmt<F, true, 1>(a, grid, stream) : launch_fmt<F, false, 1>(a, grid, stream);
+  return grouped ? launch_fmt<F, true, 2>(a, grid, stream) : launch_fmt<F, false, 2>(a, grid, stream);
 }
 
 }  // namespace
+
+int tiled_weight_tiles = 0;
 
 bool gemv_tiled_supported(const GemvParams& p) {
   return p.m > kGemvMaxM && !(p.weight == GemvWeight::FP8_BLOCK && p.fp8_scale == GemvScale::F32);

@@ -19,6 +19,7 @@
 #include "cuda/cuda_check.h"
 #include "cuda/device.h"
 #include "cuda/gemv.h"
+#include "cuda/gemv_launch.h"
 #include "dequant_probe.h"
 #include "formats/fp4.h"
 #include "formats/fp8.h"
@@ -341,6 +342,38 @@ INSTANTIATE_TEST_SUITE_P(AllFormats, GemvTest, ::testing::ValuesIn(all_cases()),
                          [](const ::testing::TestParamInfo<Case>& info) { return case_name(info.param); });
 
 // ---------------------------------------------------------------------------------------------------------
+// The tiled kernel's variant with one 16-row weight tile per warp (two blocks per SM) computes every output with
+// the same k order as the default one, so the two agree bit for bit (the default is checked against fp64 above).
+TEST(GemvTiled, WeightTileVariantsAgreeBitForBit) {
+  DSV4_REQUIRE_CUDA();
+  std::mt19937_64 rng(77);
+  for (const auto& [w, s] : {std::pair{GemvWeight::BF16, GemvScale::E8M0}, {GemvWeight::FP8_BLOCK, GemvScale::E8M0},
+                             {GemvWeight::MXFP4, GemvScale::E8M0}, {GemvWeight::NVFP4, GemvScale::E8M0}})
+    for (const auto& [m, n, k] : {std::tuple{130, 301, 1056}, {300, 600, 512}, {65, 45, 4128}}) {
+      const Case c{w, s, m, n, k, GemvOut::F32, 0};
+      const HostProblem h = make_problem(c, rng);
+      DeviceBuffer x(h.x.size() * 2), dw(h.w.size()), ds(std::max<size_t>(h.scale.size(), 16)), y(size_t(m) * n * 4);
+      x.upload(h.x.data(), h.x.size() * 2);
+      dw.upload(h.w.data(), h.w.size());
+      if (!h.scale.empty()) ds.upload(h.scale.data(), h.scale.size());
+      GemvParams p;
+      p.m = m, p.n = n, p.k = k, p.x = x.data(), p.w = dw.data(), p.w_scale = ds.data(), p.w_scale_2 = h.scale_2;
+      p.y = y.data(), p.weight = w, p.fp8_scale = s;
+      std::vector<std::vector<float>> got;
+      for (int tiles : {2, 1}) {
+        detail::tiled_weight_tiles = tiles;
+        y.fill_bytes(0xff);
+        gemv(p);
+        DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+        got.emplace_back(size_t(m) * n);
+        y.download(got.back().data(), got.back().size() * 4);
+      }
+      detail::tiled_weight_tiles = 0;
+      EXPECT_EQ(0, std::memcmp(got[0].data(), got[1].data(), got[0].size() * 4))
+          << gemv_weight_name(w) << " m " << m << " n " << n << " k " << k;
+    }
+}
+
 // Grouped (MoE) gemv and its slot builder, against the same fp64 reference per routed pair.
 
 struct GroupedCase {
