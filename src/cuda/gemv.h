@@ -6,8 +6,8 @@
 //     activations come through L1; at small m it runs at memory bandwidth.
 //   m > 64: the tiled kernel (gemv_tiled.cu): 256 (or, on small grids, 128) weight rows x 64 activation rows per
 //     block, activations and weights staged in shared memory, weights from DRAM about once and from L2 for the
-//     further row tiles. FP8 block weights
-//     with f32 scales have no tiled kernel: they run as skinny 64-row pieces (logged once).
+//     further row tiles. FP8 block weights with f32 scales have no tiled kernel: they run as skinny 64-row pieces
+//     (logged once).
 //
 // Contract
 //   x  [m, k] bf16, row-major, contiguous (row stride k).
