@@ -472,24 +472,28 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 1) attention_mma_kernel(Attent
     for (int nt = 0; nt < kDimTiles; ++nt) o[mt][nt][0] = o[mt][nt][1] = o[mt][nt][2] = o[mt][nt][3] = 0.0f;
 
   for (int j0 = 0; j0 < n_keys; j0 += kMmaKeys) {
-    // Keys j0 .. j0 + 63 (zeros past n_keys; their logits are masked below). Warp w loads keys w, w + 8, ..., two
-    // keys' loads in flight before their stores (see the Q loads).
+    // Keys j0 .. j0 + 63 (zeros past n_keys; their logits are masked below). Warp w loads keys w, w + 8, ...: lane
+    // e < 8 finds key w + 8e (an indexer pick is one more load), then four keys' loads at a time are in flight
+    // before their stores (see the Q loads).
     constexpr int kPerLane = kDim / 128;  // float4 of one key per lane
-    for (int i0 = 0; i0 < kMmaKeys / kMmaWarps; i0 += 2) {
-      const float* key[2];
+    constexpr int kWarpKeys = kMmaKeys / kMmaWarps, kBatch = 4;
+    const float* my_key = nullptr;
+    if (lane < kWarpKeys) {
+      const int j = j0 + warp + kMmaWarps * lane;
+      if (j < n_keys) my_key = key_ptr(p, r, t, j);
+    }
+    for (int i0 = 0; i0 < kWarpKeys; i0 += kBatch) {
+      float4 v[kBatch][kPerLane];
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int j = j0 + warp + kMmaWarps * (i0 + e);
-        key[e] = j < n_keys ? key_ptr(p, r, t, j) : nullptr;
-      }
-      float4 v[2][kPerLane];
-#pragma unroll
-      for (int e = 0; e < 2; ++e)
+      for (int e = 0; e < kBatch; ++e) {
+        const float* key = reinterpret_cast<const float*>(
+            __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(my_key), i0 + e));
 #pragma unroll
         for (int u = 0; u < kPerLane; ++u)
-          v[e][u] = key[e] ? __ldg(reinterpret_cast<const float4*>(key[e]) + lane + 32 * u) : make_float4(0, 0, 0, 0);
+          v[e][u] = key ? __ldg(reinterpret_cast<const float4*>(key) + lane + 32 * u) : make_float4(0, 0, 0, 0);
+      }
 #pragma unroll
-      for (int e = 0; e < 2; ++e)
+      for (int e = 0; e < kBatch; ++e)
 #pragma unroll
         for (int u = 0; u < kPerLane; ++u)
           *reinterpret_cast<uint2*>(k_s + (warp + kMmaWarps * (i0 + e)) * kStride + 4 * (lane + 32 * u)) =
