@@ -488,20 +488,10 @@ CudaRunner::CudaRunner(const Model& model, int max_context, CudaRunnerOptions op
     for (const DeviceBuffer* b : {&d.gate, &d.index_wproj}) stats_.weight_bytes += bytes_of(*b);
   }
   const int n_mix = (2 + hc) * hc, k = c.n_experts_per_tok, pairs = k + 1;  // + the shared expert's pair
-  DSV4_CHECK(options.prefill_chunk >= kCudaMaxChunk && options.prefill_chunk <= 4096 &&
-                 options.prefill_chunk % kCudaMaxChunk == 0,
-             "cuda runner: prefill_chunk = {} must be a multiple of {} in [{}, 4096]", options.prefill_chunk,
-             kCudaMaxChunk, kCudaMaxChunk);
-  {
-    const int by_slots = 4096 / pairs / kCudaMaxChunk * kCudaMaxChunk;  // moe_slots sorts <= 4096 pairs
-    const int by_scores = int(std::min<int64_t>(4096, (int64_t(256) << 20) / (int64_t(max_entries_) * 4)) /
-                              kCudaMaxChunk * kCudaMaxChunk);
-    const int by_context = (max_context + kCudaMaxChunk - 1) / kCudaMaxChunk * kCudaMaxChunk;
-    chunk_ = std::max(kCudaMaxChunk, std::min({options.prefill_chunk, by_slots, by_scores, by_context}));
-    if (chunk_ < options.prefill_chunk && chunk_ < by_context)
-      spdlog::info("cuda runner: prefill chunks of {} tokens instead of {} ({} routed pairs per token, {} indexer "
-                   "scores per row)", chunk_, options.prefill_chunk, pairs, max_entries_);
-  }
+  chunk_ = cuda_prefill_chunk(options.prefill_chunk, pairs, max_entries_, max_context);
+  if (chunk_ < options.prefill_chunk && chunk_ < max_context)  // lowered by the limits, not by a short context
+    spdlog::info("cuda runner: prefill chunks of {} tokens instead of {} ({} routed pairs per token, {} indexer "
+                 "scores per row)", chunk_, options.prefill_chunk, pairs, max_entries_);
   const size_t C = chunk_, f = sizeof(float), b16 = sizeof(uint16_t);
   if (chunk_ >= kGemmMinRows) {  // scratch for the largest non-bf16 dense weight (the experts stay on gemv)
     size_t scratch = 0;
@@ -1193,6 +1183,20 @@ void CudaRunner::ffn_block(int l, int n) {
 }
 
 }  // namespace
+
+int cuda_prefill_chunk(int requested, int pairs_per_token, int max_entries, int max_context) {
+  DSV4_CHECK(requested >= kCudaMaxChunk && requested <= 4096 && requested % kCudaMaxChunk == 0,
+             "cuda runner: prefill_chunk = {} must be a multiple of {} in [{}, 4096]", requested, kCudaMaxChunk,
+             kCudaMaxChunk);
+  DSV4_CHECK(pairs_per_token > 0 && max_entries > 0 && max_context > 0,
+             "cuda_prefill_chunk: pairs_per_token {}, max_entries {} and max_context {} must be positive",
+             pairs_per_token, max_entries, max_context);
+  auto down = [](int64_t v) { return int(v / kCudaMaxChunk * kCudaMaxChunk); };
+  const int by_slots = down(4096 / pairs_per_token);  // moe_slots sorts <= 4096 pairs
+  const int by_scores = down(std::min<int64_t>(4096, (int64_t(256) << 20) / (int64_t(max_entries) * 4)));
+  const int by_context = down(int64_t(max_context) + kCudaMaxChunk - 1);  // no chunk longer than the context
+  return std::max(kCudaMaxChunk, std::min({requested, by_slots, by_scores, by_context}));
+}
 
 std::unique_ptr<SequenceRunner> make_cuda_runner(const Model& model, int max_context, CudaRunnerOptions options) {
   if (const char* env = std::getenv("DSV4_CUDA_GRAPH"); env && std::string(env) == "0") options.graph_decode = false;

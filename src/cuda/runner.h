@@ -49,6 +49,12 @@ struct CudaRunnerOptions {
   int prefill_chunk = kCudaPrefillChunk;
 };
 
+// The prefill chunk a runner settles on (host arithmetic, no GPU needed): `requested` (a multiple of 64 in
+// [64, 4096], else throws) lowered to a multiple of 64 so that a chunk's routed pairs (pairs_per_token each) fit
+// moe_slots' 4096, the indexer's score scratch [chunk, max_entries] fp32 stays within 256 MiB, and no chunk is longer
+// than the context rounded up to 64; never below 64.
+int cuda_prefill_chunk(int requested, int pairs_per_token, int max_entries, int max_context);
+
 // Throws dsv4::Error when no CUDA device is usable or the model has a shape the kernels do not support.
 std::unique_ptr<SequenceRunner> make_cuda_runner(const Model& model, int max_context, CudaRunnerOptions options = {});
 

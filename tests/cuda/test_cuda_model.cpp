@@ -852,6 +852,19 @@ TEST(CudaModel, DependentLaunchChangesNoBits) {
 }
 
 // Runs anywhere: without a device the runner must refuse with dsv4::Error, not crash.
+// Host arithmetic only (runs without a GPU): the chunk a runner settles on.
+TEST(CudaRunnerChunk, PrefillChunkLimits) {
+  EXPECT_EQ(cuda_prefill_chunk(512, 7, 2048, 32768), 512);     // Flash: 6 picks + shared, 8K entries
+  EXPECT_EQ(cuda_prefill_chunk(4096, 7, 2048, 32768), 576);    // moe_slots: 576 · 7 = 4032 <= 4096 pairs
+  EXPECT_EQ(cuda_prefill_chunk(512, 7, 262144, 1 << 20), 256);  // 1M context: 256 rows of 262144 scores = 256 MiB
+  EXPECT_EQ(cuda_prefill_chunk(512, 3, 40, 198), 256);         // a short context rounds up to 64
+  EXPECT_EQ(cuda_prefill_chunk(512, 3, 40, 20), 64);           // never below 64
+  EXPECT_EQ(cuda_prefill_chunk(64, 200, 1 << 24, 1 << 26), 64);  // every limit below 64: 64
+  EXPECT_THROW(cuda_prefill_chunk(100, 7, 2048, 32768), Error);  // not a multiple of 64
+  EXPECT_THROW(cuda_prefill_chunk(8192, 7, 2048, 32768), Error);
+  EXPECT_THROW(cuda_prefill_chunk(512, 0, 2048, 32768), Error);
+}
+
 TEST(CudaModel, NoDeviceIsAnError) {
   if (cuda_available()) GTEST_SKIP() << "a CUDA device is present";
   const ModelConfig config = ModelConfig::from_json(tiny_config("tiny-pro"));
