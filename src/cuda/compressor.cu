@@ -198,10 +198,11 @@ void compressor_advance(const CompressorParams& p, cudaStream_t stream) {
   }
   if (!p.overlap) {  // the rows of the partial block at the end come straight from the chunk
     const int64_t end = p.pos0 + p.n, from = std::max(end / p.ratio * p.ratio, p.pos0);
-    if (end > from)
+    if (end > from) {
       gpu::launch(compressor_state_copy_kernel, dim3(blocks_for(p.dim, kColumnThreads), unsigned(end - from)),
                   kColumnThreads, 0, stream, p, from);
-    DSV4_CUDA_LAUNCHED();
+      DSV4_CUDA_LAUNCHED();
+    }
     return;
   }
   const int width = p.overlap ? 2 * p.dim : p.dim;

@@ -29,6 +29,21 @@ bool untiled_rows(const GemvParams& p) {
   return true;
 }
 
+// fn(piece) for the rows of p in pieces of kGemvMaxM, each with x and y advanced to its first row (y keeps p's row
+// stride).
+template <class Fn>
+void for_row_pieces(const GemvParams& p, Fn&& fn) {
+  const int64_t ldy = p.ldy ? p.ldy : p.n, y_bytes = p.out == GemvOut::BF16 ? 2 : 4;
+  for (int r0 = 0; r0 < p.m; r0 += kGemvMaxM) {
+    GemvParams piece = p;
+    piece.m = std::min(kGemvMaxM, p.m - r0);
+    piece.x = static_cast<const uint16_t*>(p.x) + int64_t(r0) * p.k;
+    piece.y = static_cast<char*>(p.y) + int64_t(r0) * ldy * y_bytes;
+    piece.ldy = ldy;
+    fn(piece);
+  }
+}
+
 }  // namespace
 
 int gemv_k_multiple(GemvWeight w) {
@@ -142,16 +157,10 @@ void gemv(const GemvParams& p) {
   if (!check_gemv_params(p, "gemv")) return;
   const GemvParams q = with_quantised_x(p, p.m, "gemv");
   if (untiled_rows(q)) {
-    const int64_t ldy = q.ldy ? q.ldy : q.n, y_bytes = q.out == GemvOut::BF16 ? 2 : 4;
-    for (int r0 = 0; r0 < q.m; r0 += kGemvMaxM) {
-      GemvParams piece = q;
-      piece.m = std::min(kGemvMaxM, q.m - r0);
-      piece.x = static_cast<const uint16_t*>(q.x) + int64_t(r0) * q.k;
-      piece.y = static_cast<char*>(q.y) + int64_t(r0) * ldy * y_bytes;
-      piece.ldy = ldy;
+    for_row_pieces(q, [](GemvParams piece) {
       piece.act = GemvAct::BF16;  // x is quantised already
       gemv(piece);
-    }
+    });
     return;
   }
   const int split = q.split_k ? q.split_k : gemv_default_split_k(q, current_sm_count());
@@ -168,16 +177,12 @@ void gemv_batched(const GemvBatchedParams& b) {
              "gemv_batched: x_batch_stride = {} must be >= 0 and keep x 16-byte aligned (a multiple of 8)",
              b.x_batch_stride);
   DSV4_CHECK(b.y_batch_stride >= 0, "gemv_batched: y_batch_stride = {} must be >= 0", b.y_batch_stride);
-  if (untiled_rows(b.base)) {
-    const int64_t ldy = b.base.ldy ? b.base.ldy : b.base.n, y_bytes = b.base.out == GemvOut::BF16 ? 2 : 4;
-    for (int r0 = 0; r0 < b.base.m; r0 += kGemvMaxM) {
+  if (untiled_rows(b.base)) {  // each batch's rows in the same pieces (x rows at the same offset in every batch)
+    for_row_pieces(b.base, [&](const GemvParams& rows) {
       GemvBatchedParams piece = b;
-      piece.base.m = std::min(kGemvMaxM, b.base.m - r0);
-      piece.base.x = static_cast<const uint16_t*>(b.base.x) + int64_t(r0) * b.base.k;
-      piece.base.y = static_cast<char*>(b.base.y) + int64_t(r0) * ldy * y_bytes;
-      piece.base.ldy = ldy;
+      piece.base = rows;
       gemv_batched(piece);
-    }
+    });
     return;
   }
   // The split is chosen for all batches' rows together: they share the grid.
