@@ -449,7 +449,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 1) attention_mma_kernel(Attent
     for (int i = 0; i < 8; ++i) {
       const int idx = threadIdx.x + (i0 + i) * kMmaWarps * 32, h = idx / (kDim / 4), d = (idx % (kDim / 4)) * 4;
       v[i] = h0 + h < p.heads
-                 ? __ldg(reinterpret_cast<const float4*>(p.q + t * p.q_token_stride + int64_t(h0 + h) * kDim + d))
+                 ? *reinterpret_cast<const float4*>(p.q + t * p.q_token_stride + int64_t(h0 + h) * kDim + d)
                  : make_float4(0, 0, 0, 0);
     }
 #pragma unroll
@@ -490,7 +490,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 1) attention_mma_kernel(Attent
             __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(my_key), i0 + e));
 #pragma unroll
         for (int u = 0; u < kPerLane; ++u)
-          v[e][u] = key ? __ldg(reinterpret_cast<const float4*>(key) + lane + 32 * u) : make_float4(0, 0, 0, 0);
+          v[e][u] = key ? reinterpret_cast<const float4*>(key)[lane + 32 * u] : make_float4(0, 0, 0, 0);
       }
 #pragma unroll
       for (int e = 0; e < kBatch; ++e)

@@ -107,7 +107,7 @@ __global__ void __launch_bounds__(kThreads, kTilesN <= 2 ? 2 : 1) gemv_kernel(co
   if constexpr (F == Fmt::NVFP4) w_scale += size_t(w_row0) * (a.k / 16);
   const uint8_t* w_lo = w_base + size_t(r_lo) * row_bytes + t * 16;
   const uint8_t* w_hi = w_lo + 8 * row_bytes;
-  auto pair_of = [&](int row) { return kGrouped ? __ldg(a.row_order + order0 + row) : row; };
+  auto pair_of = [&](int row) { return kGrouped ? a.row_order[order0 + row] : row; };
   if constexpr (!kGrouped) gpu::dependent_wait();  // x and y belong to the step
 
   // More rows than the tile holds (a grouped slot above base.m) are covered by further passes over W.
@@ -176,7 +176,7 @@ __global__ void __launch_bounds__(kThreads, kTilesN <= 2 ? 2 : 1) gemv_kernel(co
             const uint4* xp = reinterpret_cast<const uint4*>(x_row[j] + kk);
 #pragma unroll
             for (int v = 0; v < kPairs / 4; ++v) {
-              const uint4 q = __ldg(xp + v);
+              const uint4 q = xp[v];
               xb[4 * v + 0] = q.x, xb[4 * v + 1] = q.y, xb[4 * v + 2] = q.z, xb[4 * v + 3] = q.w;
             }
           } else {

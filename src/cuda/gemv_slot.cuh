@@ -19,10 +19,10 @@ struct GroupedSlot {
 // expert this step: the whole block must return (before any barrier).
 __device__ __forceinline__ bool grouped_slot(const KernelArgs& a, GroupedSlot& slot) {
   const int s = blockIdx.y;
-  if (s >= __ldg(a.slot_count)) return false;
-  const int e = __ldg(a.slot_expert + s);
-  slot.order0 = __ldg(a.slot_offset + s);
-  slot.m_rows = __ldg(a.slot_offset + s + 1) - slot.order0;
+  if (s >= *a.slot_count) return false;
+  const int e = a.slot_expert[s];
+  slot.order0 = a.slot_offset[s];
+  slot.m_rows = a.slot_offset[s + 1] - slot.order0;
   const bool second = blockIdx.z == 1;
   const float* scale_2 = second ? a.scale_2_second : a.scale_2;
   slot.w = (second ? a.w_second : a.w) + size_t(e) * a.w_stride;

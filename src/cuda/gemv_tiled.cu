@@ -142,7 +142,7 @@ __global__ void __launch_bounds__(kThreads, kWeightTiles == 1 ? 2 : 1) gemv_tile
     x += blockIdx.y * a.x_batch_stride;
     y_offset = blockIdx.y * a.y_batch_stride;
   }
-  auto pair_of = [&](int row) { return kGrouped ? __ldg(a.row_order + order0 + row) : row; };
+  auto pair_of = [&](int row) { return kGrouped ? a.row_order[order0 + row] : row; };
 
   w_base += size_t(w_row0) * row_bytes;
   if constexpr (F == Fmt::MXFP4) w_scale += size_t(w_row0) * (a.k / 32);

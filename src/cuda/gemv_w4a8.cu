@@ -139,7 +139,7 @@ __global__ void __launch_bounds__(kThreads, 2) gemv_w4a8_kernel(const KernelArgs
   // Threads 0 and 1 of a quad read the scales of threads 2t and 2t+1 (the columns they hold).
   const uint8_t* s_lo = w_scale + size_t(r_lo) * scale_ld + (kNv ? 4 : 2) * t;
   const uint8_t* s_hi = s_lo + 8 * scale_ld;
-  auto pair_of = [&](int row) { return kGrouped ? __ldg(a.row_order + order0 + row) : row; };
+  auto pair_of = [&](int row) { return kGrouped ? a.row_order[order0 + row] : row; };
 
   // The weight stream of a group of kUnroll chunks: raw codes and (threads 0, 1 of each quad) the scale bytes of
   // quad threads 2t and 2t+1 (NVFP4: 4 e4m3 bytes; MXFP4: 2 e8m0 bytes). A block past k keeps zero weights and scale.
