@@ -91,5 +91,18 @@ constexpr float kNvfp4OutputFactor = 256.0f;
 __device__ __forceinline__ uint32_t nvfp4_factor(uint32_t s) {
   return bf16x2_broadcast(e4m3_to_f32(uint8_t(s)) * 0x1p118f);
 }
+// The two factors of a piece's scale bytes (s0 = bits 0-7, s1 = bits 8-15), as nvfp4_factor gives them but in
+// ~8 instructions instead of ~30 (the decode of a 16-element block is ~20, so this matters in the fp4 GEMVs): the
+// e4m3 bit move above gives s * 2^-120 in each half (subnormal scales land on bf16 subnormals, exactly), and two
+// exact power-of-two multiplies take it to s * 2^118 (2^238 is not a bf16). NaN scale codes (0x7f, 0xff) are
+// outside the contract, as for nvfp4_factor. f0 = (s0 * 2^118) in both halves, f1 likewise for s1.
+__device__ __forceinline__ void nvfp4_factor_pair(uint32_t s, uint32_t& f0, uint32_t& f1) {
+  const uint32_t t = prmt(s, 0, 0x4140);  // [s0, 0, s1, 0]
+  const uint32_t r = t * 16u + (t & 0x00800080u) * 240u;
+  const uint32_t two119 = bf16x2_pow2(119);
+  const uint32_t both = bf16x2_mul(bf16x2_mul(r, two119), two119);
+  f0 = prmt(both, 0, 0x1010);
+  f1 = prmt(both, 0, 0x3232);
+}
 
 }  // namespace dsv4::dq

@@ -77,7 +77,8 @@ __global__ void __launch_bounds__(kThreads) dequant_kernel(const DequantArgs a) 
     for (int i = 0; i < 4; ++i) dq::e2m1x8_to_bf16x2(word[i], factor, out + 4 * i);
   } else {  // NVFP4: two 16-element blocks (words 0-1 and 2-3); nvfp4_factor leaves a 2^-8 that 2^8 undoes exactly
     const uint16_t s = *reinterpret_cast<const uint16_t*>(a.w_scale + row * a.scale_row_stride + col / 16);
-    const uint32_t f0 = dq::nvfp4_factor(s & 0xffu), f1 = dq::nvfp4_factor(s >> 8);
+    uint32_t f0, f1;
+    dq::nvfp4_factor_pair(s, f0, f1);
     const uint32_t undo = dq::bf16x2_pow2(8);
 #pragma unroll
     for (int i = 0; i < 4; ++i) {

@@ -55,7 +55,8 @@ __device__ __forceinline__ void decode_piece(const uint4& raw, uint32_t scale, u
 #pragma unroll
     for (int i = 0; i < 4; ++i) dq::e2m1x8_to_bf16x2(word[i], factor, out + 4 * i);
   } else {  // NVFP4: two 16-element blocks, scale bytes s0 (words 0-1) and s1 (words 2-3)
-    const uint32_t f0 = dq::nvfp4_factor(scale & 0xff), f1 = dq::nvfp4_factor(scale >> 8);
+    uint32_t f0, f1;
+    dq::nvfp4_factor_pair(scale, f0, f1);
 #pragma unroll
     for (int i = 0; i < 4; ++i) dq::e2m1x8_to_bf16x2(word[i], i < 2 ? f0 : f1, out + 4 * i);
   }

@@ -69,7 +69,7 @@ template <Fmt F>
 __device__ __forceinline__ void piece_factors(uint32_t scale, uint32_t f[2]) {
   if constexpr (F == Fmt::FP8) f[0] = f[1] = dq::fp8_factor_e8m0(scale);
   else if constexpr (F == Fmt::MXFP4) f[0] = f[1] = dq::mxfp4_factor(scale);
-  else if constexpr (F == Fmt::NVFP4) f[0] = dq::nvfp4_factor(scale & 0xff), f[1] = dq::nvfp4_factor(scale >> 8);
+  else if constexpr (F == Fmt::NVFP4) dq::nvfp4_factor_pair(scale, f[0], f[1]);
   else f[0] = f[1] = 0;
 }
 

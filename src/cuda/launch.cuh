@@ -10,12 +10,10 @@
 //   dependent_wait();    // before the first load of an activation / state and before the first store
 // (a kernel that does nothing before the wait uses dependent_enter()). Both instructions are no-ops when the
 // launch is not programmatic, so kernels stay correct under plain launches and in tests.
-// KNOWN HAZARD (2026-12-04, not yet fixed): several kernels read what an earlier kernel of the step wrote with
-// __ldg (ld.global.nc): the gemv x rows, row_order and slots, the tensor-core attention's q and keys. A
-// non-coherent load counts as invariant for the kernel's lifetime, so the compiler may hoist it above the wait. A
-// refactor that only moved the gemv set-up into a helper made every 64-row chunk read stale activations on the
-// H200 (model tests failed, unit tests without a predecessor passed); the committed code passes every test, but
-// such reads should become plain loads (measure the gemv after the change).
+// Reads of anything an earlier kernel of the step wrote must be plain loads, never __ldg / ld.global.nc: a
+// non-coherent load counts as invariant for the kernel's lifetime, so the compiler may hoist it above the wait
+// (seen on the H200: a gemv refactor read stale activations in every model test while the unit tests, which have
+// no predecessor kernel, passed). __ldg stays for weights and scales only.
 #pragma once
 #include <cuda_runtime.h>
 

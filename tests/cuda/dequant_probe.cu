@@ -24,6 +24,12 @@ __global__ void decode_kernel(Kind kind, uint32_t scale, const uint32_t* words, 
   }
 }
 
+__global__ void factor_kernel(uint32_t* out) {
+  const uint32_t s = threadIdx.x;
+  out[s] = dq::nvfp4_factor(s);
+  dq::nvfp4_factor_pair(s | (255u - s) << 8, out[256 + s], out[512 + s]);
+}
+
 void check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorName(e));
 }
@@ -47,6 +53,17 @@ std::vector<uint16_t> run(Kind kind, uint32_t scale) {
 }
 
 }  // namespace
+
+std::vector<uint32_t> nvfp4_factors_both_ways() {
+  uint32_t* d_out = nullptr;
+  check(cudaMalloc(&d_out, 3 * 256 * 4), "cudaMalloc");
+  factor_kernel<<<1, 256>>>(d_out);
+  check(cudaGetLastError(), "factor_kernel launch");
+  std::vector<uint32_t> out(3 * 256);
+  check(cudaMemcpy(out.data(), d_out, out.size() * 4, cudaMemcpyDeviceToHost), "cudaMemcpy");
+  cudaFree(d_out);
+  return out;
+}
 
 std::vector<uint16_t> decode_e4m3_codes(uint8_t e8m0) { return run(Kind::E4M3, e8m0); }
 std::vector<uint16_t> decode_e2m1_bytes_mx(uint8_t e8m0) { return run(Kind::MXFP4, e8m0); }

@@ -85,6 +85,30 @@ TEST(CudaDequant, E2m1AllBytesAllNvfp4Scales) {
   EXPECT_EQ(checked, 254 * 512);
 }
 
+// The kernels take their NVFP4 factors from nvfp4_factor_pair: the same bits as nvfp4_factor for every
+// non-NaN scale code, in either byte of the pair.
+TEST(CudaDequant, Nvfp4FactorPairMatchesSingle) {
+  DSV4_REQUIRE_CUDA();
+  const std::vector<uint32_t> f = probe::nvfp4_factors_both_ways();
+  int checked = 0;
+  for (int s = 0; s < 256; ++s) {
+    const int high = 255 - s;
+    if ((s & 0x7f) != 0x7f) {
+      EXPECT_EQ(f[256 + size_t(s)], f[size_t(s)]) << "low byte 0x" << std::hex << s;
+      // And the value itself, independently of nvfp4_factor: e4m3(s) * 2^118 in both halves.
+      const float want = e4m3_to_f32(uint8_t(s)) * 0x1p118f;
+      EXPECT_EQ(bf16_to_f32(uint16_t(f[256 + size_t(s)] & 0xffff)), want) << "code 0x" << std::hex << s;
+      EXPECT_EQ(f[256 + size_t(s)] >> 16, f[256 + size_t(s)] & 0xffff);
+      ++checked;
+    }
+    if ((high & 0x7f) != 0x7f) {
+      EXPECT_EQ(f[512 + size_t(s)], f[size_t(high)]) << "high byte 0x" << std::hex << high;
+      ++checked;
+    }
+  }
+  EXPECT_EQ(checked, 2 * 254);
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // GEMV against the fp64 reference.
 
