@@ -25,14 +25,21 @@ using namespace dsv4;
 
 namespace {
 
+// This process's scratch directory, removed again when the process exits.
 const fs::path& work_dir() {
-  static const fs::path dir = [] {
-    fs::path d = fs::temp_directory_path() / ("dsv4_quant_e2e_" + std::to_string(getpid()));
-    fs::remove_all(d);
-    fs::create_directories(d);
-    return d;
-  }();
-  return dir;
+  struct Scratch {
+    fs::path dir = fs::temp_directory_path() / ("dsv4_quant_e2e_" + std::to_string(getpid()));
+    Scratch() {
+      fs::remove_all(dir);
+      fs::create_directories(dir);
+    }
+    ~Scratch() {
+      std::error_code ignored;
+      fs::remove_all(dir, ignored);
+    }
+  };
+  static const Scratch scratch;
+  return scratch.dir;
 }
 
 // The fp32 source: the seeded generator's tiny model (the committed transformers logits are for exactly it).
