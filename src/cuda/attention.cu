@@ -1,14 +1,18 @@
 // SPDX-License-Identifier: MIT
 // Sparse attention with sink over the sliding window and the compressed entries (contract in ops.h).
 // A (token, head) has one query and at most window + top-k (or all compressed) keys, all heads reading the same
-// keys (one shared K = V head). Prefill chunks (more than 64 rows, head dim 512 or 128) run the tensor-core kernel
-// (64 heads of a token per block, bf16 products like the reference); below that two CUDA-core kernels, chosen by
-// rows x heads (use_head_groups):
+// keys (one shared K = V head). Head dim 512 or 128 (the models) runs the tensor-core kernel (64 heads of a token
+// per block, bf16 products like the reference; a decode row spreads its 64-key tiles over a cluster of up to 8
+// blocks that merge in distributed shared memory); other head dims run two CUDA-core kernels, chosen by rows x
+// heads (use_head_groups):
 //   head groups (prefill chunks, large decode batches): a block takes 16 heads of one token, its keys pass through
 //     shared memory in tiles of 8 once for all 16 heads (each warp owns two heads);
 //   per head (small decode steps): a block takes one (token, head), its warps walk interleaved keys from L2.
 // When the blocks do not fill the GPU, the keys are split over several blocks that each write an unnormalised
 // partial per head (running max, sum of weights, weighted sum of keys) and a merge kernel adds the sink.
+#include <cooperative_groups.h>
+#include <cuda_bf16.h>
+
 #include <algorithm>
 #include <cmath>
 
@@ -377,16 +381,21 @@ __global__ void attention_merge_kernel(AttentionParams p, int splits) {
 }
 
 
-// ---- tensor-core kernel (prefill chunks) --------------------------------------------------------------------
+// ---- tensor-core kernel (head dim 512 / 128) --------------------------------------------------------------------
 // Block (64-head group, token t): all 64 heads of a token share its keys (one K = V head), so per tile of 64 keys
 // S = Q Kᵀ is a 64 x 64 x dim product and O += P V a 64 x dim x 64 one, both on mma.sync (bf16 in, fp32 sums),
 // like the reference, which computes logits from bf16 q and bf16 keys and casts the probabilities to bf16 for P·V
 // (spec 8.1). Q (bf16) and the key tile (fp32 state -> bf16) sit in shared memory; warp w computes S for heads
 // 16·(w % 4) and keys 32·(w / 4) of a tile, writes P (bf16) to shared memory, and accumulates O for all 64 heads
 // and dims [w·dim/8, (w+1)·dim/8) in registers. Online softmax per head row: the running max and sum live in shared
-// memory and are advanced once per tile after every warp has used them.
+// memory and are advanced once per tile after every warp has used them. Grid (split, token, head group): decode
+// rows spread their key tiles over a cluster of up to 8 blocks, which merge their partials through distributed
+// shared memory (cluster_merge); prefill chunks fill the GPU with one block per (token, head group).
 constexpr int kMmaHeads = 64, kMmaKeys = 64, kMmaWarps = 8;
-constexpr int kMmaMinRows = 65;  // rows from which the tensor-core kernel runs (prefill chunks, not decode batches)
+constexpr int kMmaMinRows = 65;  // rows from which a (head group, token) block takes all of the token's keys
+// Decode: blocks of a row's cluster, the portable cluster size. 16 (non-portable; a CSA row's 10 tiles one per
+// block) measured 1.4 % faster at batch 1 and 3 % slower at batch 8 and 32 (fewer clusters fit the GPU at once).
+constexpr int kMaxMmaSplits = 8;
 
 template <int kDim>
 struct MmaLayout {
@@ -413,12 +422,118 @@ __device__ __forceinline__ void mma_16816(float c[4], const uint32_t a[4], uint3
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
+// Two floats -> bf16x2 (lo in the low half), round to nearest even in one cvt: the same values as f32_to_bf16.
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  return uint32_t(f32_to_bf16(lo)) | uint32_t(f32_to_bf16(hi)) << 16;
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// The inverse-RoPE rotation of every pair i < rope_dim / 2 at position pos, as inverse_rope computes it (fp32 angle,
+// cos / sin correctly rounded through double), into shared memory: one evaluation per pair instead of one per
+// output element, and one copy of the (large) double trigonometry in the kernel's code. Needs a barrier after.
+__device__ void fill_rope_table(const AttentionParams& p, int64_t pos, float* cos_s, float* sin_s) {
+  for (int i = threadIdx.x; i < p.rope_dim / 2; i += blockDim.x) {
+    double sn, c;
+    sincos(double(__fmul_rn(float(pos), p.inv_freq[i])), &sn, &c);
+    cos_s[i] = float(c);
+    sin_s[i] = -float(sn);
+  }
+}
+
+__device__ __forceinline__ void rotate_pair(float& a, float& b, float c, float sn) {
+  const float a0 = a, b0 = b;
+  a = __fsub_rn(__fmul_rn(a0, c), __fmul_rn(b0, sn));
+  b = __fadd_rn(__fmul_rn(a0, sn), __fmul_rn(b0, c));
+}
+
+// The blocks of a decode row's cluster each hold an unnormalised partial for their key tiles: O in registers
+// (fragment layout of the PV products), the running max m and sum l per head in shared memory. Every block puts its
+// O in its own shared memory (where Q and K were); block `split` then finishes the float4 groups
+// split, split + splits, ... of the 64 heads x dim outputs from all blocks' partials, each weighted by
+// exp(m_b - M) with M = max(sink, max_b m_b), like attention_merge_kernel, so no partial leaves the SMs.
+template <int kDim>
+__device__ void cluster_merge(const AttentionParams& p, const float (&o)[4][kDim / kMmaWarps / 8][4], const float* m_s,
+                              const float* l_s, unsigned char* smem, int split, int splits, int t, int h0,
+                              int64_t pos) {
+  using L = MmaLayout<kDim>;
+  constexpr int kWarpDims = kDim / kMmaWarps, kDimTiles = kWarpDims / 8, kGroups = kMmaHeads * kDim / 4;
+  static_assert(size_t(kMmaHeads) * kDim * sizeof(float) <= L::kP, "O fits where Q and K were");
+  static_assert((size_t(kMaxMmaSplits + 1) * kMmaHeads + kDim) * sizeof(float) <= L::kStats - L::kP,
+                "factors and the rope table fit in P");
+  namespace cg = cooperative_groups;
+  cg::cluster_group cluster = cg::this_cluster();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
+  float* o_s = reinterpret_cast<float*>(smem + L::kQ);              // [64][kDim]
+  float* factor_s = reinterpret_cast<float*>(smem + L::kP);         // [splits][64]
+  float* inv_denom_s = factor_s + kMaxMmaSplits * kMmaHeads;        // [64]
+  float* cos_s = inv_denom_s + kMmaHeads;                            // [rope_dim / 2]
+  float* sin_s = cos_s + kDim / 2;
+#pragma unroll
+  for (int mt = 0; mt < 4; ++mt)
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr)
+#pragma unroll
+      for (int nt = 0; nt < kDimTiles; ++nt)
+        *reinterpret_cast<float2*>(o_s + (16 * mt + g + 8 * hr) * kDim + warp * kWarpDims + 8 * nt + 2 * tq) =
+            make_float2(o[mt][nt][2 * hr], o[mt][nt][2 * hr + 1]);
+  cluster.sync();  // every block's O, m and l are final
+
+  if (threadIdx.x < kMmaHeads && h0 + int(threadIdx.x) < p.heads) {
+    const int hl = threadIdx.x;
+    float m[kMaxMmaSplits], l[kMaxMmaSplits];  // every block's (max, sum) of this head: loads in flight together
+#pragma unroll
+    for (int b = 0; b < kMaxMmaSplits; ++b)
+      if (b < splits) m[b] = cluster.map_shared_rank(m_s, b)[hl], l[b] = cluster.map_shared_rank(l_s, b)[hl];
+    const float sink = p.sink[h0 + hl];
+    float mx = sink;
+#pragma unroll
+    for (int b = 0; b < kMaxMmaSplits; ++b)
+      if (b < splits) mx = fmaxf(mx, m[b]);
+    float denom = expf(sink - mx);
+#pragma unroll
+    for (int b = 0; b < kMaxMmaSplits; ++b)
+      if (b < splits) {
+        const float f = l[b] > 0 ? expf(m[b] - mx) : 0.0f;
+        factor_s[b * kMmaHeads + hl] = f;
+        denom += l[b] * f;
+      }
+    inv_denom_s[hl] = 1.0f / denom;
+  }
+  fill_rope_table(p, pos, cos_s, sin_s);
+  __syncthreads();
+
+  const int heads_per_group = p.heads / p.groups, width = heads_per_group * kDim, rope0 = kDim - p.rope_dim;
+  for (int gi = split + splits * int(threadIdx.x); gi < kGroups; gi += splits * int(blockDim.x)) {
+    const int hl = gi / (kDim / 4), d = (gi % (kDim / 4)) * 4, h = h0 + hl;
+    if (h >= p.heads) continue;
+    float4 v[kMaxMmaSplits];  // loads in flight together, then added in block order
+#pragma unroll
+    for (int b = 0; b < kMaxMmaSplits; ++b)
+      if (b < splits) v[b] = *reinterpret_cast<const float4*>(cluster.map_shared_rank(o_s, b) + hl * kDim + d);
+    float4 acc = make_float4(0, 0, 0, 0);
+#pragma unroll
+    for (int b = 0; b < kMaxMmaSplits; ++b)
+      if (b < splits) {
+        const float f = factor_s[b * kMmaHeads + hl];
+        acc.x = fmaf(v[b].x, f, acc.x), acc.y = fmaf(v[b].y, f, acc.y), acc.z = fmaf(v[b].z, f, acc.z),
+        acc.w = fmaf(v[b].w, f, acc.w);
+      }
+    const float inv = inv_denom_s[hl];
+    float out[4] = {acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv};
+    if (d >= rope0) {  // rope0 is even: the float4 holds the pairs (d, d + 1) and (d + 2, d + 3)
+      const int i = (d - rope0) / 2;
+      rotate_pair(out[0], out[1], cos_s[i], sin_s[i]);
+      rotate_pair(out[2], out[3], cos_s[i + 1], sin_s[i + 1]);
+    }
+    uint16_t* dst = p.out + (int64_t(h / heads_per_group) * (p.out_rows ? p.out_rows : p.n) + t) * width +
+                    (h % heads_per_group) * kDim + d;
+    *reinterpret_cast<uint2*>(dst) = make_uint2(pack_bf16(out[0], out[1]), pack_bf16(out[2], out[3]));
+  }
+  cluster.sync();  // the partials must outlive the other blocks' reads
 }
 
 template <int kDim>
-__global__ void __launch_bounds__(kMmaWarps * 32, 1) attention_mma_kernel(AttentionParams p) {
+__global__ void __launch_bounds__(kMmaWarps * 32, 1) attention_mma_kernel(AttentionParams p, int splits) {
   gpu::dependent_enter();
   using L = MmaLayout<kDim>;
   constexpr int kStride = L::kStride, kPStride = L::kPStride;
@@ -433,27 +548,29 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 1) attention_mma_kernel(Attent
   float* m_s = red_sum + 2 * kMmaHeads;                          // [64] running max
   float* l_s = m_s + kMmaHeads;                                  // [64] running sum
 
-  const int t = blockIdx.y, h0 = blockIdx.x * kMmaHeads;
+  const int split = blockIdx.x, t = blockIdx.y, h0 = blockIdx.z * kMmaHeads;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
   const KeyRange r = key_range(p, t);
-  const int n_keys = r.n_window + r.n_comp;
   store_own_key(p, r, t);
+  // This block's key tiles: split, split + splits, ... (decode rows: a cluster of `splits` blocks), or all of them.
+  const int n_keys = r.n_window + r.n_comp;
+  const bool has_keys = split * kMmaKeys < n_keys;
 
-  // Q rows (heads past p.heads are zero) as bf16. Loads are issued 8 at a time before their stores: the global
+  // Q rows (heads past p.heads are zero) as bf16. Loads are issued 32 at a time before their stores: the global
   // pointers could alias shared memory as far as the compiler knows, so it would not hoist them itself.
-  constexpr int kQLoads = kMmaHeads * kDim / 4 / (kMmaWarps * 32);
-  static_assert(kQLoads % 8 == 0);
-  for (int i0 = 0; i0 < kQLoads; i0 += 8) {
-    float4 v[8];
+  constexpr int kQLoads = kMmaHeads * kDim / 4 / (kMmaWarps * 32), kQBatch = kQLoads < 32 ? kQLoads : 32;
+  static_assert(kQLoads % kQBatch == 0);
+  for (int i0 = 0; has_keys && i0 < kQLoads; i0 += kQBatch) {
+    float4 v[kQBatch];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
+    for (int i = 0; i < kQBatch; ++i) {
       const int idx = threadIdx.x + (i0 + i) * kMmaWarps * 32, h = idx / (kDim / 4), d = (idx % (kDim / 4)) * 4;
       v[i] = h0 + h < p.heads
                  ? *reinterpret_cast<const float4*>(p.q + t * p.q_token_stride + int64_t(h0 + h) * kDim + d)
                  : make_float4(0, 0, 0, 0);
     }
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
+    for (int i = 0; i < kQBatch; ++i) {
       const int idx = threadIdx.x + (i0 + i) * kMmaWarps * 32, h = idx / (kDim / 4), d = (idx % (kDim / 4)) * 4;
       *reinterpret_cast<uint2*>(q_s + h * kStride + d) = make_uint2(pack_bf16(v[i].x, v[i].y), pack_bf16(v[i].z, v[i].w));
     }
@@ -471,7 +588,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 1) attention_mma_kernel(Attent
 #pragma unroll
     for (int nt = 0; nt < kDimTiles; ++nt) o[mt][nt][0] = o[mt][nt][1] = o[mt][nt][2] = o[mt][nt][3] = 0.0f;
 
-  for (int j0 = 0; j0 < n_keys; j0 += kMmaKeys) {
+  for (int j0 = split * kMmaKeys; j0 < n_keys; j0 += splits * kMmaKeys) {
     // Keys j0 .. j0 + 63 (zeros past n_keys; their logits are masked below). Warp w loads keys w, w + 8, ...: lane
     // e < 8 finds key w + 8e (an indexer pick is one more load), then four keys' loads at a time are in flight
     // before their stores (see the Q loads).
@@ -562,7 +679,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 1) attention_mma_kernel(Attent
 #pragma unroll
         for (int nt = 0; nt < kDimTiles; ++nt) o[mt][nt][2 * hr] *= alpha, o[mt][nt][2 * hr + 1] *= alpha;
       }
-#pragma unroll
+#pragma unroll 1
     for (int ks = 0; ks < kMmaKeys / 16; ++ks) {
       uint32_t a[4][4];
 #pragma unroll
@@ -590,7 +707,16 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 1) attention_mma_kernel(Attent
   }
   __syncthreads();
 
+  if (splits > 1) {
+    cluster_merge<kDim>(p, o, m_s, l_s, smem, split, splits, t, h0, r.pos);
+    return;
+  }
+
   // Sink (a virtual key with zero value), normalisation, inverse RoPE on the last rope_dim dims, bf16 out.
+  float* cos_s = reinterpret_cast<float*>(smem + L::kP);  // P is free now
+  float* sin_s = cos_s + kDim / 2;
+  fill_rope_table(p, r.pos, cos_s, sin_s);
+  __syncthreads();
   const int heads_per_group = p.heads / p.groups, width = heads_per_group * kDim;
   const int rope0 = kDim - p.rope_dim;
 #pragma unroll
@@ -607,13 +733,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 1) attention_mma_kernel(Attent
       for (int nt = 0; nt < kDimTiles; ++nt) {
         const int d = d0 + 8 * nt + 2 * tq;
         float a = o[mt][nt][2 * hr] * scale, b = o[mt][nt][2 * hr + 1] * scale;
-        if (d >= rope0) {
-          const float angle = __fmul_rn(float(r.pos), p.inv_freq[(d - rope0) / 2]);
-          const float c = float(cos(double(angle))), sn = -float(sin(double(angle)));
-          const float a0 = a, b0 = b;
-          a = __fsub_rn(__fmul_rn(a0, c), __fmul_rn(b0, sn));
-          b = __fadd_rn(__fmul_rn(a0, sn), __fmul_rn(b0, c));
-        }
+        if (d >= rope0) rotate_pair(a, b, cos_s[(d - rope0) / 2], sin_s[(d - rope0) / 2]);
         *reinterpret_cast<uint32_t*>(out + d) = pack_bf16(a, b);
       }
     }
@@ -631,7 +751,7 @@ bool use_head_groups(const AttentionParams& p) { return int64_t(p.n) * p.heads >
 }  // namespace
 
 bool attention_uses_tensor_cores(const AttentionParams& p) {
-  return p.n >= kMmaMinRows && (p.dim == 512 || p.dim == 128) && p.rope_dim % 2 == 0;
+  return (p.dim == 512 || p.dim == 128) && p.rope_dim % 2 == 0;
 }
 
 namespace {
@@ -643,8 +763,12 @@ void launch_mma(const AttentionParams& p, cudaStream_t stream) {
       cudaFuncSetAttribute(attention_mma_kernel<kDim>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
   OPS_CHECK(configured == cudaSuccess, "attention: cannot give the tensor-core kernel %zu bytes of shared memory",
             smem);
-  gpu::launch(attention_mma_kernel<kDim>, dim3((p.heads + kMmaHeads - 1) / kMmaHeads, p.n), kMmaWarps * 32, smem,
-              stream, p);
+  const int splits = attention_splits(p);
+  const cudaError_t err = gpu::launch_ex(attention_mma_kernel<kDim>,
+                                         dim3(splits, p.n, (p.heads + kMmaHeads - 1) / kMmaHeads), kMmaWarps * 32,
+                                         smem, unsigned(splits), stream, p, splits);
+  OPS_CHECK(err == cudaSuccess, "attention: tensor-core launch (%d-block clusters) failed: %s", splits,
+            cudaGetErrorString(err));
 }
 
 }  // namespace
@@ -652,7 +776,13 @@ void launch_mma(const AttentionParams& p, cudaStream_t stream) {
 int attention_splits(const AttentionParams& p) {
   const int64_t comp = p.ratio == 0 ? 0 : p.selected ? p.topk : std::max(p.max_entries, 0);
   const int64_t max_keys = p.window + comp, sms = current_sm_count();
-  if (attention_uses_tensor_cores(p)) return 1;
+  if (attention_uses_tensor_cores(p)) {
+    // Prefill chunks fill the GPU with (head group, token) blocks. Decode rows spread their key tiles over a
+    // cluster of as many blocks as the longest row has tiles, up to 8, whatever the number of rows (a batched row
+    // then matches the same row decoded alone, bit for bit).
+    if (p.n >= kMmaMinRows) return 1;
+    return int(std::clamp<int64_t>((max_keys + kMmaKeys - 1) / kMmaKeys, 1, kMaxMmaSplits));
+  }
   if (!use_head_groups(p)) {  // per head: split only when (token, head) blocks do not fill the GPU
     if (int64_t(p.n) * p.heads >= 2 * sms) return 1;
     return int(std::clamp<int64_t>((max_keys + kHeadKeysPerSplit - 1) / kHeadKeysPerSplit, 1, kMaxSplits));
@@ -666,6 +796,7 @@ int attention_splits(const AttentionParams& p) {
 }
 
 size_t attention_scratch_floats(const AttentionParams& p) {
+  if (attention_uses_tensor_cores(p)) return 0;  // its splits merge in shared memory
   const int splits = attention_splits(p);
   return splits == 1 ? 0 : size_t(p.n) * p.heads * splits * (p.dim + 2);
 }
@@ -683,7 +814,8 @@ void attention(const AttentionParams& p, cudaStream_t stream) {
   OPS_CHECK(p.ratio == 0 || p.selected || p.max_entries >= 0,
             "attention: max_entries must be set when all compressed entries are attended (ratio %d)", p.ratio);
   const int splits = attention_splits(p);
-  OPS_CHECK(splits == 1 || p.scratch, "attention: %d key splits need scratch (attention_scratch_floats)", splits);
+  OPS_CHECK(splits == 1 || p.scratch || attention_uses_tensor_cores(p),
+            "attention: %d key splits need scratch (attention_scratch_floats)", splits);
   if (attention_uses_tensor_cores(p)) {
     if (p.dim == 512)
       launch_mma<512>(p, stream);
@@ -699,7 +831,7 @@ void attention(const AttentionParams& p, cudaStream_t stream) {
       gpu::launch(attention_group_kernel<0>, grid, kAttnWarps * 32, 0, stream, p, splits);
   }
   DSV4_CUDA_LAUNCHED();
-  if (splits == 1) return;
+  if (splits == 1 || attention_uses_tensor_cores(p)) return;
   gpu::launch(attention_merge_kernel, dim3(p.heads, p.n), kMergeThreads, 0, stream, p, splits);
   DSV4_CUDA_LAUNCHED();
 }

@@ -179,8 +179,8 @@ void indexer_topk(const IndexerTopkParams& p, cudaStream_t stream);
 // one sequence's rows of a batched decode writes its rows of the whole batch's array). dim <= 512, dim % 32 == 0.
 // When the launch's blocks do not fill the GPU (decode), the keys of each (token, head) are split over
 // attention_splits(p) blocks whose partials go to `scratch` (attention_scratch_floats(p) floats), then merged in a
-// second launch. The kernel (per head, or 16 heads per block from n · heads >= 512) and the split count depend only
-// on host-known fields (n, heads, window, ratio, topk or max_entries), so graph replays keep their shape.
+// second launch. The kernel (tensor cores for dim 512 / 128; else per head, or 16 heads per block from
+// n · heads >= 512) and the split count depend only on host-known fields (n, heads, window, ratio, topk or max_entries), so graph replays keep their shape.
 struct AttentionParams {
   const float* q = nullptr;  // q[t * q_token_stride + h * dim + i]
   int64_t q_token_stride = 0;
@@ -213,8 +213,8 @@ struct AttentionParams {
   // covers (window_slots >= window, or the position is below window_slots), so no query of the launch reads it.
   bool store_window = false;
 };
-// Numerics: the CUDA-core kernels use fp32 q, keys and weights. Chunks of more than 64 rows with dim 512 or 128
-// (attention_uses_tensor_cores) run a tensor-core kernel with the reference's precisions (spec 8.1): logits from
+// Numerics: the CUDA-core kernels use fp32 q, keys and weights. Dim 512 or 128 (attention_uses_tensor_cores: the
+// models' head dims, decode and prefill) runs a tensor-core kernel with the reference's precisions (spec 8.1): logits from
 // bf16(q) · bf16(key) with fp32 sums, probabilities rounded to bf16 for P·V, bf16 values, fp32 accumulation;
 // the softmax max, sums and normalisation stay fp32.
 void attention(const AttentionParams& p, cudaStream_t stream);

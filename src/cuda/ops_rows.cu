@@ -619,6 +619,44 @@ __device__ void post_and_comb(const HcPreParams& p, int t, float rs, const float
     if (own[s]) p.comb[int64_t(t) * n_cells + lane + 32 * s] = val[s];
 }
 
+// post_and_comb for hc == HC known at compile time (the models' hc_mult 4): lane l owns cell (l / HC, l % HC) in a
+// register and reads the other cells of its row or column with shuffles, adding them in index order like the
+// sequential reference (same bits as post_and_comb). The Sinkhorn iterations are the critical path of hc_pre at
+// decode: one warp's dependent chain, which this keeps short (no shared-memory round trips or warp barriers).
+template <int HC>
+__device__ void post_and_comb_fixed(const HcPreParams& p, int t, float rs, float comb_mix, float comb_base,
+                                    float post_mix, float post_base, float scale1, float scale2) {
+  static_assert(HC * HC <= 32, "one cell per lane");
+  const int lane = threadIdx.x, row0 = (lane / HC) * HC, col = lane % HC;
+  const float eps = p.hc_eps;
+  if (lane < HC) p.post[int64_t(t) * HC + lane] = 2.0f * mix_gate(post_mix, rs, scale1, post_base);
+  // Lanes past HC² compute on other lanes' cells and store nothing.
+  auto row_total = [&](float v) {
+    float sum = __shfl_sync(0xffffffffu, v, row0);
+#pragma unroll
+    for (int k = 1; k < HC; ++k) sum = __fadd_rn(sum, __shfl_sync(0xffffffffu, v, row0 + k));
+    return sum;
+  };
+  auto col_total = [&](float v) {
+    float sum = __shfl_sync(0xffffffffu, v, col);
+#pragma unroll
+    for (int j = 1; j < HC; ++j) sum = __fadd_rn(sum, __shfl_sync(0xffffffffu, v, j * HC + col));
+    return sum;
+  };
+  float val = __fadd_rn(__fmul_rn(__fmul_rn(comb_mix, rs), scale2), comb_base);
+  float mx = -INFINITY;  // row softmax, then + eps
+#pragma unroll
+  for (int k = 0; k < HC; ++k) mx = fmaxf(mx, __shfl_sync(0xffffffffu, val, row0 + k));
+  val = expf(__fsub_rn(val, mx));
+  val = __fadd_rn(__fdiv_rn(val, row_total(val)), eps);
+  const int rounds = p.sinkhorn_iters > 1 ? p.sinkhorn_iters : 1;  // columns first, as post_and_comb
+  for (int it = 0; it < rounds; ++it) {
+    if (it > 0) val = __fdiv_rn(val, __fadd_rn(row_total(val), eps));
+    val = __fdiv_rn(val, __fadd_rn(col_total(val), eps));
+  }
+  if (lane < HC * HC) p.comb[int64_t(t) * HC * HC + lane] = val;
+}
+
 // Grid (n, 2): block (t, 0) collapses and normalises token t, block (t, 1) computes its post and comb (the
 // Sinkhorn iterations, ~40 dependent steps on one warp) at the same time. Both compute rs from the streams.
 template <int kHc>
@@ -656,7 +694,10 @@ __global__ void __launch_bounds__(hc_max_threads(kHc)) hc_pre_kernel(HcPreParams
   }
   const float rs = streams_inv_rms(streams_sum_sq<kHc>(xs, hc, D, D % 4 == 0 && aligned_dev(xs, 16)), hc * D, p.eps);
   if (lane >= 32) return;  // no block-wide barrier follows
-  post_and_comb(p, t, rs, comb_mix, comb_base, post_mix, post_base, scale1, scale2);
+  if (hc == 4)
+    post_and_comb_fixed<4>(p, t, rs, comb_mix[0], comb_base[0], post_mix, post_base, scale1, scale2);
+  else
+    post_and_comb(p, t, rs, comb_mix, comb_base, post_mix, post_base, scale1, scale2);
 }
 
 template <int kHc>
