@@ -178,8 +178,8 @@ void indexer_topk(const IndexerTopkParams& p, cudaStream_t stream);
 // hpg = heads / groups, g = h / hpg  (layout [groups, out_rows, hpg·dim], out_rows = n unless set: a call for
 // one sequence's rows of a batched decode writes its rows of the whole batch's array). dim <= 512, dim % 32 == 0.
 // When the launch's blocks do not fill the GPU (decode), the keys of each (token, head) are split over
-// attention_splits(p) blocks whose partials go to `scratch` (attention_scratch_floats(p) floats), then merged in a
-// second launch. The kernel (tensor cores for dim 512 / 128; else per head, or 16 heads per block from
+// attention_splits(p) blocks: the tensor-core kernel merges their partials within a thread-block cluster; the
+// CUDA-core kernels write them to `scratch` (attention_scratch_floats(p) floats) and merge in a second launch. The kernel (tensor cores for dim 512 / 128; else per head, or 16 heads per block from
 // n · heads >= 512) and the split count depend only on host-known fields (n, heads, window, ratio, topk or max_entries), so graph replays keep their shape.
 struct AttentionParams {
   const float* q = nullptr;  // q[t * q_token_stride + h * dim + i]
