@@ -28,6 +28,8 @@ class Sampler {
  private:
   SamplingParams params_;
   std::mt19937_64 rng_;
+  std::vector<int> order_;       // scratch: ids, a sorted prefix first
+  std::vector<double> weight_;   // scratch: the weights of the ids drawn from
 };
 
 struct GenerateOptions {

@@ -1,0 +1,134 @@
+// SPDX-License-Identifier: MIT
+// Sampler: greedy ties, and for temperature / top-k / top-p the frequencies of many draws against the exact
+// distribution of the definition (softmax of logits / temperature over the top-k ids, then the shortest prefix in
+// descending order, lower id first among equal logits, whose probability reaches top_p), computed here by a full
+// sort in fp64. Every drawn id must lie in that set; each frequency within 5 standard deviations (+ 0.002) of its
+// probability, so a wrong temperature, a nucleus one token off or a tie broken the other way fails.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "model/session.h"
+
+namespace {
+
+using dsv4::Sampler;
+using dsv4::SamplingParams;
+
+// id -> probability of the definition above.
+std::map<int, double> expected_distribution(const std::vector<float>& logits, const SamplingParams& p) {
+  const int V = int(logits.size());
+  std::vector<int> order(V);
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(),
+            [&](int a, int b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); });
+  const int k = p.top_k > 0 ? std::min(p.top_k, V) : V;
+  std::vector<double> w(k);
+  double total = 0;
+  for (int i = 0; i < k; ++i) total += (w[i] = std::exp((double(logits[order[i]]) - logits[order[0]]) / p.temperature));
+  int keep = k;
+  double cumulative = 0;
+  for (int i = 0; i < k; ++i)
+    if ((cumulative += w[i] / total) >= p.top_p) {
+      keep = i + 1;
+      break;
+    }
+  double kept = 0;
+  for (int i = 0; i < keep; ++i) kept += w[i];
+  std::map<int, double> dist;
+  for (int i = 0; i < keep; ++i) dist[order[i]] = w[i] / kept;
+  return dist;
+}
+
+void check_frequencies(const std::vector<float>& logits, SamplingParams p, int draws) {
+  const std::map<int, double> want = expected_distribution(logits, p);
+  Sampler sampler(p);
+  std::map<int, int> count;
+  for (int i = 0; i < draws; ++i) {
+    const int id = sampler.sample(logits);
+    ASSERT_TRUE(want.count(id)) << "drew id " << id << " outside the kept set (T " << p.temperature << ", top_p "
+                                << p.top_p << ", top_k " << p.top_k << ")";
+    ++count[id];
+  }
+  for (const auto& [id, prob] : want) {
+    const double freq = double(count[id]) / draws, sigma = std::sqrt(prob * (1 - prob) / draws);
+    EXPECT_NEAR(freq, prob, 5 * sigma + 0.002) << "id " << id << " (T " << p.temperature << ", top_p " << p.top_p
+                                               << ", top_k " << p.top_k << ")";
+  }
+}
+
+std::vector<float> random_logits(int V, float spread, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, spread);
+  std::vector<float> logits(V);
+  for (float& v : logits) v = normal(rng);
+  return logits;
+}
+
+TEST(Sampler, GreedyTakesTheLowestIdAmongEqualMaxima) {
+  Sampler greedy(SamplingParams{});
+  EXPECT_EQ(greedy.sample(std::vector<float>{1.0f, 3.0f, -2.0f, 3.0f}), 1);
+  EXPECT_EQ(greedy.sample(std::vector<float>{-5.0f}), 0);
+}
+
+TEST(Sampler, TopKOfOneIsGreedyAtAnyTemperature) {
+  const std::vector<float> logits = random_logits(1000, 2.0f, 3);
+  const int argmax = int(std::max_element(logits.begin(), logits.end()) - logits.begin());
+  Sampler sampler(SamplingParams{5.0f, 1.0f, 1, 11});
+  for (int i = 0; i < 50; ++i) EXPECT_EQ(sampler.sample(logits), argmax);
+}
+
+TEST(Sampler, SmallVocabularyMatchesTheDefinition) {
+  std::vector<float> logits = random_logits(40, 1.0f, 5);
+  logits[7] = logits[21] = logits[30] = 1.5f;  // ties inside the nucleus: the lower id comes first
+  check_frequencies(logits, {1.0f, 1.0f, 0, 1}, 40000);   // whole distribution (drawn in id order)
+  check_frequencies(logits, {0.6f, 1.0f, 0, 2}, 40000);   // sharper
+  check_frequencies(logits, {1.4f, 0.8f, 0, 3}, 40000);   // nucleus only
+  check_frequencies(logits, {1.0f, 1.0f, 6, 4}, 40000);   // top-k only
+  check_frequencies(logits, {0.9f, 0.7f, 12, 5}, 40000);  // both
+  // Cuts inside a run of equal logits keep the lower ids.
+  check_frequencies({2.0f, 1.0f, 1.0f, 1.0f, 0.0f}, {1.0f, 1.0f, 2, 8}, 4000);         // top-k: ids 0 and 1
+  check_frequencies({1.0f, 1.0f, 1.0f, 1.0f}, {1.0f, 0.5f, 0, 9}, 4000);               // top-p: ids 0 and 1
+  check_frequencies(std::vector<float>(300, 0.5f), {1.0f, 0.1f, 0, 10}, 4000);         // 30 of 300 ties
+}
+
+TEST(Sampler, LargeVocabularyNucleusGrowsPastTheFirstPrefixes) {
+  // A flat distribution over 20000 ids: top_p 0.9 keeps thousands of ids, more than the first prefixes of 64, 256
+  // and 1024 that the sampler sorts before it sorts more.
+  const std::vector<float> logits = random_logits(20000, 0.5f, 9);
+  const SamplingParams p{1.0f, 0.9f, 0, 6};
+  const std::map<int, double> want = expected_distribution(logits, p);
+  ASSERT_GT(want.size(), 4096u);
+  Sampler sampler(p);
+  for (int i = 0; i < 300; ++i) ASSERT_TRUE(want.count(sampler.sample(logits)));
+  // The nucleus boundary: the kept set's weakest id can be drawn, the next one in order never.
+  std::vector<int> order(logits.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(),
+            [&](int a, int b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); });
+  EXPECT_TRUE(want.count(order[want.size() - 1]));
+  EXPECT_FALSE(want.count(order[want.size()]));
+}
+
+TEST(Sampler, MidSizeVocabularyMatchesTheDefinition) {
+  const std::vector<float> logits = random_logits(3000, 2.0f, 17);
+  check_frequencies(logits, {0.5f, 0.9f, 0, 14}, 20000);
+  check_frequencies(logits, {0.5f, 1.0f, 0, 15}, 20000);
+  check_frequencies(logits, {1.0f, 0.95f, 200, 16}, 20000);
+}
+
+TEST(Sampler, SameSeedSameDraws) {
+  const std::vector<float> logits = random_logits(5000, 2.0f, 13);
+  for (const SamplingParams& p : {SamplingParams{1.0f, 1.0f, 0, 42}, SamplingParams{0.8f, 0.95f, 0, 42},
+                                  SamplingParams{0.8f, 0.95f, 40, 42}}) {
+    Sampler a(p), b(p);
+    for (int i = 0; i < 100; ++i) ASSERT_EQ(a.sample(logits), b.sample(logits));
+  }
+}
+
+}  // namespace
