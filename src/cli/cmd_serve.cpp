@@ -61,10 +61,8 @@ int run_serve(const ServeArgs& a) {
 
   server::Metrics metrics;
   server::SchedulerOptions scheduling{a.max_batch, a.max_queue, e.max_context, a.prefill_chunk, a.threads};
-  const RunnerFactory make_runner = runner_factory(model, e.device);
-  if (e.device == "cuda")  // each CUDA runner holds its own copy of the weights: slots cost weights + state each
-    spdlog::warn("--device cuda: every one of the {} slots uploads its own copy of the weights", a.max_batch);
-  server::Scheduler scheduler(tokenizer, make_runner, scheduling, metrics);
+  server::Scheduler scheduler(tokenizer, batch_runner(model, e.device, a.max_batch, e.max_context), scheduling,
+                              metrics);
   std::string name = a.served_model_name;
   if (name.empty()) {
     std::filesystem::path dir = std::filesystem::absolute(e.model_dir).lexically_normal();

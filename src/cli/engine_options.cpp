@@ -46,6 +46,28 @@ RunnerFactory runner_factory(const Model& model, const std::string& device) {
 #endif
 }
 
+std::unique_ptr<BatchRunner> batch_runner(const Model& model, const std::string& device, int sequences,
+                                          int max_context) {
+#ifdef DSV4_HAVE_CUDA
+  if (device == "cuda") {  // one runner: one copy of the weights, plus a spare sequence for moving states
+    DSV4_CHECK(sequences >= 1 && sequences + 1 <= kCudaMaxChunk,
+               "--device cuda holds at most {} slots (--max-batch), got {}", kCudaMaxChunk - 1, sequences);
+    CudaRunnerOptions options;
+    options.sequences = sequences + 1;
+    PackedSequences backend;
+    backend.runner = make_cuda_runner(model, max_context, options);
+    backend.held = sequences + 1;
+    backend.select = [](SequenceRunner& r, int seq) { cuda_runner_select_sequence(r, seq); };
+    backend.decode_first = [](SequenceRunner& r, std::span<const int32_t> tokens) {
+      return cuda_runner_decode_batch(r, tokens);
+    };
+    backend.copy = [](SequenceRunner& r, int from, int to) { cuda_runner_copy_sequence(r, from, to); };
+    return make_packed_batch_runner(std::move(backend), sequences);
+  }
+#endif
+  return make_looped_batch_runner(runner_factory(model, device), sequences, max_context);
+}
+
 void add_sampling_options(CLI::App* cmd, SamplingParams& p) {
   cmd->add_option("--temperature", p.temperature, "Sampling temperature; 0 = greedy")
       ->capture_default_str()->check(CLI::NonNegativeNumber);

@@ -8,6 +8,7 @@
 #include <memory>
 #include <string>
 
+#include "model/batch_runner.h"
 #include "model/model.h"
 #include "model/runner.h"
 #include "model/session.h"
@@ -34,6 +35,10 @@ Model load_model(const EngineOptions& options);
 
 // Makes per-sequence runners on the chosen backend; throws for a backend this build does not have.
 RunnerFactory runner_factory(const Model& model, const std::string& device);
+// `sequences` sequences for the server's slots: on cuda one runner holding them all (one copy of the weights,
+// batched decode steps), on cpu one runner each.
+std::unique_ptr<BatchRunner> batch_runner(const Model& model, const std::string& device, int sequences,
+                                          int max_context);
 
 // --temperature, --top-p, --top-k, --seed
 void add_sampling_options(CLI::App* cmd, SamplingParams& params);

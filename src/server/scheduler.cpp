@@ -55,7 +55,7 @@ void RequestHandle::push(StreamEvent event) {
 
 // One batch position: a sequence's state plus the request using it (none when free).
 struct Scheduler::Slot {
-  std::unique_ptr<SequenceRunner> runner;
+  int seq = 0;  // its sequence of the BatchRunner
   std::shared_ptr<RequestHandle> request;
   size_t prompt_done = 0;  // prompt tokens already consumed by the model
   int32_t last_token = -1; // chosen but not yet fed back
@@ -65,20 +65,35 @@ struct Scheduler::Slot {
   Clock::time_point last_token_time;
 };
 
-Scheduler::Scheduler(const Tokenizer& tokenizer, const RunnerFactory& make_runner, SchedulerOptions options,
-                     Metrics& metrics)
-    : tokenizer_(tokenizer), options_(options), metrics_(metrics) {
+namespace {
+const SchedulerOptions& checked(const SchedulerOptions& options) {
   DSV4_CHECK(options.max_batch >= 1, "--max-batch must be >= 1, got {}", options.max_batch);
   DSV4_CHECK(options.max_queue >= 0, "--max-queue must be >= 0, got {}", options.max_queue);
   DSV4_CHECK(options.max_context >= 2, "--max-context must be >= 2, got {}", options.max_context);
   DSV4_CHECK(options.prefill_chunk >= 1, "--prefill-chunk must be >= 1, got {}", options.prefill_chunk);
+  return options;
+}
+}  // namespace
+
+Scheduler::Scheduler(const Tokenizer& tokenizer, const RunnerFactory& make_runner, SchedulerOptions options,
+                     Metrics& metrics)
+    : Scheduler(tokenizer, make_looped_batch_runner(make_runner, checked(options).max_batch, options.max_context),
+                options, metrics) {}
+
+Scheduler::Scheduler(const Tokenizer& tokenizer, std::unique_ptr<BatchRunner> runner, SchedulerOptions options,
+                     Metrics& metrics)
+    : tokenizer_(tokenizer), options_(checked(options)), metrics_(metrics), runner_(std::move(runner)) {
+  DSV4_CHECK(runner_ && runner_->sequences() >= options.max_batch,
+             "the batch runner holds {} sequences for {} slots", runner_ ? runner_->sequences() : 0,
+             options.max_batch);
+  DSV4_CHECK(runner_->max_context() >= options.max_context, "the batch runner's context {} is below --max-context {}",
+             runner_->max_context(), options.max_context);
   for (int i = 0; i < options.max_batch; ++i) {
     auto slot = std::make_unique<Slot>();
-    slot->runner = make_runner(options.max_context);
-    DSV4_CHECK(slot->runner != nullptr, "the runner factory returned no runner for slot {}", i);
+    slot->seq = i;
     slots_.push_back(std::move(slot));
   }
-  const ModelConfig& config = slots_[0]->runner->config();
+  const ModelConfig& config = runner_->config();
   vocab_limit_ = std::min<int>(config.vocab_size, tokenizer.vocab_size());
   eos_ids_ = config.eos_token_ids;
   if (auto eos = tokenizer.eos_id(); eos && std::find(eos_ids_.begin(), eos_ids_.end(), *eos) == eos_ids_.end())
@@ -95,7 +110,7 @@ std::shared_ptr<RequestHandle> Scheduler::submit(GenerationRequest request, Admi
              "the prompt ({} tokens) does not fit the context of {} tokens", request.prompt.size(),
              options_.max_context);
   for (int32_t id : request.prompt)
-    DSV4_CHECK(id >= 0 && id < slots_[0]->runner->config().vocab_size, "prompt token id {} is outside the vocabulary",
+    DSV4_CHECK(id >= 0 && id < runner_->config().vocab_size, "prompt token id {} is outside the vocabulary",
                id);
   auto handle = std::make_shared<RequestHandle>(std::move(request));
   {
@@ -164,12 +179,20 @@ void Scheduler::engine_loop() {
     admit_queued();
     const auto step_start = Clock::now();
     int batch = 0;
+    std::vector<Slot*> decoding;  // slots whose prompt was consumed before this step
     for (auto& slot : slots_) {
       if (!slot->request) continue;
       if (cancel_everything) slot->request->cancel();
       ++batch;
-      step_slot(*slot);
+      if (slot->request->cancelled()) {
+        finish_slot(*slot, FinishReason::kCancelled);
+      } else if (slot->prompt_done < slot->request->request().prompt.size()) {
+        prefill_slot(*slot);
+      } else {
+        decoding.push_back(slot.get());
+      }
     }
+    if (!decoding.empty()) decode_slots(decoding);
     if (batch > 0) metrics_.engine_step(seconds_since(step_start), batch);
     std::lock_guard lock(mutex_);
     if (queue_.empty() && running_ == 0) idle_cv_.notify_all();
@@ -196,7 +219,7 @@ void Scheduler::admit_queued() {
     slot->request = std::move(queue_.front());
     queue_.pop_front();
     const GenerationRequest& r = slot->request->request();
-    slot->runner->reset();
+    runner_->reset(slot->seq);
     slot->prompt_done = 0;
     slot->last_token = -1;
     slot->generated = 0;
@@ -207,24 +230,38 @@ void Scheduler::admit_queued() {
   }
 }
 
-void Scheduler::step_slot(Slot& slot) {
-  if (slot.request->cancelled()) return finish_slot(slot, FinishReason::kCancelled);
+void Scheduler::prefill_slot(Slot& slot) {
   const std::vector<int32_t>& prompt = slot.request->request().prompt;
   try {
-    if (slot.prompt_done < prompt.size()) {
-      const size_t n = std::min(size_t(options_.prefill_chunk), prompt.size() - slot.prompt_done);
-      const std::vector<float> logits =
-          slot.runner->forward(std::span<const int32_t>(prompt.data() + slot.prompt_done, n), true);
-      slot.prompt_done += n;
-      if (slot.prompt_done == prompt.size()) choose_token(slot, logits);
-    } else {
-      const std::vector<float> logits = slot.runner->forward(std::span<const int32_t>(&slot.last_token, 1), true);
-      choose_token(slot, logits);
-    }
+    const size_t n = std::min(size_t(options_.prefill_chunk), prompt.size() - slot.prompt_done);
+    const std::vector<float> logits =
+        runner_->forward(slot.seq, std::span<const int32_t>(prompt.data() + slot.prompt_done, n), true);
+    slot.prompt_done += n;
+    if (slot.prompt_done == prompt.size()) choose_token(slot, logits);
   } catch (const std::exception& e) {
     spdlog::error("request failed in the engine: {}", e.what());
     finish_slot(slot, FinishReason::kError, e.what());
   }
+}
+
+void Scheduler::decode_slots(const std::vector<Slot*>& slots) {
+  std::vector<int> seqs;
+  std::vector<int32_t> tokens;
+  for (const Slot* slot : slots) {
+    seqs.push_back(slot->seq);
+    tokens.push_back(slot->last_token);
+  }
+  std::vector<float> logits;
+  try {
+    logits = runner_->decode(seqs, tokens);
+  } catch (const std::exception& e) {
+    spdlog::error("a decode step of {} requests failed in the engine: {}", slots.size(), e.what());
+    for (Slot* slot : slots) finish_slot(*slot, FinishReason::kError, e.what());
+    return;
+  }
+  const size_t vocab = logits.size() / slots.size();
+  for (size_t i = 0; i < slots.size(); ++i)
+    choose_token(*slots[i], std::span<const float>(logits.data() + i * vocab, vocab));
 }
 
 void Scheduler::choose_token(Slot& slot, std::span<const float> logits_row) {
@@ -267,7 +304,7 @@ void Scheduler::choose_token(Slot& slot, std::span<const float> logits_row) {
     event.text = slot.text->push(slot.last_token);
     if (slot.text->stopped())
       finish = FinishReason::kStop;
-    else if (slot.generated >= r.max_tokens || slot.runner->n_tokens() >= slot.runner->max_context())
+    else if (slot.generated >= r.max_tokens || runner_->n_tokens(slot.seq) >= runner_->max_context())
       finish = FinishReason::kLength;  // asked-for length reached, or no room to feed the token back
   }
   if (finish) {

@@ -2,8 +2,9 @@
 // Continuous batching for `dsv4 serve`. One engine thread owns every SequenceRunner and is the only caller of the
 // model; HTTP threads only submit requests and read their events. Every step the engine thread
 //   1. drops requests that were cancelled (client gone, shutdown) and frees their slots,
-//   2. admits queued requests into free slots (a slot = one runner sized by max_context),
-//   3. runs one prefill chunk for each slot still reading its prompt and one decode token for every other slot,
+//   2. admits queued requests into free slots (a slot = one sequence of the BatchRunner, sized by max_context),
+//   3. runs one prefill chunk for each slot still reading its prompt, then one decode token for every other slot,
+//      all of them in one BatchRunner::decode call (one batched step on the GPU),
 //   4. samples, detokenises, checks stop conditions and hands the new text to each request's handle.
 // A sequence's tokens depend only on its own state, so batched output equals the output of the same request
 // alone (tested in tests/server/test_scheduler.cpp).
@@ -22,6 +23,7 @@
 #include <thread>
 #include <vector>
 
+#include "model/batch_runner.h"
 #include "model/runner.h"
 #include "model/session.h"
 #include "server/metrics.h"
@@ -97,12 +99,18 @@ struct SchedulerOptions {
 
 // Makes one runner (one sequence's state) sized for max_context tokens; called max_batch times at startup.
 using dsv4::RunnerFactory;
+using dsv4::BatchRunner;
 
 class Scheduler {
  public:
   enum class Admission { kAccepted, kQueueFull, kDraining };
 
+  // One runner per slot from `make_runner`, stepped one after the other.
   Scheduler(const Tokenizer& tokenizer, const RunnerFactory& make_runner, SchedulerOptions options,
+            Metrics& metrics);
+  // Slots on the sequences of `runner` (at least max_batch of them, max_context each): the decoding slots of a step
+  // advance in one decode() call.
+  Scheduler(const Tokenizer& tokenizer, std::unique_ptr<BatchRunner> runner, SchedulerOptions options,
             Metrics& metrics);
   ~Scheduler();
   Scheduler(const Scheduler&) = delete;
@@ -133,7 +141,8 @@ class Scheduler {
   struct Slot;
   void engine_loop();
   void admit_queued();
-  void step_slot(Slot& slot);
+  void prefill_slot(Slot& slot);
+  void decode_slots(const std::vector<Slot*>& slots);
   void choose_token(Slot& slot, std::span<const float> logits);
   void finish_slot(Slot& slot, FinishReason reason, std::string error = {}, StreamEvent event = {});
 
@@ -152,6 +161,7 @@ class Scheduler {
   std::atomic<bool> cancel_running_{false};
   std::atomic<int> running_{0};
 
+  std::unique_ptr<BatchRunner> runner_;       // slot i uses sequence i; touched by the engine thread only
   std::vector<std::unique_ptr<Slot>> slots_;  // touched by the engine thread only
   std::thread engine_;
 };

@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <thread>
 
+#include "../model/fake_multi_runner.h"
 #include "model/model.h"
 #include "model/session.h"
 #include "server/scheduler.h"
@@ -122,6 +123,36 @@ TEST(Scheduler, BatchedGreedyEqualsEachRequestAlone) {
   EXPECT_TRUE(batched.wait_idle(std::chrono::steady_clock::now() + 5s));
   const std::string m = metrics.render(batched.queue_length(), batched.running(), 4);
   EXPECT_NE(m.find("dsv4_requests_finished_total{reason=\"length\"} 16"), std::string::npos) << m;
+}
+
+// The same requests on packed sequences (one backend stepping the decoding slots together, as on the GPU, here
+// the CPU test double): every request's tokens and text equal those of Session::generate alone, while slots free
+// up and fill again so that the packed runner moves states between steps.
+TEST(Scheduler, BatchedOnPackedSequencesEqualsEachRequestAlone) {
+  Metrics metrics;
+  dsv4::testing::FakeMultiRunner* fake = nullptr;
+  Scheduler batched(tiny().tokenizer, dsv4::testing::packed_cpu_batch_runner(tiny().model, 3, 512, &fake), {3, 16, 512, 5},
+                    metrics);
+  std::vector<std::shared_ptr<RequestHandle>> handles;
+  for (size_t i = 0; i < kPrompts.size(); ++i) {
+    handles.push_back(submit(batched, greedy(kPrompts[i], 12 + 5 * int(i))));
+    if (i == 1) std::this_thread::sleep_for(20ms);
+  }
+  for (size_t i = 0; i < kPrompts.size(); ++i) {
+    const GenerationRequest r = greedy(kPrompts[i], 12 + 5 * int(i));
+    auto runner = make_cpu_runner(tiny().model, 512);
+    Session session(*runner);
+    GenerateOptions options;
+    options.max_new_tokens = r.max_tokens;
+    options.stop_at_eos = false;
+    const Outcome got = collect(*handles[i]);
+    EXPECT_EQ(got.ids, session.generate(r.prompt, options).output_ids) << "prompt " << i;
+    EXPECT_EQ(got.finish, FinishReason::kLength);
+    EXPECT_EQ(got.text, tiny().tokenizer.decode(got.ids, true));
+  }
+  EXPECT_TRUE(batched.wait_idle(std::chrono::steady_clock::now() + 5s));
+  EXPECT_GT(fake->steps, 0);
+  EXPECT_GT(fake->copies, 0);
 }
 
 TEST(Scheduler, StopStringEndsGenerationBeforeIt) {

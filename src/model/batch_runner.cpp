@@ -1,0 +1,127 @@
+// SPDX-License-Identifier: MIT
+#include "model/batch_runner.h"
+
+#include <numeric>
+#include <utility>
+
+#include "core/check.h"
+
+namespace dsv4 {
+namespace {
+
+void check_decode_args(std::span<const int> seqs, std::span<const int32_t> tokens, int sequences) {
+  DSV4_CHECK(!seqs.empty() && seqs.size() == tokens.size(), "decode: {} sequences for {} tokens", seqs.size(),
+             tokens.size());
+  std::vector<bool> seen(size_t(sequences), false);
+  for (int s : seqs) {
+    DSV4_CHECK(s >= 0 && s < sequences, "decode: sequence {} outside [0, {})", s, sequences);
+    DSV4_CHECK(!seen[size_t(s)], "decode: sequence {} appears twice", s);
+    seen[size_t(s)] = true;
+  }
+}
+
+class LoopedBatchRunner final : public BatchRunner {
+ public:
+  LoopedBatchRunner(const RunnerFactory& make, int sequences, int max_context) {
+    DSV4_CHECK(sequences >= 1, "a batch runner needs at least one sequence, got {}", sequences);
+    for (int i = 0; i < sequences; ++i) {
+      runners_.push_back(make(max_context));
+      DSV4_CHECK(runners_.back() != nullptr, "the runner factory returned no runner for sequence {}", i);
+    }
+  }
+  const ModelConfig& config() const override { return runners_[0]->config(); }
+  int sequences() const override { return int(runners_.size()); }
+  int max_context() const override { return runners_[0]->max_context(); }
+  int64_t n_tokens(int seq) const override { return at(seq).n_tokens(); }
+  void reset(int seq) override { at(seq).reset(); }
+  std::vector<float> forward(int seq, std::span<const int32_t> tokens, bool last_only) override {
+    return at(seq).forward(tokens, last_only);
+  }
+  std::vector<float> decode(std::span<const int> seqs, std::span<const int32_t> tokens) override {
+    check_decode_args(seqs, tokens, sequences());
+    std::vector<float> logits;
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      const std::vector<float> row = at(seqs[i]).forward(tokens.subspan(i, 1), true);
+      logits.insert(logits.end(), row.begin(), row.end());
+    }
+    return logits;
+  }
+
+ private:
+  SequenceRunner& at(int seq) const {
+    DSV4_CHECK(seq >= 0 && seq < int(runners_.size()), "sequence {} outside [0, {})", seq, runners_.size());
+    return *runners_[size_t(seq)];
+  }
+  std::vector<std::unique_ptr<SequenceRunner>> runners_;
+};
+
+class PackedBatchRunner final : public BatchRunner {
+ public:
+  PackedBatchRunner(PackedSequences backend, int sequences) : b_(std::move(backend)), slots_(sequences) {
+    DSV4_CHECK(b_.runner && b_.select && b_.decode_first && b_.copy, "packed batch runner: incomplete backend");
+    DSV4_CHECK(sequences >= 1 && b_.held >= sequences + 1,
+               "packed batch runner: {} slots need {} sequences held (one spare), the backend holds {}", sequences,
+               sequences + 1, b_.held);
+    place_.resize(size_t(sequences));
+    std::iota(place_.begin(), place_.end(), 0);
+    slot_at_.assign(size_t(b_.held), -1);
+    for (int s = 0; s < sequences; ++s) slot_at_[size_t(s)] = s;
+  }
+  const ModelConfig& config() const override { return b_.runner->config(); }
+  int sequences() const override { return slots_; }
+  int max_context() const override { return b_.runner->max_context(); }
+  int64_t n_tokens(int seq) const override {
+    select(seq);
+    return b_.runner->n_tokens();
+  }
+  void reset(int seq) override {
+    select(seq);
+    b_.runner->reset();
+  }
+  std::vector<float> forward(int seq, std::span<const int32_t> tokens, bool last_only) override {
+    select(seq);
+    return b_.runner->forward(tokens, last_only);
+  }
+  std::vector<float> decode(std::span<const int> seqs, std::span<const int32_t> tokens) override {
+    check_decode_args(seqs, tokens, slots_);
+    for (int i = 0; i < int(seqs.size()); ++i) move_to(seqs[size_t(i)], i);
+    return b_.decode_first(*b_.runner, tokens);
+  }
+
+ private:
+  void select(int slot) const {
+    DSV4_CHECK(slot >= 0 && slot < slots_, "sequence {} outside [0, {})", slot, slots_);
+    b_.select(*b_.runner, place_[size_t(slot)]);
+  }
+  // Slot `slot` onto backend sequence `to`, swapping with whatever slot (or free sequence) is there.
+  void move_to(int slot, int to) {
+    const int from = place_[size_t(slot)];
+    if (from == to) return;
+    const int spare = b_.held - 1;  // never a slot's place: slots use sequences 0..held-2 only
+    b_.copy(*b_.runner, to, spare);
+    b_.copy(*b_.runner, from, to);
+    b_.copy(*b_.runner, spare, from);
+    const int other = slot_at_[size_t(to)];
+    slot_at_[size_t(to)] = slot;
+    slot_at_[size_t(from)] = other;
+    place_[size_t(slot)] = to;
+    if (other >= 0) place_[size_t(other)] = from;
+  }
+
+  PackedSequences b_;
+  const int slots_;
+  std::vector<int> place_;    // slot -> backend sequence
+  std::vector<int> slot_at_;  // backend sequence -> slot (-1: none)
+};
+
+}  // namespace
+
+std::unique_ptr<BatchRunner> make_looped_batch_runner(const RunnerFactory& make, int sequences, int max_context) {
+  return std::make_unique<LoopedBatchRunner>(make, sequences, max_context);
+}
+
+std::unique_ptr<BatchRunner> make_packed_batch_runner(PackedSequences backend, int sequences) {
+  return std::make_unique<PackedBatchRunner>(std::move(backend), sequences);
+}
+
+}  // namespace dsv4

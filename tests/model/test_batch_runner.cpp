@@ -1,0 +1,95 @@
+// SPDX-License-Identifier: MIT
+// BatchRunner: the packed runner (all sequences in one backend that steps sequences 0..B-1 together, the way the CUDA
+// runner batches a decode step) against one runner per sequence, on the embedded tiny model. A fake backend on the
+// CPU holds the states and copies them like cuda_runner_copy_sequence; a seeded schedule of resets, prompt chunks
+// and decodes of shuffled sequence subsets must give the same logits bit for bit, however often the packed runner
+// moves states to bring a step's sequences onto 0..B-1.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <numeric>
+#include <random>
+
+#include "core/check.h"
+#include "fake_multi_runner.h"
+#include "model/batch_runner.h"
+#include "model/model.h"
+
+namespace fs = std::filesystem;
+using namespace dsv4;
+using dsv4::testing::FakeMultiRunner;
+using dsv4::testing::packed_cpu_batch_runner;
+
+namespace {
+
+const Model& tiny_model() {
+  static const Model model = Model::load((fs::path(DSV4_SOURCE_DIR) / "models" / "tiny").string());
+  return model;
+}
+
+TEST(BatchRunner, PackedMatchesOneRunnerPerSequence) {
+  constexpr int kSlots = 5, kContext = 96;
+  FakeMultiRunner* fake = nullptr;
+  std::unique_ptr<BatchRunner> a = packed_cpu_batch_runner(tiny_model(), kSlots, kContext, &fake);
+  std::unique_ptr<BatchRunner> b = make_looped_batch_runner(
+      [](int max_context) { return make_cpu_runner(tiny_model(), max_context); }, kSlots, kContext);
+  ASSERT_EQ(a->sequences(), kSlots);
+  std::mt19937 rng(2026);
+  const int V = tiny_model().config().vocab_size;
+  std::uniform_int_distribution<int> token(0, V - 1);
+  int decodes = 0;
+  for (int step = 0; step < 60; ++step) {
+    const int what = int(rng() % 6);
+    if (what == 0) {  // a slot starts over with a prompt chunk
+      const int s = int(rng() % kSlots);
+      a->reset(s);
+      b->reset(s);
+      std::vector<int32_t> prompt(1 + rng() % 7);
+      for (int32_t& t : prompt) t = token(rng);
+      ASSERT_EQ(a->forward(s, prompt, true), b->forward(s, prompt, true)) << "step " << step;
+    } else {  // a shuffled subset of the slots with room decodes one token each
+      std::vector<int> seqs;
+      for (int s = 0; s < kSlots; ++s)
+        if (a->n_tokens(s) > 0 && a->n_tokens(s) < kContext && rng() % 3 != 0) seqs.push_back(s);
+      if (seqs.empty()) continue;
+      std::shuffle(seqs.begin(), seqs.end(), rng);
+      std::vector<int32_t> tokens(seqs.size());
+      for (int32_t& t : tokens) t = token(rng);
+      ASSERT_EQ(a->decode(seqs, tokens), b->decode(seqs, tokens)) << "step " << step;
+      ++decodes;
+    }
+    for (int s = 0; s < kSlots; ++s) ASSERT_EQ(a->n_tokens(s), b->n_tokens(s)) << "slot " << s;
+  }
+  EXPECT_GT(decodes, 30);
+  EXPECT_EQ(fake->steps, decodes);  // one backend step per decode, whatever the subset
+  EXPECT_GT(fake->copies, 0);       // the schedule did move states
+}
+
+TEST(BatchRunner, SteadyDecodingMovesNothing) {
+  FakeMultiRunner* fake = nullptr;
+  std::unique_ptr<BatchRunner> a = packed_cpu_batch_runner(tiny_model(), 4, 64, &fake);
+  for (int s : {1, 3}) a->forward(s, std::vector<int32_t>{5, 17}, true);
+  const std::vector<int> seqs = {3, 1};
+  a->decode(seqs, std::vector<int32_t>{1, 2});
+  const int after_first = fake->copies;
+  for (int i = 0; i < 5; ++i) a->decode(seqs, std::vector<int32_t>{1, 2});
+  EXPECT_EQ(fake->copies, after_first);
+}
+
+TEST(BatchRunner, RejectsBadSequenceSets) {
+  FakeMultiRunner* fake = nullptr;
+  std::unique_ptr<BatchRunner> a = packed_cpu_batch_runner(tiny_model(), 3, 32, &fake);
+  EXPECT_THROW(a->decode(std::vector<int>{0, 0}, std::vector<int32_t>{1, 2}), Error);
+  EXPECT_THROW(a->decode(std::vector<int>{3}, std::vector<int32_t>{1}), Error);
+  EXPECT_THROW(a->decode(std::vector<int>{0}, std::vector<int32_t>{1, 2}), Error);
+  PackedSequences too_few;
+  too_few.runner = std::make_unique<FakeMultiRunner>(tiny_model(), 3, 32);
+  too_few.held = 3;
+  too_few.select = [](SequenceRunner&, int) {};
+  too_few.decode_first = [](SequenceRunner&, std::span<const int32_t>) { return std::vector<float>{}; };
+  too_few.copy = [](SequenceRunner&, int, int) {};
+  EXPECT_THROW(make_packed_batch_runner(std::move(too_few), 3), Error);  // no spare sequence
+}
+
+}  // namespace
