@@ -143,7 +143,11 @@ class Scheduler {
   void admit_queued();
   void prefill_slot(Slot& slot);
   void decode_slots(const std::vector<Slot*>& slots);
-  void choose_token(Slot& slot, std::span<const float> logits);
+  void choose_token(Slot& slot, std::span<const float> logits);  // pick_token, then deliver_token
+  // The token drawn from a slot's logits (and its logprobs when asked): touches only that slot's sampler.
+  GeneratedToken pick_token(Slot& slot, std::span<const float> logits) const;
+  // Metrics, text, stop conditions, the request's event.
+  void deliver_token(Slot& slot, GeneratedToken token);
   void finish_slot(Slot& slot, FinishReason reason, std::string error = {}, StreamEvent event = {});
 
   const Tokenizer& tokenizer_;
