@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: MIT
 #include "model/batch_runner.h"
 
+#include <algorithm>
 #include <numeric>
 #include <utility>
 
@@ -84,8 +85,27 @@ class PackedBatchRunner final : public BatchRunner {
   }
   std::vector<float> decode(std::span<const int> seqs, std::span<const int32_t> tokens) override {
     check_decode_args(seqs, tokens, slots_);
-    for (int i = 0; i < int(seqs.size()); ++i) move_to(seqs[size_t(i)], i);
-    return b_.decode_first(*b_.runner, tokens);
+    const int B = int(seqs.size());
+    // Slots already on 0..B-1 stay; the others move onto the places there that no slot of this step holds.
+    std::vector<bool> held_here(size_t(B), false);
+    for (int s : seqs)
+      if (place_[size_t(s)] < B) held_here[size_t(place_[size_t(s)])] = true;
+    int free_place = 0;
+    for (int s : seqs) {
+      if (place_[size_t(s)] < B) continue;
+      while (held_here[size_t(free_place)]) ++free_place;
+      move_to(s, free_place);
+      held_here[size_t(free_place)] = true;
+    }
+    std::vector<int32_t> by_place(static_cast<size_t>(B));
+    for (int i = 0; i < B; ++i) by_place[size_t(place_[size_t(seqs[size_t(i)])])] = tokens[size_t(i)];
+    const std::vector<float> rows = b_.decode_first(*b_.runner, by_place);
+    const size_t vocab = rows.size() / size_t(B);
+    std::vector<float> logits(rows.size());
+    for (int i = 0; i < B; ++i)
+      std::copy_n(rows.begin() + std::ptrdiff_t(size_t(place_[size_t(seqs[size_t(i)])]) * vocab), vocab,
+                  logits.begin() + std::ptrdiff_t(size_t(i) * vocab));
+    return logits;
   }
 
  private:

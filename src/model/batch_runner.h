@@ -41,9 +41,10 @@ struct PackedSequences {
   std::function<void(SequenceRunner&, int from, int to)> copy;  // state and length of `from` onto `to`
 };
 
-// `sequences` slots on a PackedSequences backend with held >= sequences + 1. Before a decode() the slots it
-// advances are moved onto sequences 0..B-1 in their order, swapping states through the spare sequence where a slot
-// sits elsewhere; a set of slots that keeps decoding keeps its places, so steady decoding moves nothing.
+// `sequences` slots on a PackedSequences backend with held >= sequences + 1. Before a decode() of B slots, those of
+// them not on sequences 0..B-1 move onto the places there that the others leave free, swapping states through the
+// spare sequence (three state copies); a set of slots that keeps decoding keeps its places, so steady decoding
+// moves nothing, and one slot leaving or joining moves at most one.
 std::unique_ptr<BatchRunner> make_packed_batch_runner(PackedSequences backend, int sequences);
 
 }  // namespace dsv4

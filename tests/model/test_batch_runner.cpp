@@ -77,6 +77,20 @@ TEST(BatchRunner, SteadyDecodingMovesNothing) {
   EXPECT_EQ(fake->copies, after_first);
 }
 
+TEST(BatchRunner, MovesOnlySlotsOutsideTheStepsPlaces) {
+  FakeMultiRunner* fake = nullptr;
+  std::unique_ptr<BatchRunner> a = packed_cpu_batch_runner(tiny_model(), 4, 64, &fake);
+  for (int s = 0; s < 4; ++s) a->forward(s, std::vector<int32_t>{5, 17}, true);
+  a->decode(std::vector<int>{0, 1, 2}, std::vector<int32_t>{1, 2, 3});
+  EXPECT_EQ(fake->copies, 0);  // already on 0..2
+  a->decode(std::vector<int>{2, 1, 0}, std::vector<int32_t>{1, 2, 3});
+  EXPECT_EQ(fake->copies, 0);  // another order, same places
+  a->decode(std::vector<int>{0, 2}, std::vector<int32_t>{1, 2});
+  EXPECT_EQ(fake->copies, 3);  // slot 2 onto the place slot 1 left: one swap
+  a->decode(std::vector<int>{3}, std::vector<int32_t>{4});
+  EXPECT_EQ(fake->copies, 6);  // slot 3 onto place 0
+}
+
 TEST(BatchRunner, RejectsBadSequenceSets) {
   FakeMultiRunner* fake = nullptr;
   std::unique_ptr<BatchRunner> a = packed_cpu_batch_runner(tiny_model(), 3, 32, &fake);
