@@ -35,6 +35,7 @@ class LoopedBatchRunner final : public BatchRunner {
   int max_context() const override { return runners_[0]->max_context(); }
   int64_t n_tokens(int seq) const override { return at(seq).n_tokens(); }
   void reset(int seq) override { at(seq).reset(); }
+  void release(int seq) override { at(seq); }  // each sequence has its own runner: nothing to gain
   std::vector<float> forward(int seq, std::span<const int32_t> tokens, bool last_only) override {
     return at(seq).forward(tokens, last_only);
   }
@@ -65,6 +66,7 @@ class PackedBatchRunner final : public BatchRunner {
                sequences + 1, b_.held);
     place_.resize(size_t(sequences));
     std::iota(place_.begin(), place_.end(), 0);
+    released_.assign(size_t(sequences), false);
     slot_at_.assign(size_t(b_.held), -1);
     for (int s = 0; s < sequences; ++s) slot_at_[size_t(s)] = s;
   }
@@ -78,6 +80,11 @@ class PackedBatchRunner final : public BatchRunner {
   void reset(int seq) override {
     select(seq);
     b_.runner->reset();
+    released_[size_t(seq)] = false;
+  }
+  void release(int seq) override {
+    select(seq);  // checks the index
+    released_[size_t(seq)] = true;
   }
   std::vector<float> forward(int seq, std::span<const int32_t> tokens, bool last_only) override {
     select(seq);
@@ -113,15 +120,20 @@ class PackedBatchRunner final : public BatchRunner {
     DSV4_CHECK(slot >= 0 && slot < slots_, "sequence {} outside [0, {})", slot, slots_);
     b_.select(*b_.runner, place_[size_t(slot)]);
   }
-  // Slot `slot` onto backend sequence `to`, swapping with whatever slot (or free sequence) is there.
+  // Slot `slot` onto backend sequence `to`, swapping with whatever slot (or free sequence) is there; a released
+  // slot there is not kept, only moved.
   void move_to(int slot, int to) {
     const int from = place_[size_t(slot)];
     if (from == to) return;
-    const int spare = b_.held - 1;  // never a slot's place: slots use sequences 0..held-2 only
-    b_.copy(*b_.runner, to, spare);
-    b_.copy(*b_.runner, from, to);
-    b_.copy(*b_.runner, spare, from);
     const int other = slot_at_[size_t(to)];
+    if (other < 0 || released_[size_t(other)]) {
+      b_.copy(*b_.runner, from, to);
+    } else {
+      const int spare = b_.held - 1;  // never a slot's place: slots use sequences 0..held-2 only
+      b_.copy(*b_.runner, to, spare);
+      b_.copy(*b_.runner, from, to);
+      b_.copy(*b_.runner, spare, from);
+    }
     slot_at_[size_t(to)] = slot;
     slot_at_[size_t(from)] = other;
     place_[size_t(slot)] = to;
@@ -132,6 +144,7 @@ class PackedBatchRunner final : public BatchRunner {
   const int slots_;
   std::vector<int> place_;    // slot -> backend sequence
   std::vector<int> slot_at_;  // backend sequence -> slot (-1: none)
+  std::vector<bool> released_;  // slot -> its state may be overwritten
 };
 
 }  // namespace

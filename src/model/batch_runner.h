@@ -21,6 +21,8 @@ class BatchRunner {
   virtual int max_context() const = 0;
   virtual int64_t n_tokens(int seq) const = 0;
   virtual void reset(int seq) = 0;
+  // Sequence `seq` holds nothing that matters until its next reset() (its request ended): a backend may overwrite it.
+  virtual void release(int seq) = 0;
   // Consumes tokens on sequence `seq` (a prompt chunk) and returns next-token logits [n, vocab] or the last row.
   virtual std::vector<float> forward(int seq, std::span<const int32_t> tokens, bool last_only) = 0;
   // One token for each of the distinct sequences seqs[i] (tokens[i]); returns their next-token logits, row i for
@@ -43,8 +45,8 @@ struct PackedSequences {
 
 // `sequences` slots on a PackedSequences backend with held >= sequences + 1. Before a decode() of B slots, those of
 // them not on sequences 0..B-1 move onto the places there that the others leave free, swapping states through the
-// spare sequence (three state copies); a set of slots that keeps decoding keeps its places, so steady decoding
-// moves nothing, and one slot leaving or joining moves at most one.
+// spare sequence (three state copies, one when the slot moved out was released); a set of slots that keeps decoding
+// keeps its places, so steady decoding moves nothing, and one slot leaving or joining moves at most one.
 std::unique_ptr<BatchRunner> make_packed_batch_runner(PackedSequences backend, int sequences);
 
 }  // namespace dsv4

@@ -349,6 +349,7 @@ void Scheduler::finish_slot(Slot& slot, FinishReason reason, std::string error, 
   metrics_.request_finished(finish_reason_name(reason), seconds_since(slot.request->arrival_));
   slot.request->push(std::move(event));
   slot.request.reset();
+  runner_->release(slot.seq);
   slot.sampler.reset();
   slot.text.reset();
   std::lock_guard lock(mutex_);

@@ -2,8 +2,9 @@
 // BatchRunner: the packed runner (all sequences in one backend that steps sequences 0..B-1 together, the way the CUDA
 // runner batches a decode step) against one runner per sequence, on the embedded tiny model. A fake backend on the
 // CPU holds the states and copies them like cuda_runner_copy_sequence; a seeded schedule of resets, prompt chunks
-// and decodes of shuffled sequence subsets must give the same logits bit for bit, however often the packed runner
-// moves states to bring a step's sequences onto 0..B-1.
+// and decodes of shuffled sequence subsets (and ended requests, whose states the packed runner may overwrite) must
+// give the same logits bit for bit, however often the packed runner moves states to bring a step's sequences onto
+// 0..B-1.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -39,19 +40,27 @@ TEST(BatchRunner, PackedMatchesOneRunnerPerSequence) {
   const int V = tiny_model().config().vocab_size;
   std::uniform_int_distribution<int> token(0, V - 1);
   int decodes = 0;
-  for (int step = 0; step < 60; ++step) {
-    const int what = int(rng() % 6);
-    if (what == 0) {  // a slot starts over with a prompt chunk
+  std::vector<bool> released(kSlots, false);  // a released slot's state may be overwritten until its next reset
+  for (int step = 0; step < 80; ++step) {
+    const int what = int(rng() % 8);
+    if (what == 7) {  // a request ends
+      const int s = int(rng() % kSlots);
+      a->release(s);
+      b->release(s);
+      released[size_t(s)] = true;
+    } else if (what == 0) {  // a slot starts over with a prompt chunk
       const int s = int(rng() % kSlots);
       a->reset(s);
       b->reset(s);
+      released[size_t(s)] = false;
       std::vector<int32_t> prompt(1 + rng() % 7);
       for (int32_t& t : prompt) t = token(rng);
       ASSERT_EQ(a->forward(s, prompt, true), b->forward(s, prompt, true)) << "step " << step;
     } else {  // a shuffled subset of the slots with room decodes one token each
       std::vector<int> seqs;
       for (int s = 0; s < kSlots; ++s)
-        if (a->n_tokens(s) > 0 && a->n_tokens(s) < kContext && rng() % 3 != 0) seqs.push_back(s);
+        if (!released[size_t(s)] && a->n_tokens(s) > 0 && a->n_tokens(s) < kContext && rng() % 3 != 0)
+          seqs.push_back(s);
       if (seqs.empty()) continue;
       std::shuffle(seqs.begin(), seqs.end(), rng);
       std::vector<int32_t> tokens(seqs.size());
@@ -59,7 +68,8 @@ TEST(BatchRunner, PackedMatchesOneRunnerPerSequence) {
       ASSERT_EQ(a->decode(seqs, tokens), b->decode(seqs, tokens)) << "step " << step;
       ++decodes;
     }
-    for (int s = 0; s < kSlots; ++s) ASSERT_EQ(a->n_tokens(s), b->n_tokens(s)) << "slot " << s;
+    for (int s = 0; s < kSlots; ++s)
+      if (!released[size_t(s)]) ASSERT_EQ(a->n_tokens(s), b->n_tokens(s)) << "slot " << s;
   }
   EXPECT_GT(decodes, 30);
   EXPECT_EQ(fake->steps, decodes);  // one backend step per decode, whatever the subset
@@ -89,6 +99,23 @@ TEST(BatchRunner, MovesOnlySlotsOutsideTheStepsPlaces) {
   EXPECT_EQ(fake->copies, 3);  // slot 2 onto the place slot 1 left: one swap
   a->decode(std::vector<int>{3}, std::vector<int32_t>{4});
   EXPECT_EQ(fake->copies, 6);  // slot 3 onto place 0
+}
+
+TEST(BatchRunner, AReleasedSlotIsOverwrittenNotKept) {
+  FakeMultiRunner* fake = nullptr;
+  std::unique_ptr<BatchRunner> a = packed_cpu_batch_runner(tiny_model(), 3, 64, &fake);
+  for (int s = 0; s < 3; ++s) a->forward(s, std::vector<int32_t>{5, 17}, true);
+  a->release(0);  // its request ended
+  a->decode(std::vector<int>{2}, std::vector<int32_t>{1});
+  EXPECT_EQ(fake->copies, 1);  // slot 2 onto place 0: one copy, nothing of slot 0 kept
+  EXPECT_EQ(a->n_tokens(2), 3);
+  a->reset(0);  // a new request takes slot 0 (now on place 2)
+  a->forward(0, std::vector<int32_t>{7}, true);
+  a->decode(std::vector<int>{0, 2}, std::vector<int32_t>{1, 2});  // slot 0 onto place 1, held by live slot 1
+  EXPECT_EQ(fake->copies, 4);
+  EXPECT_EQ(a->n_tokens(0), 2);
+  EXPECT_EQ(a->n_tokens(1), 2);  // slot 1 was kept
+  EXPECT_EQ(a->n_tokens(2), 4);
 }
 
 TEST(BatchRunner, RejectsBadSequenceSets) {
