@@ -112,7 +112,7 @@ void add_serve_command(CLI::App& app, Handler& handler) {
   cmd->add_option("--host", args->host, "Address to listen on")->capture_default_str();
   cmd->add_option("--port", args->port, "Port to listen on; 0 picks a free one (printed on stdout)")
       ->capture_default_str()->check(CLI::Range(0, 65535));
-  cmd->add_option("--max-batch", args->max_batch, "Sequences decoded together (slots)")
+  cmd->add_option("--max-batch", args->max_batch, "Sequences decoded together (slots; at most 63 on --device cuda)")
       ->capture_default_str()->check(CLI::Range(1, 4096));
   cmd->add_option("--max-queue", args->max_queue, "Requests that may wait for a slot; more get 429")
       ->capture_default_str()->check(CLI::Range(0, 1 << 20));
