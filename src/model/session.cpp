@@ -19,18 +19,65 @@ Sampler::Sampler(const SamplingParams& params) : params_(params), rng_(params.se
   DSV4_CHECK(params.top_k >= 0, "top_k must be >= 0, got {}", params.top_k);
 }
 
+// The nucleus without sorting the vocabulary: quickselect over all ids in "before" order, each round keeping the
+// side where the cumulative weight crosses top_p · total (linear time), then a sort of the last few. Leaves
+// order_[0, keep) = the nucleus (sorted when it has at most 4096 ids), weight_[i] = the weight of order_[i]
+// (weight_of[id]: every id's weight); returns keep.
+int Sampler::nucleus_by_selection(std::span<const float> logits, std::span<const double> weight_of, double total) {
+  const int V = int(logits.size());
+  auto before = [&](int a, int b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); };
+  auto weight = [&](int id) { return weight_of[size_t(id)]; };
+  order_.resize(size_t(V));
+  std::iota(order_.begin(), order_.end(), 0);
+  const double target = params_.top_p * total;
+  double acc = 0;  // the weight of order_[0, lo): ids all in the nucleus
+  int lo = 0, hi = V, keep = -1;
+  while (keep < 0 && hi - lo > 32) {
+    const int a = order_[size_t(lo)], b = order_[size_t(lo + (hi - lo) / 2)], c = order_[size_t(hi - 1)];
+    const int pivot = before(a, b) ? (before(b, c) ? b : before(a, c) ? c : a) : (before(a, c) ? a : before(b, c) ? c : b);
+    // [lo, m): before the pivot; then the pivot at m; then (m, hi): after it.
+    const int m = int(std::partition(order_.begin() + lo, order_.begin() + hi, [&](int id) { return before(id, pivot); }) -
+                      order_.begin());
+    std::iter_swap(order_.begin() + m, std::find(order_.begin() + m, order_.begin() + hi, pivot));
+    double left = 0;
+    for (int i = lo; i < m; ++i) left += weight(order_[size_t(i)]);
+    if (acc + left >= target) {
+      hi = m;
+    } else if ((acc += left) + weight(pivot) >= target) {
+      keep = m + 1;
+    } else {
+      acc += weight(pivot);
+      lo = m + 1;
+    }
+  }
+  if (keep < 0) {
+    std::sort(order_.begin() + lo, order_.begin() + hi, before);
+    keep = hi;
+    for (int i = lo; i < hi; ++i)
+      if ((acc += weight(order_[size_t(i)])) >= target) {
+        keep = i + 1;
+        break;
+      }
+  }
+  // Nuclei of up to 4096 ids are drawn from in "before" order, like the top-k case (the order does not change the
+  // distribution; it keeps a seed's draws the same as a full sort would give).
+  if (keep <= 4096) std::sort(order_.begin(), order_.begin() + keep, before);
+  weight_.resize(size_t(keep));
+  for (int i = 0; i < keep; ++i) weight_[size_t(i)] = weight(order_[size_t(i)]);
+  return keep;
+}
+
 // Exact sampling without sorting the vocabulary (a full sort of 129K ids took ~20 ms per token on one core, more
 // than a GPU decode step). "Before" is the order the nucleus is taken in: higher logit first, lower id among
 // equal logits.
 //   top_k < V: the k best ids by nth_element + sort, then the nucleus among them (the order and sums of the full
 //     sort);
-//   no top_k, top_p < 1: the total over all ids, then sorted prefixes of growing length until one reaches top_p;
+//   no top_k, top_p < 1: the total over all ids, the 64 best ids by heap, and when they do not reach top_p the
+//     nucleus by selection (nucleus_by_selection);
 //   no top_k, top_p = 1: every id, weighed in id order (no order is needed to draw from the whole distribution).
 // Weights are computed in float (exp of (logit - max) / temperature) and summed in double.
-int32_t Sampler::sample(std::span<const float> logits) {
+int Sampler::cut(std::span<const float> logits) {
   const int V = int(logits.size());
-  DSV4_CHECK(V > 0, "sample: empty logits");
-  if (params_.temperature == 0.0f) return int32_t(std::max_element(logits.begin(), logits.end()) - logits.begin());
   auto before = [&](int a, int b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); };
   const float mx = *std::max_element(logits.begin(), logits.end()), inv_t = 1.0f / params_.temperature;
   auto weight = [&](int id) { return double(std::exp((logits[id] - mx) * inv_t)); };
@@ -75,32 +122,53 @@ int32_t Sampler::sample(std::span<const float> logits) {
     for (int i = 0; i < k; ++i) total += (weight_[size_t(i)] = weight(order_[size_t(i)]));
     keep = nucleus(k, total);
   } else if (params_.top_p < 1.0f) {
+    weight_of_.resize(size_t(V));
     double total = 0;
-    for (int id = 0; id < V; ++id) total += weight(id);
-    for (int n = std::min(V, 64);; n = std::min(V, 4 * n)) {
-      sort_prefix(n);
-      weight_.resize(size_t(n));
-      double covered = 0;
-      for (int i = 0; i < n; ++i) covered += (weight_[size_t(i)] = weight(order_[size_t(i)]));
-      keep = nucleus(n, total);
-      if (keep < n || covered / total >= params_.top_p || n == V) break;
-    }
-  } else {  // the whole distribution, in id order: the weights and their total, then the drawn id
+    for (int id = 0; id < V; ++id) total += (weight_of_[size_t(id)] = weight(id));
+    const int n = std::min(V, 64);  // most nuclei of a language model are short: the 64 best ids by heap first
+    sort_prefix(n);
+    weight_.resize(size_t(n));
+    double covered = 0;
+    for (int i = 0; i < n; ++i) covered += (weight_[size_t(i)] = weight_of_[size_t(order_[size_t(i)])]);
+    keep = nucleus(n, total);
+    if (keep == n && covered / total < params_.top_p && n < V) keep = nucleus_by_selection(logits, weight_of_, total);
+  } else {  // the whole distribution: the weights by id
     weight_.resize(size_t(V));
-    double total = 0;
-    for (int id = 0; id < V; ++id) total += (weight_[size_t(id)] = weight(id));
-    const double u = std::uniform_real_distribution<double>(0.0, total)(rng_);
-    double cumulative = 0;
-    int last = 0;  // the last id with a nonzero weight: where rounding could leave u past the final sum
-    for (int id = 0; id < V; ++id) {
-      if (weight_[size_t(id)] == 0) continue;
-      last = id;
-      if ((cumulative += weight_[size_t(id)]) > u) return id;
-    }
-    return last;
+    for (int id = 0; id < V; ++id) weight_[size_t(id)] = weight(id);
+    keep = -1;
   }
-  std::discrete_distribution<int> pick(weight_.begin(), weight_.begin() + keep);
-  return int32_t(order_[size_t(pick(rng_))]);
+  return keep;
+}
+
+int32_t Sampler::sample(std::span<const float> logits) {
+  DSV4_CHECK(!logits.empty(), "sample: empty logits");
+  if (params_.temperature == 0.0f) return int32_t(std::max_element(logits.begin(), logits.end()) - logits.begin());
+  const int keep = cut(logits);
+  if (keep >= 0) {
+    std::discrete_distribution<int> pick(weight_.begin(), weight_.begin() + keep);
+    return int32_t(order_[size_t(pick(rng_))]);
+  }
+  // The whole distribution, drawn in id order (no order is needed to draw from all of it).
+  const double total = std::accumulate(weight_.begin(), weight_.end(), 0.0);
+  const double u = std::uniform_real_distribution<double>(0.0, total)(rng_);
+  double cumulative = 0;
+  int last = 0;  // the last id with a nonzero weight: where rounding could leave u past the final sum
+  for (int id = 0; id < int(weight_.size()); ++id) {
+    if (weight_[size_t(id)] == 0) continue;
+    last = id;
+    if ((cumulative += weight_[size_t(id)]) > u) return id;
+  }
+  return last;
+}
+
+std::vector<int32_t> Sampler::kept_ids(std::span<const float> logits) {
+  DSV4_CHECK(!logits.empty(), "kept_ids: empty logits");
+  if (params_.temperature == 0.0f) return {int32_t(std::max_element(logits.begin(), logits.end()) - logits.begin())};
+  const int keep = cut(logits);
+  if (keep >= 0) return std::vector<int32_t>(order_.begin(), order_.begin() + keep);
+  std::vector<int32_t> all(logits.size());
+  std::iota(all.begin(), all.end(), 0);
+  return all;
 }
 
 namespace {

@@ -11,6 +11,7 @@
 #include <map>
 #include <numeric>
 #include <random>
+#include <tuple>
 #include <vector>
 
 #include "model/session.h"
@@ -95,6 +96,12 @@ TEST(Sampler, SmallVocabularyMatchesTheDefinition) {
   check_frequencies({2.0f, 1.0f, 1.0f, 1.0f, 0.0f}, {1.0f, 1.0f, 2, 8}, 4000);         // top-k: ids 0 and 1
   check_frequencies({1.0f, 1.0f, 1.0f, 1.0f}, {1.0f, 0.5f, 0, 9}, 4000);               // top-p: ids 0 and 1
   check_frequencies(std::vector<float>(300, 0.5f), {1.0f, 0.1f, 0, 10}, 4000);         // 30 of 300 ties
+  // More than the 64 ids taken first: the nucleus comes from the selection (200 of 1000 ties, then the same with
+  // three heavier ids in front and the cut inside the ties). A missing or extra last id fails here.
+  check_frequencies(std::vector<float>(1000, 0.25f), {1.0f, 0.2f, 0, 11}, 40000);
+  std::vector<float> steps(1000, 0.0f);
+  steps[500] = steps[600] = steps[700] = 3.0f;
+  check_frequencies(steps, {1.0f, 0.3f, 0, 12}, 40000);
 }
 
 TEST(Sampler, LargeVocabularyNucleusGrowsPastTheFirstPrefixes) {
@@ -120,6 +127,45 @@ TEST(Sampler, MidSizeVocabularyMatchesTheDefinition) {
   check_frequencies(logits, {0.5f, 0.9f, 0, 14}, 20000);
   check_frequencies(logits, {0.5f, 1.0f, 0, 15}, 20000);
   check_frequencies(logits, {1.0f, 0.95f, 200, 16}, 20000);
+}
+
+// The cut itself, exactly: for many shapes (vocabulary sizes, spreads, ties, temperatures, top-k and top-p, nuclei
+// from one id to thousands, so both the first 64 ids and the selection decide it) the kept ids are the definition's.
+TEST(Sampler, KeptIdsAreTheDefinitionsCut) {
+  std::mt19937 rng(77);
+  int cases = 0, big = 0;
+  for (int V : {50, 700, 5000, 40000})
+    for (float spread : {0.05f, 0.7f, 3.0f})
+      for (int tied : {0, 1})
+        for (const SamplingParams& p : {SamplingParams{1.0f, 0.5f, 0, 1}, SamplingParams{0.7f, 0.9f, 0, 1},
+                                        SamplingParams{1.5f, 0.99f, 0, 1}, SamplingParams{1.0f, 0.3f, 200, 1},
+                                        SamplingParams{1.0f, 1.0f, 7, 1}}) {
+          std::vector<float> logits = random_logits(V, spread, uint32_t(rng()));
+          if (tied)  // runs of equal logits across the cut
+            for (float& l : logits) l = std::round(l * 4.0f) / 4.0f;
+          const std::map<int, double> want = expected_distribution(logits, p);
+          Sampler sampler(p);
+          std::vector<int32_t> got = sampler.kept_ids(logits);
+          std::sort(got.begin(), got.end());
+          std::vector<int32_t> expected;
+          for (const auto& [id, prob] : want) expected.push_back(id);
+          ASSERT_EQ(got, expected) << "V " << V << " spread " << spread << " tied " << tied << " T " << p.temperature
+                                   << " top_p " << p.top_p << " top_k " << p.top_k;
+          ++cases;
+          big += want.size() > 64;
+        }
+  EXPECT_EQ(cases, 120);
+  EXPECT_GT(big, 20);  // the selection path decided many of them
+  // Exact hits of top_p (equal weights, sums exact in binary): the cut keeps the id that reaches it and no more.
+  for (const auto& [V, top_p, kept] : std::vector<std::tuple<int, float, int>>{{4, 0.5f, 2}, {1000, 0.25f, 250},
+                                                                               {4096, 0.125f, 512}}) {
+    Sampler sampler(SamplingParams{1.0f, top_p, 0, 1});
+    std::vector<int32_t> want(static_cast<size_t>(kept));
+    std::iota(want.begin(), want.end(), 0);
+    std::vector<int32_t> got = sampler.kept_ids(std::vector<float>(size_t(V), 1.0f));
+    std::sort(got.begin(), got.end());
+    EXPECT_EQ(got, want) << V << " equal logits, top_p " << top_p;
+  }
 }
 
 TEST(Sampler, SameSeedSameDraws) {
