@@ -259,7 +259,7 @@ void Scheduler::decode_slots(const std::vector<Slot*>& slots) {
     for (Slot* slot : slots) finish_slot(*slot, FinishReason::kError, e.what());
     return;
   }
-  // Drawing over a 129K vocabulary takes ~1 ms per slot: the slots draw in parallel (each from its own sampler, so
+  // A draw over a 129K vocabulary takes 0.2-2 ms (docs/perf.md): the slots draw in parallel (each from its own sampler, so
   // the tokens do not depend on the threads), then hand their tokens over in slot order.
   const size_t vocab = logits.size() / slots.size();
   const int n = int(slots.size());
