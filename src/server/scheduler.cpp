@@ -259,8 +259,8 @@ void Scheduler::decode_slots(const std::vector<Slot*>& slots) {
     for (Slot* slot : slots) finish_slot(*slot, FinishReason::kError, e.what());
     return;
   }
-  // A draw over a 129K vocabulary takes 0.2-2 ms (docs/perf.md): the slots draw in parallel (each from its own sampler, so
-  // the tokens do not depend on the threads), then hand their tokens over in slot order.
+  // A draw over a 129K vocabulary takes 0.2-2 ms (docs/perf.md): the slots draw in parallel (each from its own
+  // sampler, so the tokens do not depend on the threads), then hand their tokens over in slot order.
   const size_t vocab = logits.size() / slots.size();
   const int n = int(slots.size());
   std::vector<GeneratedToken> picked(slots.size());
