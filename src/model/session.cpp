@@ -34,10 +34,11 @@ int Sampler::nucleus_by_selection(std::span<const float> logits, std::span<const
   int lo = 0, hi = V, keep = -1;
   while (keep < 0 && hi - lo > 32) {
     const int a = order_[size_t(lo)], b = order_[size_t(lo + (hi - lo) / 2)], c = order_[size_t(hi - 1)];
-    const int pivot = before(a, b) ? (before(b, c) ? b : before(a, c) ? c : a) : (before(a, c) ? a : before(b, c) ? c : b);
+    const int pivot = before(a, b) ? (before(b, c) ? b : before(a, c) ? c : a)
+                                   : (before(a, c) ? a : before(b, c) ? c : b);  // the median of the three
     // [lo, m): before the pivot; then the pivot at m; then (m, hi): after it.
-    const int m = int(std::partition(order_.begin() + lo, order_.begin() + hi, [&](int id) { return before(id, pivot); }) -
-                      order_.begin());
+    auto before_pivot = [&](int id) { return before(id, pivot); };
+    const int m = int(std::partition(order_.begin() + lo, order_.begin() + hi, before_pivot) - order_.begin());
     std::iter_swap(order_.begin() + m, std::find(order_.begin() + m, order_.begin() + hi, pivot));
     double left = 0;
     for (int i = lo; i < m; ++i) left += weight(order_[size_t(i)]);

@@ -268,7 +268,8 @@ void Scheduler::decode_slots(const std::vector<Slot*>& slots) {
 #pragma omp parallel for schedule(dynamic, 1) if (n > 1)
   for (int i = 0; i < n; ++i) {
     try {
-      picked[size_t(i)] = pick_token(*slots[size_t(i)], std::span<const float>(logits.data() + size_t(i) * vocab, vocab));
+      const std::span<const float> row(logits.data() + size_t(i) * vocab, vocab);
+      picked[size_t(i)] = pick_token(*slots[size_t(i)], row);
     } catch (const std::exception& e) {
       failed[size_t(i)] = e.what();
     }
