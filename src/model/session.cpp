@@ -19,13 +19,24 @@ Sampler::Sampler(const SamplingParams& params) : params_(params), rng_(params.se
   DSV4_CHECK(params.top_k >= 0, "top_k must be >= 0, got {}", params.top_k);
 }
 
+namespace {
+// "Before": the order a cut takes ids in, higher logit first, lower id among equal logits.
+auto before_in(std::span<const float> logits) {
+  return [logits](int a, int b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); };
+}
+// Greedy: the highest logit, the lowest id among equal ones.
+int32_t argmax(std::span<const float> logits) {
+  return int32_t(std::max_element(logits.begin(), logits.end()) - logits.begin());
+}
+}  // namespace
+
 // The nucleus without sorting the vocabulary: quickselect over all ids in "before" order, each round keeping the
 // side where the cumulative weight crosses top_p · total (linear time), then a sort of the last few. Leaves
 // order_[0, keep) = the nucleus (sorted when it has at most 4096 ids), weight_[i] = the weight of order_[i]
 // (weight_of[id]: every id's weight); returns keep.
 int Sampler::nucleus_by_selection(std::span<const float> logits, std::span<const double> weight_of, double total) {
   const int V = int(logits.size());
-  auto before = [&](int a, int b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); };
+  const auto before = before_in(logits);
   auto weight = [&](int id) { return weight_of[size_t(id)]; };
   order_.resize(size_t(V));
   std::iota(order_.begin(), order_.end(), 0);
@@ -69,17 +80,16 @@ int Sampler::nucleus_by_selection(std::span<const float> logits, std::span<const
 }
 
 // Exact sampling without sorting the vocabulary (a full sort of 129K ids took ~20 ms per token on one core, more
-// than a GPU decode step). "Before" is the order the nucleus is taken in: higher logit first, lower id among
-// equal logits.
-//   top_k < V: the k best ids by nth_element + sort, then the nucleus among them (the order and sums of the full
-//     sort);
+// than a GPU decode step). Ids are cut in "before" order (before_in).
+//   top_k < V: the k best ids (a one-pass heap up to 1024, else nth_element + sort), then the nucleus among them
+//     (the order and sums of the full sort);
 //   no top_k, top_p < 1: the total over all ids, the 64 best ids by heap, and when they do not reach top_p the
 //     nucleus by selection (nucleus_by_selection);
 //   no top_k, top_p = 1: every id, weighed in id order (no order is needed to draw from the whole distribution).
 // Weights are computed in float (exp of (logit - max) / temperature) and summed in double.
 int Sampler::cut(std::span<const float> logits) {
   const int V = int(logits.size());
-  auto before = [&](int a, int b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); };
+  const auto before = before_in(logits);
   const float mx = *std::max_element(logits.begin(), logits.end()), inv_t = 1.0f / params_.temperature;
   auto weight = [&](int id) { return double(std::exp((logits[id] - mx) * inv_t)); };
   // order_[0, n): the n first ids in "before" order. Few: one pass with a heap of the n best so far (most ids lose
@@ -143,7 +153,7 @@ int Sampler::cut(std::span<const float> logits) {
 
 int32_t Sampler::sample(std::span<const float> logits) {
   DSV4_CHECK(!logits.empty(), "sample: empty logits");
-  if (params_.temperature == 0.0f) return int32_t(std::max_element(logits.begin(), logits.end()) - logits.begin());
+  if (params_.temperature == 0.0f) return argmax(logits);
   const int keep = cut(logits);
   if (keep >= 0) {
     std::discrete_distribution<int> pick(weight_.begin(), weight_.begin() + keep);
@@ -164,7 +174,7 @@ int32_t Sampler::sample(std::span<const float> logits) {
 
 std::vector<int32_t> Sampler::kept_ids(std::span<const float> logits) {
   DSV4_CHECK(!logits.empty(), "kept_ids: empty logits");
-  if (params_.temperature == 0.0f) return {int32_t(std::max_element(logits.begin(), logits.end()) - logits.begin())};
+  if (params_.temperature == 0.0f) return {argmax(logits)};
   const int keep = cut(logits);
   if (keep >= 0) return std::vector<int32_t>(order_.begin(), order_.begin() + keep);
   std::vector<int32_t> all(logits.size());
