@@ -106,7 +106,10 @@ class PackedBatchRunner final : public BatchRunner {
     }
     std::vector<int32_t> by_place(static_cast<size_t>(B));
     for (int i = 0; i < B; ++i) by_place[size_t(place_[size_t(seqs[size_t(i)])])] = tokens[size_t(i)];
-    const std::vector<float> rows = b_.decode_first(*b_.runner, by_place);
+    std::vector<float> rows = b_.decode_first(*b_.runner, by_place);
+    bool in_order = true;  // steady decoding in slot order: row i is already seqs[i]'s
+    for (int i = 0; i < B; ++i) in_order = in_order && place_[size_t(seqs[size_t(i)])] == i;
+    if (in_order) return rows;
     const size_t vocab = rows.size() / size_t(B);
     std::vector<float> logits(rows.size());
     for (int i = 0; i < B; ++i)
