@@ -85,14 +85,18 @@ __device__ void store_own_key(const AttentionParams& p, const KeyRange& r, int t
 
 // De-rotates the last rope_dim dims of o (V carries RoPE) at the query position, fp32 angle like the reference;
 // pairs i = first, first + step, ... (a block or one warp).
+// (a, b) of one RoPE pair rotated by the angle whose cos is c and whose -sin is sn, rounded like the reference.
+__device__ __forceinline__ void rotate_pair(float& a, float& b, float c, float sn) {
+  const float a0 = a, b0 = b;
+  a = __fsub_rn(__fmul_rn(a0, c), __fmul_rn(b0, sn));
+  b = __fadd_rn(__fmul_rn(a0, sn), __fmul_rn(b0, c));
+}
+
 __device__ void inverse_rope(float* o, const AttentionParams& p, int64_t pos, int first, int step) {
   float* rope = o + p.dim - p.rope_dim;
   for (int i = first; i < p.rope_dim / 2; i += step) {
     const float angle = __fmul_rn(float(pos), p.inv_freq[i]);
-    const float c = float(cos(double(angle))), s = -float(sin(double(angle)));
-    const float a = rope[2 * i], b = rope[2 * i + 1];
-    rope[2 * i] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
-    rope[2 * i + 1] = __fadd_rn(__fmul_rn(a, s), __fmul_rn(b, c));
+    rotate_pair(rope[2 * i], rope[2 * i + 1], float(cos(double(angle))), -float(sin(double(angle))));
   }
 }
 
@@ -438,12 +442,6 @@ __device__ void fill_rope_table(const AttentionParams& p, int64_t pos, float* co
     cos_s[i] = float(c);
     sin_s[i] = -float(sn);
   }
-}
-
-__device__ __forceinline__ void rotate_pair(float& a, float& b, float c, float sn) {
-  const float a0 = a, b0 = b;
-  a = __fsub_rn(__fmul_rn(a0, c), __fmul_rn(b0, sn));
-  b = __fadd_rn(__fmul_rn(a0, sn), __fmul_rn(b0, c));
 }
 
 // The blocks of a decode row's cluster each hold an unnormalised partial for their key tiles: O in registers
