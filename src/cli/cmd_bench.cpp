@@ -25,6 +25,7 @@
 #include "cli/commands.h"
 #include "core/check.h"
 #include "model/model.h"
+#include "model/sampler.h"
 #include "model/synthetic.h"
 #ifdef DSV4_HAVE_CUDA
 #include "cuda/bandwidth.h"
@@ -74,6 +75,10 @@ struct BenchArgs {
   // Decode is timed once per launch mode: "pdl" (the default: programmatic dependent launch) or "plain" (serialised
   // launches). Prefill and --profile use the first.
   std::vector<std::string> launch_modes = {"pdl"};
+  // Decode is also timed once per draw: "none" (the default: logits computed, nothing comes back), "host" (logits
+  // copied back and drawn by the host Sampler, rows in parallel) or "device" (drawn on the GPU, ids come back); the
+  // draws are temperature 1, top_p 1 (the server's default).
+  std::vector<std::string> draws = {"none"};
 };
 
 // ---- accounting -------------------------------------------------------------------------------------------
@@ -256,7 +261,8 @@ void validate(BenchArgs& a) {
     DSV4_CHECK(b >= 1 && b <= 64, "dsv4 bench: --decode-batch {} must be in [1, 64] (one chunk of the runner)", b);
   DSV4_CHECK(!a.launch_modes.empty(), "dsv4 bench: --launch-modes lists no mode");
   // Sequence 0 goes on from batch to batch and mode to mode (the others are copied from it).
-  const int timed_runs = int(a.decode_batch.size() * a.launch_modes.size());
+  DSV4_CHECK(!a.draws.empty(), "dsv4 bench: --draws lists no draw");
+  const int timed_runs = int(a.decode_batch.size() * a.launch_modes.size() * a.draws.size());
   DSV4_CHECK(a.profile_prefill >= 0, "dsv4 bench: --profile-prefill {} must be >= 0", a.profile_prefill);
   const int needed = std::max({*std::max_element(a.prefill.begin(), a.prefill.end()), a.profile_prefill,
                               a.decode_context + timed_runs * (kDecodeWarmupSteps + a.decode_steps) +
@@ -292,7 +298,7 @@ json args_json(const BenchArgs& a, const ModelConfig& c) {
           {"decode_steps", a.decode_steps}, {"decode_batch", a.decode_batch}, {"max_context", a.max_context},
           {"seed", a.seed},
           {"act_quant", a.act_quant},
-          {"launch_modes", a.launch_modes},
+          {"launch_modes", a.launch_modes}, {"draws", a.draws},
           {"config", c.summary()}, {"bf16_dense_flops", kBf16DenseFlops}, {"prefill_chunk", kPlanPrefillChunk}};
 }
 
@@ -453,15 +459,38 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
   std::vector<int32_t> tokens = random_tokens(rng, 64, c.vocab_size);
   for (int B : a.decode_batch) {
     for (int b = 1; b < B; ++b) cuda_runner_copy_sequence(*runner, 0, b);
+    std::vector<TokenDraw> draws(size_t(B), TokenDraw{1.0f, 1.0f, 0, 0, 0.0});
+    std::uniform_real_distribution<double> uniform(0.0, 1.0);
+    std::string draw = "none";
     auto step = [&] {
-      for (int b = 0; b < B; ++b) tokens[b] = int32_t((tokens[b] + 7919) % c.vocab_size);  // no sampling cost
-      if (B == 1)
-        runner->forward(std::span<const int32_t>(tokens.data(), 1), true);
-      else
-        cuda_runner_decode_batch(*runner, std::span<const int32_t>(tokens.data(), B));
+      const std::span<const int32_t> fed(tokens.data(), size_t(B));
+      if (draw == "none") {  // no sampling cost: the next tokens are made up
+        for (int b = 0; b < B; ++b) tokens[b] = int32_t((tokens[b] + 7919) % c.vocab_size);
+        if (B == 1)
+          runner->forward(fed, true);
+        else
+          cuda_runner_decode_batch(*runner, fed);
+        return;
+      }
+      for (TokenDraw& d : draws) d.u = uniform(rng);
+      if (B == 1) {
+        tokens[0] = runner->forward_draw(fed, draws[0]);  // on the device or the host, as set below
+      } else if (draw == "device") {
+        const std::vector<int32_t> ids = cuda_runner_decode_batch_draw(*runner, fed, draws);
+        std::copy(ids.begin(), ids.end(), tokens.begin());
+      } else {  // the server's host path: logits back, rows drawn in parallel
+        const std::vector<float> logits = cuda_runner_decode_batch(*runner, fed);
+#pragma omp parallel for
+        for (int b = 0; b < B; ++b)
+          tokens[size_t(b)] = draw_token(
+              std::span<const float>(logits).subspan(size_t(b) * c.vocab_size, size_t(c.vocab_size)), draws[size_t(b)]);
+      }
     };
     double first_mode_ms = 0;
-    for (const std::string& mode : a.launch_modes) {
+    for (const std::string& mode : a.launch_modes)
+    for (const std::string& run_draw : a.draws) {
+      draw = run_draw;
+      cuda_runner_set_draw_on_device(*runner, draw == "device");
       set_launch_mode(mode);
       cuda_runner_drop_graphs(*runner);
       for (int i = 0; i < kDecodeWarmupSteps; ++i) step();  // the first step captures the graph of this batch size
@@ -474,14 +503,15 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
       const std::vector<CostLine> lines = decode_step_cost(c, f, pos, B);
       const double bytes = total_bytes(lines), tok_s = double(B) * a.decode_steps / seconds;
       const double roofline = B * bandwidth / bytes;
-      if (B == a.decode_batch.front() && mode == a.launch_modes.front()) print_cost_table(lines, f, pos, B);
-      if (mode == a.launch_modes.front()) first_mode_ms = 1e3 * seconds / a.decode_steps;
-      fmt::print("\ndecode batch {} at context {} [{}]: {:.1f} tok/s ({:.3f} ms/step), {} kernels per step{}; roofline "
-                 "{:.1f} tok/s ({:.2f} GB/step at {:.0f} GB/s) -> {:.3f} of roofline\n",
-                 B, pos, mode, tok_s, 1e3 * seconds / a.decode_steps, kernels,
+      const bool first_run = mode == a.launch_modes.front() && draw == a.draws.front();
+      if (B == a.decode_batch.front() && first_run) print_cost_table(lines, f, pos, B);
+      if (first_run) first_mode_ms = 1e3 * seconds / a.decode_steps;
+      fmt::print("\ndecode batch {} at context {} [{}, draw {}]: {:.1f} tok/s ({:.3f} ms/step), {} kernels per step{}; "
+                 "roofline {:.1f} tok/s ({:.2f} GB/step at {:.0f} GB/s) -> {:.3f} of roofline\n",
+                 B, pos, mode, draw, tok_s, 1e3 * seconds / a.decode_steps, kernels,
                  stats.last_forward_replayed_graph ? " (graph replay)" : "", roofline, bytes / 1e9, bandwidth_gbs,
                  tok_s / roofline);
-      decodes.push_back({{"batch", B}, {"launch_mode", mode}, {"context", a.decode_context},
+      decodes.push_back({{"batch", B}, {"launch_mode", mode}, {"draw", draw}, {"context", a.decode_context},
                          {"steps", a.decode_steps}, {"mean_position", pos}, {"seconds", seconds}, {"tok_s", tok_s},
                          {"ms_per_step", 1e3 * seconds / a.decode_steps}, {"kernels_per_step", kernels},
                          {"graph_replay", stats.last_forward_replayed_graph}, {"bytes_per_step", bytes},
@@ -489,6 +519,7 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
                          {"roofline_tok_s", roofline}, {"fraction_of_roofline", tok_s / roofline}});
     }
     set_launch_mode(a.launch_modes.front());
+    cuda_runner_set_draw_on_device(*runner, false);
     if (a.profile)
       report[B == 1 ? std::string("decode_profile") : fmt::format("decode_profile_batch_{}", B)] =
           print_profile(cuda_runner_profile_step(*runner, std::span<const int32_t>(tokens.data(), B)),
@@ -563,6 +594,11 @@ void add_bench_command(CLI::App& app, Handler& handler) {
                   "Decode timed in each mode: pdl (programmatic dependent launch, the default) or plain (serialised "
                   "launches), e.g. pdl,plain")
       ->delimiter(',')->capture_default_str()->check(CLI::IsMember({"pdl", "plain"}));
+  cmd->add_option("--draws", args->draws,
+                  "Decode also timed with each way of drawing the next tokens (temperature 1): none (the default: "
+                  "nothing comes back), host (logits back, host Sampler) or device (drawn on the GPU), e.g. "
+                  "none,host,device")
+      ->delimiter(',')->capture_default_str()->check(CLI::IsMember({"none", "host", "device"}));
   cmd->add_flag("--profile", args->profile,
                 "After the timed decode steps, time every launch site of one more step (events, no graph)");
   cmd->add_option("--profile-prefill", args->profile_prefill,

@@ -10,6 +10,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "formats/token_draw.h"
+
 namespace dsv4::gpu {
 
 // Simulated storage rounding applied to a row after norm / RoPE (cpu::round_kv, cpu::round_indexer).
@@ -259,6 +261,22 @@ void swiglu(const SwigluParams& p, cudaStream_t stream);
 
 // Fills n floats with value (state reset: compressor scores start at -inf).
 void fill_f32(float* x, int64_t n, float value, cudaStream_t stream);
+
+// The next token of each row by the draw contract of formats/token_draw.h (the same id as the host's
+// Sampler::draw for the same logits and TokenDraw): ids[r] is drawn from logits[r · ld, r · ld + n) with draws[r],
+// where n = draws[r].vocab when it is set (at most `vocab`), else `vocab`. One block of 1024 threads per row: the
+// maximum, then (top-k) a radix select of the k-th logit on counts and (top-p) one of the nucleus boundary on the
+// fixed-point weights, 4 passes of 8 bits each, then the draw by per-warp segment sums and one warp's walk. Weights
+// are integers, so the result does not depend on the order of the sums.
+struct DrawTokensParams {
+  const float* logits = nullptr;     // device [rows, ld] fp32
+  int64_t ld = 0;
+  int vocab = 0;
+  int rows = 0;
+  const TokenDraw* draws = nullptr;  // device [rows]
+  int32_t* ids = nullptr;            // device [rows]
+};
+void draw_tokens(const DrawTokensParams& p, cudaStream_t stream);
 
 // Programmatic dependent launch of the forward-pass kernels (launch.cuh), on by default. Graphs keep the mode they
 // were captured with; benchmarks switch it off to measure what it saves.

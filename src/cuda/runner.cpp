@@ -22,6 +22,7 @@
 #include <string>
 #include <limits>
 #include <map>
+#include <tuple>
 #include <optional>
 #include <vector>
 
@@ -34,6 +35,7 @@
 #include "cuda/gemv.h"
 #include "cuda/ops.h"
 #include "model/model.h"
+#include "model/sampler.h"
 #include "spdlog/spdlog.h"
 
 namespace dsv4 {
@@ -146,37 +148,47 @@ class CudaRunner final : public SequenceRunner {
 
   const ModelConfig& config() const override { return c_; }
   std::vector<float> forward(std::span<const int32_t> tokens, bool last_only) override;
+  int32_t forward_draw(std::span<const int32_t> tokens, const TokenDraw& draw) override;
   int64_t n_tokens() const override { return seqs_[current_seq_].n_tokens; }
   int max_context() const override { return max_context_; }
   void reset() override;
   size_t state_bytes() const override { return state_bytes_; }
   CudaRunnerStats stats() const { return stats_; }
+  bool draws_on_device() const { return options_.draw_on_device; }
+  void set_draw_on_device(bool on) { options_.draw_on_device = on; }
   std::vector<LaunchTiming> profile_step(std::span<const int32_t> tokens, bool prefill = false);
   int prefill_chunk() const { return chunk_; }
   int sequences() const { return int(seqs_.size()); }
   void select_sequence(int seq);
   std::vector<float> decode_batch(std::span<const int32_t> tokens);
+  std::vector<int32_t> decode_batch_draw(std::span<const int32_t> tokens, std::span<const TokenDraw> draws);
   void copy_sequence(int from, int to);
   void drop_graphs();
 
  private:
-  enum class Rows { None, Last, All };  // logits rows a chunk returns
+  enum class Rows { None, Last, All };  // logits rows a chunk returns (or draws from, when drawn)
   // A captured decode step: one token for each of `count` sequences from `first` on.
   struct DecodeGraph {
     cudaGraph_t graph = nullptr;
     cudaGraphExec_t exec = nullptr;
     int64_t kernels = 0;
   };
-  void run_chunk(std::span<const int32_t> tokens, int64_t pos0, Rows rows, std::vector<float>& logits);
+  void check_tokens(std::span<const int32_t> tokens) const;
+  void run_chunk(std::span<const int32_t> tokens, int64_t pos0, Rows rows, bool drawn, std::vector<float>& logits);
   // parts_ (token ids in host_tokens_, positions in host_pos_ when on the device) through the decode graph of
-  // its sequences when `graph`, else by direct launches; waits for the logits unless rows == None.
-  void run_parts(int n, Rows rows, bool graph, std::vector<float>& logits);
-  // Everything from the token upload to the logits download, asynchronously, for the rows of parts_. Parts with
-  // pos_device read their positions from device memory and decide entry finishing on the device (graph capture).
-  void enqueue_chunk(int n, Rows rows);
+  // its sequences when `graph`, else by direct launches; waits for the logits unless rows == None. `drawn`: the
+  // rows' tokens are drawn on the device by host_draws_ and land in host_drawn_ instead (no logits come back).
+  void run_parts(int n, Rows rows, bool drawn, bool graph, std::vector<float>& logits);
+  // Everything from the token upload to the logits (or drawn ids) download, asynchronously, for the rows of
+  // parts_. Parts with pos_device read their positions from device memory and decide entry finishing on the device
+  // (graph capture).
+  void enqueue_chunk(int n, Rows rows, bool drawn);
   // The head (final mHC collapse, norm, lm_head) of rows [first, first + rows), rows <= kCudaMaxChunk, and the
-  // copy of their logits into host_logits_.
-  void enqueue_head(int first, int rows);
+  // copy of their logits into host_logits_, or (drawn) the draw of their tokens by draws_ and the copy of the ids
+  // into host_drawn_.
+  void enqueue_head(int first, int rows, bool drawn);
+  // The decode step of sequences 0..B-1; draws: their tokens drawn on the device (host_drawn_), else logits.
+  std::vector<float> decode_rows(std::span<const int32_t> tokens, std::span<const TokenDraw> draws);
   void attention_block(int l, int n);
   void ffn_block(int l, int n);
   // The positions of a row op over all n rows of the chunk: one sequence's pos0 / pos_device, or (batched decode)
@@ -314,7 +326,7 @@ class CudaRunner final : public SequenceRunner {
   int64_t launches_ = 0;
   cudaStream_t stream_ = nullptr;
   CudaRunnerOptions options_;
-  std::map<std::pair<int, int>, DecodeGraph> decode_graphs_;  // by (first sequence, count)
+  std::map<std::tuple<int, int, bool>, DecodeGraph> decode_graphs_;  // by (first sequence, count, drawn)
   cudaEvent_t tokens_uploaded_ = nullptr;  // host_tokens_ may be rewritten once this has completed
   bool upload_pending_ = false;
 
@@ -338,6 +350,9 @@ class CudaRunner final : public SequenceRunner {
   DeviceBuffer pos_;                // int64 [kCudaMaxChunk] positions read by the decode steps' kernels
   DeviceBuffer state_tables_;       // [layer][StateTable][sequence] state pointers
   float* host_logits_ = nullptr;    // pinned [kCudaMaxChunk, vocab]
+  DeviceBuffer draws_, drawn_;      // TokenDraw / int32 [kCudaMaxChunk]: the device draw's parameters and ids
+  TokenDraw* host_draws_ = nullptr; // pinned [kCudaMaxChunk]
+  int32_t* host_drawn_ = nullptr;   // pinned [kCudaMaxChunk]
 
   // profile_step: an event after every launch site of one eager step (events_[0] marks its start)
   struct SiteMark {
@@ -573,6 +588,10 @@ CudaRunner::CudaRunner(const Model& model, int max_context, CudaRunnerOptions op
   DSV4_CUDA_CHECK(cudaMallocHost(&host_tokens_, C * sizeof(int32_t)));
   DSV4_CUDA_CHECK(cudaMallocHost(&host_pos_, kCudaMaxChunk * sizeof(int64_t)));
   DSV4_CUDA_CHECK(cudaMallocHost(&host_logits_, size_t(kCudaMaxChunk) * c.vocab_size * f));
+  draws_ = zeros(kCudaMaxChunk * sizeof(TokenDraw));
+  drawn_ = zeros(kCudaMaxChunk * sizeof(int32_t));
+  DSV4_CUDA_CHECK(cudaMallocHost(&host_draws_, kCudaMaxChunk * sizeof(TokenDraw)));
+  DSV4_CUDA_CHECK(cudaMallocHost(&host_drawn_, kCudaMaxChunk * sizeof(int32_t)));
   DSV4_CHECK(options.sequences >= 1 && options.sequences <= kCudaMaxChunk,
              "cuda runner: sequences = {} must be in [1, {}] (a batched decode step is one chunk)", options.sequences,
              kCudaMaxChunk);
@@ -639,6 +658,8 @@ CudaRunner::~CudaRunner() {
   if (host_tokens_) cudaFreeHost(host_tokens_);
   if (host_pos_) cudaFreeHost(host_pos_);
   if (host_logits_) cudaFreeHost(host_logits_);
+  if (host_draws_) cudaFreeHost(host_draws_);
+  if (host_drawn_) cudaFreeHost(host_drawn_);
   if (tokens_uploaded_) cudaEventDestroy(tokens_uploaded_);
   for (cudaEvent_t e : events_) cudaEventDestroy(e);
   if (stream_) cudaStreamDestroy(stream_);
@@ -678,29 +699,74 @@ void CudaRunner::copy_sequence(int from, int to) {
   seqs_[to].n_tokens = seqs_[from].n_tokens;
 }
 
-std::vector<float> CudaRunner::forward(std::span<const int32_t> tokens, bool last_only) {
-  const int n = int(tokens.size());
-  SequenceDevice& seq = seqs_[current_seq_];
-  DSV4_CHECK(n > 0, "forward: no tokens");
-  DSV4_CHECK(seq.n_tokens + n <= max_context_,
-             "sequence of {} tokens does not fit the context of {} tokens (--max-context)", seq.n_tokens + n,
-             max_context_);
+void CudaRunner::check_tokens(std::span<const int32_t> tokens) const {
+  const SequenceDevice& seq = seqs_[current_seq_];
+  DSV4_CHECK(!tokens.empty(), "forward: no tokens");
+  DSV4_CHECK(seq.n_tokens + int64_t(tokens.size()) <= max_context_,
+             "sequence of {} tokens does not fit the context of {} tokens (--max-context)",
+             seq.n_tokens + int64_t(tokens.size()), max_context_);
   for (int32_t id : tokens)
     DSV4_CHECK(id >= 0 && id < c_.vocab_size, "token id {} is outside the vocabulary [0, {})", id, c_.vocab_size);
+}
+
+std::vector<float> CudaRunner::forward(std::span<const int32_t> tokens, bool last_only) {
+  check_tokens(tokens);
+  const int n = int(tokens.size());
+  SequenceDevice& seq = seqs_[current_seq_];
   launches_ = 0;
   stats_.last_forward_replayed_graph = false;
   std::vector<float> logits;
   for (int at = 0; at < n; at += chunk_) {
     const int len = std::min(chunk_, n - at);
     const Rows rows = !last_only ? Rows::All : at + len == n ? Rows::Last : Rows::None;
-    run_chunk(tokens.subspan(at, len), seq.n_tokens, rows, logits);
+    run_chunk(tokens.subspan(at, len), seq.n_tokens, rows, false, logits);
     seq.n_tokens += len;
   }
   stats_.launches_last_forward = launches_;
   return logits;
 }
 
-std::vector<float> CudaRunner::decode_batch(std::span<const int32_t> tokens) {
+int32_t CudaRunner::forward_draw(std::span<const int32_t> tokens, const TokenDraw& draw) {
+  if (!options_.draw_on_device) return SequenceRunner::forward_draw(tokens, draw);
+  check_tokens(tokens);
+  DSV4_CHECK(draw.vocab >= 0 && draw.vocab <= c_.vocab_size, "forward_draw: vocab {} outside [0, {}]", draw.vocab,
+             c_.vocab_size);
+  const int n = int(tokens.size());
+  SequenceDevice& seq = seqs_[current_seq_];
+  launches_ = 0;
+  stats_.last_forward_replayed_graph = false;
+  std::vector<float> unused;
+  for (int at = 0; at < n; at += chunk_) {
+    const int len = std::min(chunk_, n - at);
+    const bool last = at + len == n;
+    if (last) host_draws_[0] = draw;  // free: the previous drawn chunk waited for its ids
+    run_chunk(tokens.subspan(at, len), seq.n_tokens, last ? Rows::Last : Rows::None, last, unused);
+    seq.n_tokens += len;
+  }
+  stats_.launches_last_forward = launches_;
+  return host_drawn_[0];
+}
+
+std::vector<float> CudaRunner::decode_batch(std::span<const int32_t> tokens) { return decode_rows(tokens, {}); }
+
+std::vector<int32_t> CudaRunner::decode_batch_draw(std::span<const int32_t> tokens, std::span<const TokenDraw> draws) {
+  DSV4_CHECK(draws.size() == tokens.size(), "decode_batch_draw: {} draws for {} tokens", draws.size(), tokens.size());
+  for (const TokenDraw& d : draws)
+    DSV4_CHECK(d.vocab >= 0 && d.vocab <= c_.vocab_size, "decode_batch_draw: vocab {} outside [0, {}]", d.vocab,
+               c_.vocab_size);
+  if (!options_.draw_on_device) {  // the logits come back and the host draws
+    const std::vector<float> logits = decode_rows(tokens, {});
+    std::vector<int32_t> ids(tokens.size());
+    for (size_t b = 0; b < tokens.size(); ++b)
+      ids[b] = draw_token(std::span<const float>(logits).subspan(b * size_t(c_.vocab_size), size_t(c_.vocab_size)),
+                          draws[b]);
+    return ids;
+  }
+  decode_rows(tokens, draws);
+  return std::vector<int32_t>(host_drawn_, host_drawn_ + tokens.size());
+}
+
+std::vector<float> CudaRunner::decode_rows(std::span<const int32_t> tokens, std::span<const TokenDraw> draws) {
   const int B = int(tokens.size());
   DSV4_CHECK(B > 0 && B <= sequences(), "decode_batch: {} tokens for {} sequences held", B, sequences());
   for (int b = 0; b < B; ++b) {
@@ -722,14 +788,17 @@ std::vector<float> CudaRunner::decode_batch(std::span<const int32_t> tokens) {
     host_pos_[b] = seqs_[b].n_tokens;
     parts_.push_back({b, seqs_[b].n_tokens, pos_.as<int64_t>() + b});
   }
+  const bool drawn = !draws.empty();
+  if (drawn) std::copy(draws.begin(), draws.end(), host_draws_);
   std::vector<float> logits;
-  run_parts(B, Rows::All, options_.graph_decode, logits);
+  run_parts(B, Rows::All, drawn, options_.graph_decode, logits);
   for (int b = 0; b < B; ++b) ++seqs_[b].n_tokens;
   stats_.launches_last_forward = launches_;
   return logits;
 }
 
-void CudaRunner::run_chunk(std::span<const int32_t> tokens, int64_t pos0, Rows wanted, std::vector<float>& logits) {
+void CudaRunner::run_chunk(std::span<const int32_t> tokens, int64_t pos0, Rows wanted, bool drawn,
+                           std::vector<float>& logits) {
   const int n = int(tokens.size());
   if (upload_pending_) {  // a chunk without logits did not synchronise: its token upload may still be queued
     DSV4_CUDA_CHECK(cudaEventSynchronize(tokens_uploaded_));
@@ -740,18 +809,18 @@ void CudaRunner::run_chunk(std::span<const int32_t> tokens, int64_t pos0, Rows w
   host_pos_[0] = pos0;
   parts_.clear();
   parts_.push_back({current_seq_, pos0, graph ? pos_.as<int64_t>() : nullptr});
-  run_parts(n, wanted, graph, logits);
+  run_parts(n, wanted, drawn, graph, logits);
 }
 
-void CudaRunner::run_parts(int n, Rows wanted, bool graph, std::vector<float>& logits) {
+void CudaRunner::run_parts(int n, Rows wanted, bool drawn, bool graph, std::vector<float>& logits) {
   if (graph) {
-    // Captured once per (first sequence, count); later steps replay it with new tokens and positions.
-    DecodeGraph& g = decode_graphs_[{parts_.front().seq, int(parts_.size())}];
+    // Captured once per (first sequence, count, drawn); later steps replay it with new tokens and positions.
+    DecodeGraph& g = decode_graphs_[{parts_.front().seq, int(parts_.size()), drawn}];
     if (!g.exec) {
       const int64_t before = launches_;
       DSV4_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal));
       try {
-        enqueue_chunk(n, wanted);
+        enqueue_chunk(n, wanted, drawn);
       } catch (...) {
         cudaGraph_t broken = nullptr;
         cudaStreamEndCapture(stream_, &broken);
@@ -768,16 +837,20 @@ void CudaRunner::run_parts(int n, Rows wanted, bool graph, std::vector<float>& l
     stats_.graph_kernels = g.kernels;
     stats_.last_forward_replayed_graph = true;
   } else {
-    enqueue_chunk(n, wanted);
+    enqueue_chunk(n, wanted, drawn);
   }
   if (wanted == Rows::None) {
     upload_pending_ = true;
     return;
   }
+  if (drawn) {  // the ids are in host_drawn_
+    DSV4_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    return;
+  }
   if (wanted == Rows::All && n > kCudaMaxChunk) {  // the logits buffers hold kCudaMaxChunk rows
     for (int first = 0; first < n; first += kCudaMaxChunk) {
       const int rows = std::min(kCudaMaxChunk, n - first);
-      enqueue_head(first, rows);
+      enqueue_head(first, rows, false);
       DSV4_CUDA_CHECK(cudaStreamSynchronize(stream_));
       logits.insert(logits.end(), host_logits_, host_logits_ + size_t(rows) * c_.vocab_size);
     }
@@ -788,10 +861,15 @@ void CudaRunner::run_parts(int n, Rows wanted, bool graph, std::vector<float>& l
   logits.insert(logits.end(), host_logits_, host_logits_ + count);
 }
 
-void CudaRunner::enqueue_chunk(int n, Rows wanted) {
+void CudaRunner::enqueue_chunk(int n, Rows wanted, bool drawn) {
   const ModelConfig& c = c_;
   const int D = c.hidden_size, hc = c.hc_mult;
+  DSV4_CHECK(!drawn || wanted == Rows::Last || (wanted == Rows::All && n <= kCudaMaxChunk),
+             "cuda runner: a drawn chunk draws its last row or up to {} rows", kCudaMaxChunk);
   DSV4_CUDA_CHECK(cudaMemcpyAsync(tokens_.data(), host_tokens_, n * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
+  if (drawn)
+    DSV4_CUDA_CHECK(cudaMemcpyAsync(draws_.data(), host_draws_, (wanted == Rows::All ? n : 1) * sizeof(TokenDraw),
+                                    cudaMemcpyHostToDevice, stream_));
   if (parts_.front().pos_device)
     DSV4_CUDA_CHECK(cudaMemcpyAsync(pos_.data(), host_pos_, parts_.size() * sizeof(int64_t), cudaMemcpyHostToDevice,
                                     stream_));
@@ -805,11 +883,11 @@ void CudaRunner::enqueue_chunk(int n, Rows wanted) {
     ffn_block(l, n);
   }
   current_layer_ = -1;
-  if (wanted == Rows::Last) enqueue_head(n - 1, 1);
-  if (wanted == Rows::All && n <= kCudaMaxChunk) enqueue_head(0, n);  // larger chunks: run_parts, 64 rows at a time
+  if (wanted == Rows::Last) enqueue_head(n - 1, 1, drawn);
+  if (wanted == Rows::All && n <= kCudaMaxChunk) enqueue_head(0, n, drawn);  // larger: run_parts, 64 rows at a time
 }
 
-void CudaRunner::enqueue_head(int first, int rows) {
+void CudaRunner::enqueue_head(int first, int rows, bool drawn) {
   const ModelConfig& c = c_;
   const int D = c.hidden_size, hc = c.hc_mult, V = c.vocab_size;
   // 5: final collapse, norm, head for rows first .. first + rows - 1 (<= kCudaMaxChunk) into host_logits_
@@ -819,6 +897,13 @@ void CudaRunner::enqueue_head(int first, int rows) {
                     final_norm_.as<float>(), rows, hc, D, c.hc_eps, c.rms_norm_eps, head_in_.as<uint16_t>(), stream_);
   launched("head: mHC collapse + norm");
   linear("head: lm_head", head_, head_in_.data(), logits_.data(), rows, GemvOut::F32);
+  if (drawn) {
+    gpu::draw_tokens({logits_.as<float>(), V, V, rows, draws_.as<TokenDraw>(), drawn_.as<int32_t>()}, stream_);
+    launched("head: draw");
+    DSV4_CUDA_CHECK(cudaMemcpyAsync(host_drawn_, drawn_.data(), size_t(rows) * sizeof(int32_t),
+                                    cudaMemcpyDeviceToHost, stream_));
+    return;
+  }
   DSV4_CUDA_CHECK(cudaMemcpyAsync(host_logits_, logits_.data(), size_t(rows) * V * sizeof(float),
                                   cudaMemcpyDeviceToHost, stream_));
 }
@@ -1200,6 +1285,8 @@ int cuda_prefill_chunk(int requested, int pairs_per_token, int max_entries, int 
 
 std::unique_ptr<SequenceRunner> make_cuda_runner(const Model& model, int max_context, CudaRunnerOptions options) {
   if (const char* env = std::getenv("DSV4_CUDA_GRAPH"); env && std::string(env) == "0") options.graph_decode = false;
+  if (const char* env = std::getenv("DSV4_DEVICE_DRAW"); env && (std::string(env) == "0" || std::string(env) == "1"))
+    options.draw_on_device = std::string(env) == "1";
   return std::make_unique<CudaRunner>(model, max_context, options);
 }
 
@@ -1220,6 +1307,11 @@ std::vector<float> cuda_runner_decode_batch(SequenceRunner& runner, std::span<co
   return as_cuda(runner, "cuda_runner_decode_batch").decode_batch(tokens);
 }
 
+std::vector<int32_t> cuda_runner_decode_batch_draw(SequenceRunner& runner, std::span<const int32_t> tokens,
+                                                   std::span<const TokenDraw> draws) {
+  return as_cuda(runner, "cuda_runner_decode_batch_draw").decode_batch_draw(tokens, draws);
+}
+
 void cuda_runner_copy_sequence(SequenceRunner& runner, int from, int to) {
   as_cuda(runner, "cuda_runner_copy_sequence").copy_sequence(from, to);
 }
@@ -1238,6 +1330,16 @@ int cuda_runner_prefill_chunk(const SequenceRunner& runner) {
   const auto* cuda = dynamic_cast<const CudaRunner*>(&runner);
   DSV4_CHECK(cuda, "cuda_runner_prefill_chunk: not a CUDA runner");
   return cuda->prefill_chunk();
+}
+
+bool cuda_runner_draws_on_device(const SequenceRunner& runner) {
+  const auto* cuda = dynamic_cast<const CudaRunner*>(&runner);
+  DSV4_CHECK(cuda, "cuda_runner_draws_on_device: not a CUDA runner");
+  return cuda->draws_on_device();
+}
+
+void cuda_runner_set_draw_on_device(SequenceRunner& runner, bool on) {
+  as_cuda(runner, "cuda_runner_set_draw_on_device").set_draw_on_device(on);
 }
 
 CudaRunnerStats cuda_runner_stats(const SequenceRunner& runner) {

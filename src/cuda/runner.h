@@ -14,6 +14,9 @@
 //             rows: every linear layer reads its weights once for the B tokens; the state-bound kernels, i.e.
 //             compressors, indexer, attention and window store, run once over all rows, each row reaching its
 //             sequence's state through device pointer tables).
+//   drawing   forward_draw / cuda_runner_decode_batch_draw can draw the next tokens on the device after the lm_head
+//             (CudaRunnerOptions::draw_on_device): the draw parameters go up with the tokens, 4 bytes per row come
+//             back, all inside the captured decode graph.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -47,6 +50,10 @@ struct CudaRunnerOptions {
   // runner lowers it (logged) so that the routed pairs of a chunk fit moe_slots (4096) and the indexer's score
   // scratch [chunk, max_context / ratio] stays within 256 MiB. Larger chunks read the weights fewer times.
   int prefill_chunk = kCudaPrefillChunk;
+  // forward_draw / cuda_runner_decode_batch_draw draw the next token on the device (gpu::draw_tokens, the host
+  // Sampler's contract) and bring back 4 bytes per row instead of the logits. Off: they draw on the host from the
+  // logits. DSV4_DEVICE_DRAW=1 / 0 in the environment sets it.
+  bool draw_on_device = false;
 };
 
 // The prefill chunk a runner settles on (host arithmetic, no GPU needed): `requested` (a multiple of 64 in
@@ -74,6 +81,14 @@ void cuda_runner_select_sequence(SequenceRunner& runner, int sequence);
 // tokens[b] is the next token of sequence b (b < tokens.size() <= sequences); returns next-token logits
 // [tokens.size(), vocab]. With graph_decode, each batch size is captured once and replayed.
 std::vector<float> cuda_runner_decode_batch(SequenceRunner& runner, std::span<const int32_t> tokens);
+// The same step, each sequence's next token drawn by draws[b] (formats/token_draw.h): returns the ids
+// [tokens.size()] (on the device with CudaRunnerOptions::draw_on_device, else from the logits on the host).
+std::vector<int32_t> cuda_runner_decode_batch_draw(SequenceRunner& runner, std::span<const int32_t> tokens,
+                                                   std::span<const TokenDraw> draws);
+// Whether forward_draw / cuda_runner_decode_batch_draw draw on the device (CudaRunnerOptions::draw_on_device), and
+// switching it (benchmarks: the captured graphs of both kinds are kept apart).
+bool cuda_runner_draws_on_device(const SequenceRunner& runner);
+void cuda_runner_set_draw_on_device(SequenceRunner& runner, bool on);
 // Sequence `to` becomes a copy of sequence `from` (state and length), on the device (benchmarks: B sequences at
 // one context without B prefills).
 void cuda_runner_copy_sequence(SequenceRunner& runner, int from, int to);

@@ -3,11 +3,35 @@
 
 #include <algorithm>
 #include <numeric>
+#include <string>
 #include <utility>
 
 #include "core/check.h"
+#include "model/sampler.h"
 
 namespace dsv4 {
+
+std::vector<int32_t> BatchRunner::decode_draw(std::span<const int> seqs, std::span<const int32_t> tokens,
+                                              std::span<const TokenDraw> draws) {
+  DSV4_CHECK(draws.size() == seqs.size(), "decode_draw: {} draws for {} sequences", draws.size(), seqs.size());
+  const std::vector<float> logits = decode(seqs, tokens);
+  const size_t vocab = logits.size() / seqs.size();
+  const int n = int(seqs.size());
+  std::vector<int32_t> ids(seqs.size());
+  std::vector<std::string> failed(seqs.size());
+  // A draw over a 129K vocabulary takes 0.2-2 ms (docs/perf.md): the rows draw in parallel.
+#pragma omp parallel for schedule(dynamic, 1) if (n > 1)
+  for (int i = 0; i < n; ++i) {
+    try {
+      ids[size_t(i)] = draw_token(std::span<const float>(logits.data() + size_t(i) * vocab, vocab), draws[size_t(i)]);
+    } catch (const std::exception& e) {
+      failed[size_t(i)] = e.what();
+    }
+  }
+  for (const std::string& f : failed) DSV4_CHECK(f.empty(), "decode_draw: {}", f);
+  return ids;
+}
+
 namespace {
 
 void check_decode_args(std::span<const int> seqs, std::span<const int32_t> tokens, int sequences) {
@@ -47,6 +71,14 @@ class LoopedBatchRunner final : public BatchRunner {
       logits.insert(logits.end(), row.begin(), row.end());
     }
     return logits;
+  }
+  std::vector<int32_t> decode_draw(std::span<const int> seqs, std::span<const int32_t> tokens,
+                                   std::span<const TokenDraw> draws) override {
+    check_decode_args(seqs, tokens, sequences());
+    DSV4_CHECK(draws.size() == seqs.size(), "decode_draw: {} draws for {} sequences", draws.size(), seqs.size());
+    std::vector<int32_t> ids;
+    for (size_t i = 0; i < seqs.size(); ++i) ids.push_back(at(seqs[i]).forward_draw(tokens.subspan(i, 1), draws[i]));
+    return ids;
   }
 
  private:
@@ -92,8 +124,36 @@ class PackedBatchRunner final : public BatchRunner {
   }
   std::vector<float> decode(std::span<const int> seqs, std::span<const int32_t> tokens) override {
     check_decode_args(seqs, tokens, slots_);
+    const std::vector<int32_t> by_place = place(seqs, tokens);
+    std::vector<float> rows = b_.decode_first(*b_.runner, by_place);
+    if (in_order(seqs)) return rows;
     const int B = int(seqs.size());
-    // Slots already on 0..B-1 stay; the others move onto the places there that no slot of this step holds.
+    const size_t vocab = rows.size() / size_t(B);
+    std::vector<float> logits(rows.size());
+    for (int i = 0; i < B; ++i)
+      std::copy_n(rows.begin() + std::ptrdiff_t(size_t(place_[size_t(seqs[size_t(i)])]) * vocab), vocab,
+                  logits.begin() + std::ptrdiff_t(size_t(i) * vocab));
+    return logits;
+  }
+  std::vector<int32_t> decode_draw(std::span<const int> seqs, std::span<const int32_t> tokens,
+                                   std::span<const TokenDraw> draws) override {
+    if (!b_.decode_first_draw) return BatchRunner::decode_draw(seqs, tokens, draws);
+    check_decode_args(seqs, tokens, slots_);
+    DSV4_CHECK(draws.size() == seqs.size(), "decode_draw: {} draws for {} sequences", draws.size(), seqs.size());
+    const std::vector<int32_t> by_place = place(seqs, tokens);
+    std::vector<TokenDraw> draws_by_place(draws.size());
+    for (size_t i = 0; i < seqs.size(); ++i) draws_by_place[size_t(place_[size_t(seqs[i])])] = draws[i];
+    const std::vector<int32_t> drawn = b_.decode_first_draw(*b_.runner, by_place, draws_by_place);
+    std::vector<int32_t> ids(seqs.size());
+    for (size_t i = 0; i < seqs.size(); ++i) ids[i] = drawn[size_t(place_[size_t(seqs[i])])];
+    return ids;
+  }
+
+ private:
+  // Moves the slots of a step onto backend sequences 0..B-1 (those already there stay; the others take the places
+  // that no slot of this step holds) and returns the tokens in place order.
+  std::vector<int32_t> place(std::span<const int> seqs, std::span<const int32_t> tokens) {
+    const int B = int(seqs.size());
     std::vector<bool> held_here(size_t(B), false);
     for (int s : seqs)
       if (place_[size_t(s)] < B) held_here[size_t(place_[size_t(s)])] = true;
@@ -106,19 +166,14 @@ class PackedBatchRunner final : public BatchRunner {
     }
     std::vector<int32_t> by_place(static_cast<size_t>(B));
     for (int i = 0; i < B; ++i) by_place[size_t(place_[size_t(seqs[size_t(i)])])] = tokens[size_t(i)];
-    std::vector<float> rows = b_.decode_first(*b_.runner, by_place);
-    bool in_order = true;  // steady decoding in slot order: row i is already seqs[i]'s
-    for (int i = 0; i < B; ++i) in_order = in_order && place_[size_t(seqs[size_t(i)])] == i;
-    if (in_order) return rows;
-    const size_t vocab = rows.size() / size_t(B);
-    std::vector<float> logits(rows.size());
-    for (int i = 0; i < B; ++i)
-      std::copy_n(rows.begin() + std::ptrdiff_t(size_t(place_[size_t(seqs[size_t(i)])]) * vocab), vocab,
-                  logits.begin() + std::ptrdiff_t(size_t(i) * vocab));
-    return logits;
+    return by_place;
   }
-
- private:
+  // Steady decoding in slot order: row i of the step is already seqs[i]'s.
+  bool in_order(std::span<const int> seqs) const {
+    for (size_t i = 0; i < seqs.size(); ++i)
+      if (place_[size_t(seqs[i])] != int(i)) return false;
+    return true;
+  }
   void select(int slot) const {
     DSV4_CHECK(slot >= 0 && slot < slots_, "sequence {} outside [0, {})", slot, slots_);
     b_.select(*b_.runner, place_[size_t(slot)]);

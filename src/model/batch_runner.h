@@ -28,6 +28,11 @@ class BatchRunner {
   // One token for each of the distinct sequences seqs[i] (tokens[i]); returns their next-token logits, row i for
   // seqs[i]: [seqs.size(), vocab].
   virtual std::vector<float> decode(std::span<const int> seqs, std::span<const int32_t> tokens) = 0;
+  // Like decode(), but returns the next token of each sequence drawn from its logits by draws[i]
+  // (formats/token_draw.h): ids[i] for seqs[i]. The default draws on the host from decode()'s logits, the rows in
+  // parallel; a backend may draw on the device and bring back only the ids.
+  virtual std::vector<int32_t> decode_draw(std::span<const int> seqs, std::span<const int32_t> tokens,
+                                           std::span<const TokenDraw> draws);
 };
 
 // One SequenceRunner per sequence, from `make` (any backend); decode() runs them one after the other.
@@ -40,6 +45,9 @@ struct PackedSequences {
   int held = 0;
   std::function<void(SequenceRunner&, int)> select;
   std::function<std::vector<float>(SequenceRunner&, std::span<const int32_t>)> decode_first;  // sequences 0..B-1
+  // Optional: decode_first drawing token b by draws[b] on the backend (else decode_draw draws on the host).
+  std::function<std::vector<int32_t>(SequenceRunner&, std::span<const int32_t>, std::span<const TokenDraw>)>
+      decode_first_draw;
   std::function<void(SequenceRunner&, int from, int to)> copy;  // state and length of `from` onto `to`
 };
 

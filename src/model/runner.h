@@ -8,6 +8,7 @@
 #include <span>
 #include <vector>
 
+#include "formats/token_draw.h"
 #include "model/config.h"
 
 namespace dsv4 {
@@ -20,6 +21,10 @@ class SequenceRunner {
   virtual const ModelConfig& config() const = 0;
   // Consumes tokens at positions n_tokens().. and returns next-token logits [n, vocab] (or the last row only).
   virtual std::vector<float> forward(std::span<const int32_t> tokens, bool last_only) = 0;
+  // Consumes tokens like forward(tokens, true) and returns the next token drawn from the last row's logits by `draw`
+  // (the contract of formats/token_draw.h). The default draws on the host from forward()'s logits; a backend may
+  // draw on the device and bring back only the id.
+  virtual int32_t forward_draw(std::span<const int32_t> tokens, const TokenDraw& draw);
   virtual int64_t n_tokens() const = 0;
   virtual int max_context() const = 0;
   virtual void reset() = 0;              // start a new sequence

@@ -4,42 +4,14 @@
 #pragma once
 #include <cstdint>
 #include <functional>
-#include <random>
 #include <span>
 #include <vector>
 
 #include "model/model.h"
 #include "model/runner.h"
+#include "model/sampler.h"
 
 namespace dsv4 {
-
-struct SamplingParams {
-  float temperature = 0.0f;  // 0 = greedy (argmax, lowest id among equal logits)
-  float top_p = 1.0f;        // nucleus: smallest set of tokens whose probability reaches top_p
-  int top_k = 0;             // 0 = no limit
-  uint64_t seed = 0;
-};
-
-class Sampler {
- public:
-  explicit Sampler(const SamplingParams& params);
-  int32_t sample(std::span<const float> logits);
-  // The ids a draw from these logits can return: the top-k / nucleus cut, every id without one, the argmax when
-  // greedy. Consumes no randomness.
-  std::vector<int32_t> kept_ids(std::span<const float> logits);
-
- private:
-  // The cut of a draw: leaves order_[0, keep) = the kept ids and weight_[i] = the weight of order_[i], returns keep;
-  // without a cut returns -1 with weight_[id] = every id's weight.
-  int cut(std::span<const float> logits);
-  int nucleus_by_selection(std::span<const float> logits, std::span<const double> weight_of, double total);
-
-  SamplingParams params_;
-  std::mt19937_64 rng_;
-  std::vector<int> order_;       // scratch: ids, a sorted prefix first
-  std::vector<double> weight_;   // scratch: the weights of the ids drawn from
-  std::vector<double> weight_of_;  // scratch: every id's weight (nucleus without top-k)
-};
 
 struct GenerateOptions {
   int max_new_tokens = 16;

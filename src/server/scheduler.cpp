@@ -251,12 +251,32 @@ void Scheduler::decode_slots(const std::vector<Slot*>& slots) {
     seqs.push_back(slot->seq);
     tokens.push_back(slot->last_token);
   }
+  auto fail_all = [&](const std::exception& e) {
+    spdlog::error("a decode step of {} requests failed in the engine: {}", slots.size(), e.what());
+    for (Slot* slot : slots) finish_slot(*slot, FinishReason::kError, e.what());
+  };
+  // Without log-probabilities to report, only the drawn ids are needed: the runner draws them (on the device when
+  // the backend can), each slot's draw from its own sampler, like pick_token would.
+  const bool logits_wanted = std::any_of(slots.begin(), slots.end(),
+                                         [](const Slot* s) { return s->request->request().top_logprobs >= 0; });
+  if (!logits_wanted) {
+    std::vector<TokenDraw> draws;
+    for (Slot* slot : slots) draws.push_back(slot->sampler->next_draw(vocab_limit_));
+    std::vector<int32_t> ids;
+    try {
+      ids = runner_->decode_draw(seqs, tokens, draws);
+    } catch (const std::exception& e) {
+      fail_all(e);
+      return;
+    }
+    for (size_t i = 0; i < slots.size(); ++i) deliver_token(*slots[i], GeneratedToken{ids[i], 0.0f, {}});
+    return;
+  }
   std::vector<float> logits;
   try {
     logits = runner_->decode(seqs, tokens);
   } catch (const std::exception& e) {
-    spdlog::error("a decode step of {} requests failed in the engine: {}", slots.size(), e.what());
-    for (Slot* slot : slots) finish_slot(*slot, FinishReason::kError, e.what());
+    fail_all(e);
     return;
   }
   // A draw over a 129K vocabulary takes 0.2-2 ms (docs/perf.md): the slots draw in parallel (each from its own

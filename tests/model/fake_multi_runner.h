@@ -9,6 +9,7 @@
 
 #include "model/batch_runner.h"
 #include "model/model.h"
+#include "model/sampler.h"
 
 namespace dsv4::testing {
 
@@ -37,11 +38,21 @@ class FakeMultiRunner final : public SequenceRunner {
     ++steps;
     return logits;
   }
+  // decode_first with each row's token drawn by draws[b] (on the host here; the CUDA runner draws on the device).
+  std::vector<int32_t> decode_first_draw(std::span<const int32_t> tokens, std::span<const TokenDraw> draws) {
+    const std::vector<float> logits = decode_first(tokens);
+    const size_t vocab = logits.size() / tokens.size();
+    std::vector<int32_t> ids;
+    for (size_t b = 0; b < tokens.size(); ++b)
+      ids.push_back(draw_token(std::span<const float>(logits).subspan(b * vocab, vocab), draws[b]));
+    ++drawn_steps;
+    return ids;
+  }
   void copy(int from, int to) {
     states_[size_t(to)] = states_[size_t(from)];
     ++copies;
   }
-  int steps = 0, copies = 0;
+  int steps = 0, copies = 0, drawn_steps = 0;
 
  private:
   const Model& model_;
@@ -49,9 +60,10 @@ class FakeMultiRunner final : public SequenceRunner {
   int current_ = 0;
 };
 
-// A packed BatchRunner of `slots` slots on a FakeMultiRunner (returned in *fake for its counters).
+// A packed BatchRunner of `slots` slots on a FakeMultiRunner (returned in *fake for its counters); `backend_draws`:
+// the backend draws a step's tokens itself (PackedSequences::decode_first_draw), like the CUDA runner on the device.
 inline std::unique_ptr<BatchRunner> packed_cpu_batch_runner(const Model& model, int slots, int max_context,
-                                                            FakeMultiRunner** fake) {
+                                                            FakeMultiRunner** fake, bool backend_draws = false) {
   auto runner = std::make_unique<FakeMultiRunner>(model, slots + 1, max_context);
   *fake = runner.get();
   PackedSequences b;
@@ -62,6 +74,10 @@ inline std::unique_ptr<BatchRunner> packed_cpu_batch_runner(const Model& model, 
     return static_cast<FakeMultiRunner&>(r).decode_first(t);
   };
   b.copy = [](SequenceRunner& r, int from, int to) { static_cast<FakeMultiRunner&>(r).copy(from, to); };
+  if (backend_draws)
+    b.decode_first_draw = [](SequenceRunner& r, std::span<const int32_t> t, std::span<const TokenDraw> d) {
+      return static_cast<FakeMultiRunner&>(r).decode_first_draw(t, d);
+    };
   return make_packed_batch_runner(std::move(b), slots);
 }
 

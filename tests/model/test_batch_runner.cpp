@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <filesystem>
 #include <numeric>
 #include <random>
@@ -16,6 +17,7 @@
 #include "fake_multi_runner.h"
 #include "model/batch_runner.h"
 #include "model/model.h"
+#include "model/sampler.h"
 
 namespace fs = std::filesystem;
 using namespace dsv4;
@@ -74,6 +76,53 @@ TEST(BatchRunner, PackedMatchesOneRunnerPerSequence) {
   EXPECT_GT(decodes, 30);
   EXPECT_EQ(fake->steps, decodes);  // one backend step per decode, whatever the subset
   EXPECT_GT(fake->copies, 0);       // the schedule did move states
+}
+
+// decode_draw on every kind of batch runner (packed with a backend that draws, packed drawing on the host, one runner
+// per sequence drawing through SequenceRunner::forward_draw) gives the ids that draw_token gives from decode()'s
+// logits, each row with its own draw parameters and uniform, over shuffled subsets of slots.
+TEST(BatchRunner, DecodeDrawEqualsDrawingFromTheLogits) {
+  constexpr int kSlots = 4, kContext = 64;
+  FakeMultiRunner *drawing = nullptr, *plain = nullptr;
+  std::vector<std::unique_ptr<BatchRunner>> runners;
+  runners.push_back(packed_cpu_batch_runner(tiny_model(), kSlots, kContext, &drawing, true));
+  runners.push_back(packed_cpu_batch_runner(tiny_model(), kSlots, kContext, &plain, false));
+  auto cpu = [](int max_context) { return make_cpu_runner(tiny_model(), max_context); };
+  runners.push_back(make_looped_batch_runner(cpu, kSlots, kContext));
+  std::unique_ptr<BatchRunner> reference = make_looped_batch_runner(cpu, kSlots, kContext);
+  std::mt19937 rng(77);
+  const int V = tiny_model().config().vocab_size;
+  for (int s = 0; s < kSlots; ++s) {
+    const std::vector<int32_t> prompt{int32_t(rng() % V), int32_t(rng() % V)};
+    for (auto& r : runners) r->forward(s, prompt, true);
+    reference->forward(s, prompt, true);
+  }
+  int sampled = 0;
+  for (int step = 0; step < 24; ++step) {
+    std::vector<int> seqs;
+    for (int s = 0; s < kSlots; ++s)
+      if (rng() % 4 != 0) seqs.push_back(s);
+    if (seqs.empty()) continue;
+    std::shuffle(seqs.begin(), seqs.end(), rng);
+    std::vector<int32_t> tokens;
+    std::vector<TokenDraw> draws;
+    for (size_t i = 0; i < seqs.size(); ++i) {
+      tokens.push_back(int32_t(rng() % V));
+      const float temperature = std::array{0.0f, 0.7f, 1.0f, 1.5f}[rng() % 4];
+      draws.push_back({temperature, rng() % 2 ? 1.0f : 0.8f, int32_t(rng() % 3 == 0 ? 5 : 0),
+                       int32_t(rng() % 2 ? 0 : V - 3), double(rng() % 1000) / 1000.0});
+      sampled += temperature > 0;
+    }
+    const std::vector<float> logits = reference->decode(seqs, tokens);
+    std::vector<int32_t> want;
+    for (size_t i = 0; i < seqs.size(); ++i)
+      want.push_back(draw_token(std::span<const float>(logits).subspan(i * size_t(V), size_t(V)), draws[i]));
+    for (size_t k = 0; k < runners.size(); ++k)
+      ASSERT_EQ(runners[k]->decode_draw(seqs, tokens, draws), want) << "runner " << k << " step " << step;
+  }
+  EXPECT_GT(sampled, 20);
+  EXPECT_GT(drawing->drawn_steps, 15);  // the drawing backend drew its steps itself
+  EXPECT_EQ(plain->drawn_steps, 0);
 }
 
 TEST(BatchRunner, SteadyDecodingMovesNothing) {

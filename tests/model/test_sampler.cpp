@@ -4,22 +4,76 @@
 // descending order, lower id first among equal logits, whose probability reaches top_p), computed here by a full
 // sort in fp64. Every drawn id must lie in that set; each frequency within 5 standard deviations (+ 0.002) of its
 // probability, so a wrong temperature, a nucleus one token off or a tie broken the other way fails.
+// The draw contract itself (formats/token_draw.h: fixed-point weights, pivot cut, id-order walk) is checked exactly
+// against a full-sort implementation of it, for given uniforms.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <numeric>
 #include <random>
 #include <tuple>
 #include <vector>
 
-#include "model/session.h"
+#include "formats/token_draw.h"
+#include "model/sampler.h"
 
 namespace {
 
 using dsv4::Sampler;
 using dsv4::SamplingParams;
+using dsv4::TokenDraw;
+
+bool before(const std::vector<float>& logits, int a, int b) {
+  return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+}
+
+// The contract of formats/token_draw.h by a full sort: the cut (ids in "before" order up to the pivot) and the id
+// the walk in id order picks for d.u.
+struct ContractDraw {
+  std::vector<int> cut;  // ascending ids
+  int id = -1;
+};
+ContractDraw contract_draw(const std::vector<float>& row, const TokenDraw& d) {
+  const std::vector<float> logits(row.begin(), row.begin() + (d.vocab > 0 ? d.vocab : int(row.size())));
+  const int V = int(logits.size());
+  ContractDraw out;
+  if (d.temperature == 0.0f) {
+    out.id = int(std::max_element(logits.begin(), logits.end()) - logits.begin());
+    out.cut = {out.id};
+    return out;
+  }
+  const float mx = *std::max_element(logits.begin(), logits.end()), inv_t = 1.0f / d.temperature;
+  std::vector<uint64_t> w(V);
+  for (int i = 0; i < V; ++i) w[i] = dsv4::draw_weight(logits[i], mx, inv_t);
+  std::vector<int> order(V);
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(), [&](int a, int b) { return before(logits, a, b); });
+  int keep = d.top_k > 0 ? std::min(d.top_k, V) : V;
+  if (d.top_p < 1.0f) {
+    uint64_t total = 0, acc = 0;
+    for (int i = 0; i < keep; ++i) total += w[order[i]];
+    const uint64_t target = dsv4::nucleus_target(d.top_p, total);
+    for (int i = 0; i < keep; ++i)
+      if ((acc += w[order[i]]) >= target) {
+        keep = i + 1;
+        break;
+      }
+  }
+  out.cut.assign(order.begin(), order.begin() + keep);
+  std::sort(out.cut.begin(), out.cut.end());
+  uint64_t total = 0, acc = 0;
+  for (int id : out.cut) total += w[id];
+  const uint64_t r = dsv4::draw_point(d.u, total);
+  for (int id : out.cut)
+    if ((acc += w[id]) > r) {
+      out.id = id;
+      break;
+    }
+  return out;
+}
 
 // id -> probability of the definition above.
 std::map<int, double> expected_distribution(const std::vector<float>& logits, const SamplingParams& p) {
@@ -129,7 +183,7 @@ TEST(Sampler, MidSizeVocabularyMatchesTheDefinition) {
   check_frequencies(logits, {1.0f, 0.95f, 200, 16}, 20000);
 }
 
-// The cut itself, exactly: for many shapes (vocabulary sizes, spreads, ties, temperatures, top-k and top-p, nuclei
+// The cut itself, exactly (the contract's, by a full sort): for many shapes (vocabulary sizes, spreads, ties, temperatures, top-k and top-p, nuclei
 // from one id to thousands, so both the first 64 ids and the selection decide it) the kept ids are the definition's.
 TEST(Sampler, KeptIdsAreTheDefinitionsCut) {
   std::mt19937 rng(77);
@@ -143,16 +197,14 @@ TEST(Sampler, KeptIdsAreTheDefinitionsCut) {
           std::vector<float> logits = random_logits(V, spread, uint32_t(rng()));
           if (tied)  // runs of equal logits across the cut
             for (float& l : logits) l = std::round(l * 4.0f) / 4.0f;
-          const std::map<int, double> want = expected_distribution(logits, p);
+          TokenDraw d{p.temperature, p.top_p, p.top_k, 0, 0.0};
+          const std::vector<int> cut = contract_draw(logits, d).cut;
           Sampler sampler(p);
-          std::vector<int32_t> got = sampler.kept_ids(logits);
-          std::sort(got.begin(), got.end());
-          std::vector<int32_t> expected;
-          for (const auto& [id, prob] : want) expected.push_back(id);
-          ASSERT_EQ(got, expected) << "V " << V << " spread " << spread << " tied " << tied << " T " << p.temperature
+          const std::vector<int32_t> got = sampler.kept_ids(logits);
+          ASSERT_EQ(got, std::vector<int32_t>(cut.begin(), cut.end())) << "V " << V << " spread " << spread << " tied " << tied << " T " << p.temperature
                                    << " top_p " << p.top_p << " top_k " << p.top_k;
           ++cases;
-          big += want.size() > 64;
+          big += cut.size() > 64;
         }
   EXPECT_EQ(cases, 120);
   EXPECT_GT(big, 20);  // the selection path decided many of them
@@ -162,8 +214,7 @@ TEST(Sampler, KeptIdsAreTheDefinitionsCut) {
     Sampler sampler(SamplingParams{1.0f, top_p, 0, 1});
     std::vector<int32_t> want(static_cast<size_t>(kept));
     std::iota(want.begin(), want.end(), 0);
-    std::vector<int32_t> got = sampler.kept_ids(std::vector<float>(size_t(V), 1.0f));
-    std::sort(got.begin(), got.end());
+    const std::vector<int32_t> got = sampler.kept_ids(std::vector<float>(size_t(V), 1.0f));
     EXPECT_EQ(got, want) << V << " equal logits, top_p " << top_p;
   }
 }
@@ -175,6 +226,111 @@ TEST(Sampler, SameSeedSameDraws) {
     Sampler a(p), b(p);
     for (int i = 0; i < 100; ++i) ASSERT_EQ(a.sample(logits), b.sample(logits));
   }
+}
+
+// draw_weight: exp in fixed point. Within 4e-6 of exp(x) · 2^40 (plus the rounding to an integer), 2^40 at the maximum, 0 far
+// below it, never decreasing with x (a larger logit never weighs less).
+TEST(DrawContract, WeightIsExpInFixedPoint) {
+  EXPECT_EQ(dsv4::draw_weight_of(0.0f), uint64_t(1) << dsv4::kDrawWeightBits);
+  EXPECT_EQ(dsv4::draw_weight_of(-29.0f), 0u);
+  EXPECT_EQ(dsv4::draw_weight_of(-std::numeric_limits<float>::infinity()), 0u);
+  EXPECT_EQ(dsv4::draw_weight_of(std::nanf("")), 0u);
+  uint64_t previous = 0;
+  int checked = 0;
+  for (float x = -30.0f; x <= 0.0f; x = std::nextafter(x, 1.0f) + 1e-4f) {
+    const uint64_t w = dsv4::draw_weight_of(x);
+    ASSERT_GE(w, previous) << "x " << x;
+    previous = w;
+    const double want = std::exp(double(x)) * 0x1.0p40;
+    if (want > 1e6) {  // below, the rounding to an integer dominates
+      ASSERT_NEAR(double(w) / want, 1.0, 4e-6) << "x " << x;
+      ++checked;
+    } else {
+      ASSERT_NEAR(double(w), want, 4e-6 * want + 0.5) << "x " << x;
+    }
+  }
+  EXPECT_GT(checked, 100000);
+  EXPECT_EQ(dsv4::draw_weight(3.0f, 3.0f, 2.0f), uint64_t(1) << 40);
+  EXPECT_EQ(dsv4::draw_weight(1.0f, 3.0f, 0.5f), dsv4::draw_weight_of(-1.0f));
+}
+
+TEST(DrawContract, TargetAndPointStayInsideTheTotal) {
+  EXPECT_EQ(dsv4::nucleus_target(0.5f, 4), 2u);
+  EXPECT_EQ(dsv4::nucleus_target(0.3f, 10), 4u);  // 0.3f is 0.30000001: the target is the ceiling of 3.0000001
+  EXPECT_EQ(dsv4::nucleus_target(1e-9f, 1000), 1u);
+  EXPECT_EQ(dsv4::nucleus_target(0.9999f, 1), 1u);
+  EXPECT_EQ(dsv4::draw_point(0.0, 10), 0u);
+  EXPECT_EQ(dsv4::draw_point(0.55, 10), 5u);
+  EXPECT_EQ(dsv4::draw_point(std::nextafter(1.0, 0.0), uint64_t(1) << 57), (uint64_t(1) << 57) - 16);  // exact
+  for (uint64_t total = (uint64_t(1) << 57) - 40; total < (uint64_t(1) << 57) + 40; ++total)  // totals that round
+    ASSERT_LT(dsv4::draw_point(std::nextafter(1.0, 0.0), total), total);
+  EXPECT_EQ(dsv4::draw_point(0.5, 0), 0u);
+}
+
+TEST(DrawContract, KeysFollowTheLogitOrder) {
+  const std::vector<float> v{-std::numeric_limits<float>::infinity(), -1e30f, -2.5f, -1e-30f, 0.0f, 1e-30f, 1.0f,
+                             3e38f};
+  for (size_t i = 0; i + 1 < v.size(); ++i) EXPECT_LT(dsv4::draw_order_key(v[i]), dsv4::draw_order_key(v[i + 1]));
+  EXPECT_EQ(dsv4::draw_order_key(-0.0f), dsv4::draw_order_key(0.0f));
+}
+
+// Sampler::draw is the contract: the same id as the full-sort implementation for every u tried, over shapes with
+// ties across the cuts, cuts of one id to thousands, a vocabulary limit below the row, and u at 0 and just below 1.
+TEST(DrawContract, SamplerDrawIsTheContract) {
+  std::mt19937 rng(2024);
+  int cases = 0;
+  for (int V : {1, 2, 37, 700, 5000, 40000})
+    for (float spread : {0.0f, 0.3f, 4.0f})
+      for (int tied : {0, 1})
+        for (const TokenDraw& base :
+             {TokenDraw{1.0f, 1.0f, 0, 0, 0}, TokenDraw{0.6f, 0.9f, 0, 0, 0}, TokenDraw{1.3f, 0.5f, 0, 0, 0},
+              TokenDraw{1.0f, 1.0f, 50, 0, 0}, TokenDraw{0.8f, 0.95f, 2000, 0, 0}, TokenDraw{2.0f, 0.2f, 3, 0, 0},
+              TokenDraw{0.0f, 1.0f, 0, 0, 0}}) {
+          std::vector<float> logits = random_logits(V, spread, uint32_t(rng()));
+          if (tied)
+            for (float& l : logits) l = std::round(l * 2.0f) / 2.0f;
+          TokenDraw d = base;
+          d.vocab = V > 2 && (rng() & 1) ? V - 1 - int(rng() % uint32_t(V / 3)) : 0;
+          if (d.vocab > 0) logits[size_t(V - 1)] = 100.0f;  // past the limit: never drawn
+          Sampler sampler(SamplingParams{});
+          for (double u : {0.0, std::nextafter(1.0, 0.0), 0.5, 0.123456789, 0.999}) {
+            d.u = u;
+            const ContractDraw want = contract_draw(logits, d);
+            ASSERT_GE(want.id, 0);
+            ASSERT_EQ(sampler.draw(logits, d), want.id)
+                << "V " << V << " vocab " << d.vocab << " spread " << spread << " tied " << tied << " T "
+                << d.temperature << " top_p " << d.top_p << " top_k " << d.top_k << " u " << u;
+            ++cases;
+          }
+        }
+  EXPECT_EQ(cases, 6 * 3 * 2 * 7 * 5);
+}
+
+TEST(DrawContract, NextDrawCarriesTheParametersAndAUniform) {
+  Sampler greedy(SamplingParams{});
+  EXPECT_EQ(greedy.next_draw(10).u, 0.0);
+  Sampler a(SamplingParams{0.7f, 0.9f, 40, 5}), b(SamplingParams{0.7f, 0.9f, 40, 5});
+  const TokenDraw d = a.next_draw(1234);
+  EXPECT_EQ(d.temperature, 0.7f);
+  EXPECT_EQ(d.top_p, 0.9f);
+  EXPECT_EQ(d.top_k, 40);
+  EXPECT_EQ(d.vocab, 1234);
+  double sum = 0;
+  for (int i = 0; i < 10000; ++i) {
+    const double u = a.next_draw(5).u;
+    ASSERT_GE(u, 0.0);
+    ASSERT_LT(u, 1.0);
+    sum += u;
+  }
+  EXPECT_NEAR(sum / 10000, 0.5, 0.02);
+  // sample() is next_draw() then draw(): the same generator, so the same ids as drawing by hand.
+  const std::vector<float> logits = random_logits(300, 1.5f, 4);
+  b.next_draw(1234);
+  for (int i = 0; i < 10000; ++i) b.next_draw(5);
+  Sampler c(SamplingParams{0.7f, 0.9f, 40, 5});
+  c.next_draw(1);
+  for (int i = 0; i < 10000; ++i) c.next_draw(1);
+  for (int i = 0; i < 50; ++i) ASSERT_EQ(b.sample(logits), c.draw(logits, c.next_draw(300)));
 }
 
 }  // namespace

@@ -131,8 +131,9 @@ TEST(Scheduler, BatchedGreedyEqualsEachRequestAlone) {
 TEST(Scheduler, BatchedOnPackedSequencesEqualsEachRequestAlone) {
   Metrics metrics;
   dsv4::testing::FakeMultiRunner* fake = nullptr;
-  Scheduler batched(tiny().tokenizer, dsv4::testing::packed_cpu_batch_runner(tiny().model, 3, 512, &fake), {3, 16, 512, 5},
-                    metrics);
+  // The backend draws each step's tokens itself, as the CUDA runner does on the device.
+  Scheduler batched(tiny().tokenizer, dsv4::testing::packed_cpu_batch_runner(tiny().model, 3, 512, &fake, true),
+                    {3, 16, 512, 5}, metrics);
   std::vector<std::shared_ptr<RequestHandle>> handles;
   for (size_t i = 0; i < kPrompts.size(); ++i) {
     handles.push_back(submit(batched, greedy(kPrompts[i], 12 + 5 * int(i))));
@@ -152,6 +153,7 @@ TEST(Scheduler, BatchedOnPackedSequencesEqualsEachRequestAlone) {
   }
   EXPECT_TRUE(batched.wait_idle(std::chrono::steady_clock::now() + 5s));
   EXPECT_GT(fake->steps, 0);
+  EXPECT_EQ(fake->drawn_steps, fake->steps);  // no request asked for logprobs: every step drew on the backend
   EXPECT_GT(fake->copies, 0);
 }
 
