@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call for the CUDA backend (the device tool runs it in a copy of the repository):
-#   GPU tests -> compute-sanitizer memcheck on a short run -> dsv4 bench (Flash-shaped, NVFP4 + BF16).
+#   GPU tests -> compute-sanitizer memcheck on a short run -> (SERVE=1) the server's curl test on the GPU, with
+#   tokens drawn on the host and on the device -> dsv4 bench (Flash-shaped, NVFP4 + BF16).
 # Expects devrun/build.tar.xz made on the CPU machine by bench/cuda/pack_device_build.sh (binaries + the
 # non-system shared libraries they need). Test binaries have the source path compiled in: /work/main is linked
 # to this copy when it does not exist.
@@ -24,6 +25,15 @@ if [ -z "${NO_MEMCHECK:-}" ] && command -v compute-sanitizer >/dev/null; then
     --gtest_filter="${MEMCHECK_FILTER:-*GemvGrouped*t1x6*:*GemvGrouped*oneexpert*:GemvRows*:CudaModel.QuantisedNvfp4AllLinears}" \
     > "$OUT/memcheck.log" 2>&1
   echo "memcheck exit code: $? ($(( $(date +%s) - T0 )) s, $(grep -c 'OK \]' "$OUT/memcheck.log") ok, $(grep -E 'ERROR SUMMARY' "$OUT/memcheck.log" | tail -1))"
+fi
+if [ -n "${SERVE:-}" ]; then
+  for draw in 0 1; do
+    T0=$(date +%s)
+    DSV4_DEVICE_DRAW=$draw DSV4_SERVE_ARGS="--device cuda" timeout 180 bash tests/server/curl_test.sh "$B/dsv4" models/tiny \
+      > "$OUT/serve_draw$draw.log" 2>&1
+    echo "serve --device cuda (DSV4_DEVICE_DRAW=$draw) exit code: $? ($(( $(date +%s) - T0 )) s)"
+    tail -5 "$OUT/serve_draw$draw.log"
+  done
 fi
 if [ -z "${NO_BENCH:-}" ]; then
   T0=$(date +%s)

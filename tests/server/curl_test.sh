@@ -2,6 +2,7 @@
 # `dsv4 serve` over real HTTP with curl: endpoints, SSE framing, error bodies and status codes for bad input,
 # a client that disconnects mid-stream, 32 concurrent requests, /metrics, SIGTERM. CTest: server.curl.
 #   tests/server/curl_test.sh DSV4_BINARY MODEL_DIR
+# DSV4_SERVE_ARGS adds flags to the server under test (the GPU check: DSV4_SERVE_ARGS="--device cuda").
 set -uo pipefail
 DSV4=${1:?usage: curl_test.sh DSV4_BINARY MODEL_DIR}
 MODEL=${2:?usage: curl_test.sh DSV4_BINARY MODEL_DIR}
@@ -32,7 +33,9 @@ check "unknown device: exit 1 with a message" [ $? = 1 ] && check "unknown devic
 "$DSV4" serve --model "$WORK/no-such-model" --port 0 >"$WORK/nomodel.log" 2>&1
 check "missing model: exit 1" [ $? = 1 ]
 
-"$DSV4" serve --model "$MODEL" --port 0 --max-batch 8 --max-queue 64 --max-context 4096 >"$WORK/server.log" 2>&1 &
+# shellcheck disable=SC2086  # DSV4_SERVE_ARGS is a list of flags
+"$DSV4" serve --model "$MODEL" --port 0 --max-batch 8 --max-queue 64 --max-context 4096 ${DSV4_SERVE_ARGS:-} \
+  >"$WORK/server.log" 2>&1 &
 SERVER_PID=$!
 for _ in $(seq 200); do
   grep -q "listening on" "$WORK/server.log" 2>/dev/null && break
