@@ -89,6 +89,8 @@ void embed_tokens(const uint16_t* embed, const int32_t* tokens, int n, int D, in
 // The gate arguments, the collapse and every Sinkhorn row / column sum round like the CPU's fp32 expressions
 // (only expf may differ by its last bits); Sinkhorn normalises the columns once even for sinkhorn_iters = 0, like
 // the reference.
+// mix_partials (instead of mix): the mix as hc_post_mix leaves it, [n, (2+hc)·hc, mix_blocks] partial sums that
+// hc_pre adds in block order (hc <= 4).
 struct HcPreParams {
   const float* streams = nullptr;
   const float* mix = nullptr;
@@ -101,6 +103,8 @@ struct HcPreParams {
   float* comb = nullptr;
   float* normed = nullptr;
   uint16_t* normed_bf16 = nullptr;
+  const float* mix_partials = nullptr;
+  int mix_blocks = 0;
 };
 void hc_pre(const HcPreParams& p, cudaStream_t stream);
 
@@ -110,6 +114,26 @@ void hc_pre(const HcPreParams& p, cudaStream_t stream);
 // expert's output).
 void hc_post(const float* out, int out_k, const float* out2, const float* post, const float* comb, int n, int hc,
              int D, float* streams, cudaStream_t stream);
+
+// hc_post and the next mHC mix in one launch, for decode-sized chunks: streams updated as hc_post does, then
+// partials[t, m, b] = Σ over block b's columns of streams[t] · fn[m]ᵀ (the updated streams; fn [n_mix, hc·D] fp32,
+// the next sublayer's mHC mix weights), one 32-thread block per 128 columns of every stream and token, so the 1.5 MB
+// of fn are read by D / 128 SMs at once. hc_pre (HcPreParams::mix_partials) adds the blocks in order: the mix costs
+// no launch of its own. hc == 4, n_mix <= 24, D % 4 == 0 and 16-byte aligned out / out2 / streams / fn.
+struct HcPostMixParams {
+  const float* out = nullptr;
+  int out_k = 1;
+  const float* out2 = nullptr;
+  const float* post = nullptr;
+  const float* comb = nullptr;
+  int n = 0, hc = 0, D = 0;
+  float* streams = nullptr;
+  const float* fn = nullptr;
+  int n_mix = 0;
+  float* partials = nullptr;  // [n, n_mix, hc_post_mix_blocks(D)]
+};
+int hc_post_mix_blocks(int D);
+void hc_post_mix(const HcPostMixParams& p, cudaStream_t stream);
 
 // 2.5 + 5: final collapse y = Σ_k (σ(mix_k·rs·scale0 + base_k) + hc_eps) · streams_k, then rms_norm(y, norm_weight)
 // written as bf16 [n, D] (the head GEMM's input). mix [n, hc]. hc <= 8, D <= 12032.

@@ -456,6 +456,7 @@ void launch_linear_f32_tall(const LinearF32Params& p, cudaStream_t stream) {
 // The collapsed row lives in dynamic shared memory: 47 KB at most, + ~0.5 KB static, under the 48 KB a launch
 // gets without opting in.
 constexpr int kHcMaxD = 12032;
+constexpr int kHcMixMax = 24;  // (2 + hc) · hc mix outputs for hc = 4: hc_post_mix's accumulators
 
 constexpr int hc_max_threads(int hc_bound) { return hc_bound <= 4 ? 1024 : 512; }
 
@@ -665,7 +666,18 @@ __global__ void __launch_bounds__(hc_max_threads(kHc)) hc_pre_kernel(HcPreParams
   extern __shared__ float4 hc_smem[];
   const int t = blockIdx.x, hc = p.hc, D = p.D, n_mix = (2 + hc) * hc;
   const float* xs = p.streams + int64_t(t) * hc * D;
-  const float* m = p.mix + int64_t(t) * n_mix;
+  const float* m = p.mix_partials ? nullptr : p.mix + int64_t(t) * n_mix;
+  __shared__ float mix_sum[kHcMixMax];
+  if (p.mix_partials) {  // hc_post_mix's per-block partials, added in block order
+    if (int(threadIdx.x) < n_mix) {
+      const float* part = p.mix_partials + (int64_t(t) * n_mix + threadIdx.x) * p.mix_blocks;
+      float sum = 0.0f;
+      for (int b = 0; b < p.mix_blocks; ++b) sum += part[b];
+      mix_sum[threadIdx.x] = sum;
+    }
+    __syncthreads();
+    m = mix_sum;
+  }
   if (blockIdx.y == 0) {
     collapse_and_norm<kHc>(xs, hc, D, m, p.base, p.scale, p.hc_eps, p.norm_weight, p.eps,
                            p.normed ? p.normed + int64_t(t) * D : nullptr,
@@ -719,6 +731,7 @@ int hc_threads(int D, int hc_bound) {
 }
 
 constexpr int kHcPrefillRows = 64;  // hc_pre rows from which a row gets 256 threads
+constexpr int kHcMixThreads = 32;   // hc_post_mix: one warp per 32 column groups (128 columns) of a token
 constexpr int kHcPostThreads = 64;  // a decode step's 1024 column groups over 16 blocks
 
 // 16-byte groups of four columns: D % 4 == 0 and every pointer aligned.
@@ -780,6 +793,67 @@ __global__ void hc_post_kernel(const float* out, int out_k, const float* out2, c
     float acc = __fmul_rn(post[t * hc + k], o);
     for (int j = 0; j < hc; ++j) acc = __fadd_rn(acc, __fmul_rn(C[j * hc + k], old[j]));
     xs[k * D + d] = acc;
+  }
+}
+
+// hc_post_vec_kernel for hc = 4 on block (column block b, token t), then the block's partial products of the new
+// streams with the n_mix rows of fn (fmaf chains over the 4 streams, then a warp tree) into partials[t, m, b].
+__global__ void __launch_bounds__(kHcMixThreads) hc_post_mix_kernel(HcPostMixParams p) {
+  constexpr int kHc = 4;
+  gpu::dependent_enter();
+  const int t = blockIdx.y, D = p.D, d = (int(blockIdx.x) * kHcMixThreads + int(threadIdx.x)) * 4;
+  float4 fresh[kHc];
+#pragma unroll
+  for (int k = 0; k < kHc; ++k) fresh[k] = make_float4(0, 0, 0, 0);
+  if (d < D) {
+    float* xs = p.streams + int64_t(t) * kHc * D;
+    float4 old[kHc];
+#pragma unroll
+    for (int j = 0; j < kHc; ++j) old[j] = *reinterpret_cast<const float4*>(xs + int64_t(j) * D + d);
+    float4 o = *reinterpret_cast<const float4*>(p.out + int64_t(t) * p.out_k * D + d);
+    for (int e = 1; e < p.out_k; ++e) {
+      const float4 a = *reinterpret_cast<const float4*>(p.out + (int64_t(t) * p.out_k + e) * D + d);
+      o = make_float4(__fadd_rn(o.x, a.x), __fadd_rn(o.y, a.y), __fadd_rn(o.z, a.z), __fadd_rn(o.w, a.w));
+    }
+    if (p.out2) {
+      const float4 a = *reinterpret_cast<const float4*>(p.out2 + int64_t(t) * D + d);
+      o = make_float4(__fadd_rn(o.x, a.x), __fadd_rn(o.y, a.y), __fadd_rn(o.z, a.z), __fadd_rn(o.w, a.w));
+    }
+    const float* C = p.comb + int64_t(t) * kHc * kHc;
+#pragma unroll
+    for (int k = 0; k < kHc; ++k) {  // the same operations as hc_post_vec_kernel
+      const float pk = p.post[int64_t(t) * kHc + k];
+      float4 acc = make_float4(__fmul_rn(pk, o.x), __fmul_rn(pk, o.y), __fmul_rn(pk, o.z), __fmul_rn(pk, o.w));
+#pragma unroll
+      for (int j = 0; j < kHc; ++j) {
+        const float c = C[j * kHc + k];
+        acc.x = __fadd_rn(acc.x, __fmul_rn(c, old[j].x));
+        acc.y = __fadd_rn(acc.y, __fmul_rn(c, old[j].y));
+        acc.z = __fadd_rn(acc.z, __fmul_rn(c, old[j].z));
+        acc.w = __fadd_rn(acc.w, __fmul_rn(c, old[j].w));
+      }
+      *reinterpret_cast<float4*>(xs + int64_t(k) * D + d) = acc;
+      fresh[k] = acc;
+    }
+  }
+  const int blocks = gridDim.x;
+#pragma unroll
+  for (int m = 0; m < kHcMixMax; ++m) {
+    if (m >= p.n_mix) break;  // uniform over the block
+    float acc = 0.0f;
+    if (d < D) {
+      const float* f = p.fn + int64_t(m) * kHc * D + d;  // weights: no kernel of the step writes them
+#pragma unroll
+      for (int k = 0; k < kHc; ++k) {
+        const float4 w = __ldg(reinterpret_cast<const float4*>(f + int64_t(k) * D));
+        acc = fmaf(fresh[k].x, w.x, acc);
+        acc = fmaf(fresh[k].y, w.y, acc);
+        acc = fmaf(fresh[k].z, w.z, acc);
+        acc = fmaf(fresh[k].w, w.w, acc);
+      }
+    }
+    acc = detail::warp_sum(acc);
+    if (threadIdx.x == 0) p.partials[(int64_t(t) * p.n_mix + m) * blocks + blockIdx.x] = acc;
   }
 }
 
@@ -911,6 +985,7 @@ void embed_tokens(const uint16_t* embed, const int32_t* tokens, int n, int D, in
 
 void hc_pre(const HcPreParams& p, cudaStream_t stream) {
   OPS_CHECK(p.hc > 0 && p.hc <= kMaxHc, "hc_pre: hc_mult %d outside [1, %d]", p.hc, kMaxHc);
+  OPS_CHECK(!p.mix_partials || (p.hc <= 4 && p.mix_blocks > 0), "hc_pre: mix partials need hc <= 4 and blocks > 0");
   OPS_CHECK(p.D > 0 && p.D <= kHcMaxD, "hc_pre: hidden size %d outside (0, %d]", p.D, kHcMaxD);
   if (p.n == 0) return;
   const dim3 grid(unsigned(p.n), 2);
@@ -939,6 +1014,21 @@ void hc_post(const float* out, int out_k, const float* out2, const float* post, 
     gpu::launch(hc_post_kernel, blocks_for(int64_t(n) * D, 256), 256, 0, stream, out, out_k, out2, post, comb, n, hc,
                 D, streams);
   }
+  DSV4_CUDA_LAUNCHED();
+}
+
+int hc_post_mix_blocks(int D) { return (D / 4 + kHcMixThreads - 1) / kHcMixThreads; }
+
+void hc_post_mix(const HcPostMixParams& p, cudaStream_t stream) {
+  OPS_CHECK(p.hc == 4, "hc_post_mix: hc_mult %d (the fused kernel is for hc = 4)", p.hc);
+  OPS_CHECK(p.n_mix > 0 && p.n_mix <= kHcMixMax, "hc_post_mix: %d mix outputs outside [1, %d]", p.n_mix, kHcMixMax);
+  OPS_CHECK(p.out_k > 0, "hc_post_mix: out_k %d must be positive", p.out_k);
+  OPS_CHECK(p.D > 0 && p.D % 4 == 0 && aligned(p.out, 16) && (!p.out2 || aligned(p.out2, 16)) &&
+                aligned(p.streams, 16) && aligned(p.fn, 16),
+            "hc_post_mix: D %d must be a multiple of 4 and out / out2 / streams / fn 16-byte aligned", p.D);
+  if (p.n == 0) return;
+  gpu::launch(hc_post_mix_kernel, dim3(unsigned(hc_post_mix_blocks(p.D)), unsigned(p.n)), kHcMixThreads, 0, stream,
+              p);
   DSV4_CUDA_LAUNCHED();
 }
 

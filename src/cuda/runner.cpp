@@ -305,6 +305,43 @@ class CudaRunner final : public SequenceRunner {
     gemv_grouped(g);
     launched(site);
   }
+  // Decode-sized chunks with CudaRunnerOptions::fuse_mhc_mix: each hc_post also computes the next sublayer's mix
+  // (gpu::hc_post_mix) and hc_pre adds its partials, one launch fewer per sublayer.
+  bool fused_mix(int n) const {
+    return options_.fuse_mhc_mix && n <= kCudaMaxChunk && c_.hc_mult == 4 && c_.hidden_size % 4 == 0;
+  }
+  // 2.3 mHC pre + the sublayer's norm; mix_ready: the previous hc_post_mix left the mix partials.
+  void mhc_pre(const char* sublayer, const HcDevice& w, const DeviceBuffer& norm, int n, bool mix_ready) {
+    const int D = c_.hidden_size, hc = c_.hc_mult, n_mix = (2 + hc) * hc;
+    if (!mix_ready)
+      linear_f32(sublayer[0] == 'a' ? "attn: mHC mix" : "ffn: mHC mix", streams_.as<float>(), w.fn,
+                 mix_.as<float>(), n, n_mix, hc * D);
+    gpu::HcPreParams p{streams_.as<float>(), mix_.as<float>(), w.base.as<float>(), w.scale.as<float>(),
+                       norm.as<float>(), n, hc, D, c_.hc_sinkhorn_iters, c_.hc_eps, c_.rms_norm_eps,
+                       post_.as<float>(), comb_.as<float>(), normed_.as<float>(), normed_bf16_.as<uint16_t>()};
+    if (mix_ready) {
+      p.mix = nullptr;
+      p.mix_partials = mix_partials_.as<float>();
+      p.mix_blocks = gpu::hc_post_mix_blocks(D);
+    }
+    gpu::hc_pre(p, stream_);
+    launched(sublayer[0] == 'a' ? "attn: hc_pre + norm" : "ffn: hc_pre + norm");
+  }
+  // 2.4 mHC post of the sublayer output (out [n, out_k, D] summed in order, + out2); `next`: the mHC whose mix the
+  // fused kernel computes on the way (none after the last layer, or when not fused).
+  void mhc_post(const char* sublayer, const float* out, int out_k, const float* out2, int n, const HcDevice* next) {
+    const int D = c_.hidden_size, hc = c_.hc_mult;
+    const bool attn = sublayer[0] == 'a';
+    if (next && fused_mix(n)) {
+      gpu::hc_post_mix({out, out_k, out2, post_.as<float>(), comb_.as<float>(), n, hc, D, streams_.as<float>(),
+                        next->fn.as<float>(), (2 + hc) * hc, mix_partials_.as<float>()},
+                       stream_);
+      launched(attn ? "attn: hc_post + ffn mix" : "ffn: hc_post + next attn mix");
+      return;
+    }
+    gpu::hc_post(out, out_k, out2, post_.as<float>(), comb_.as<float>(), n, hc, D, streams_.as<float>(), stream_);
+    launched(attn ? "attn: hc_post" : "ffn: hc_post");
+  }
   void linear_f32(const char* site, const float* x, const DeviceBuffer& w, float* y, int m, int rows, int k,
                   float scale = 1.0f) {
     gpu::linear_f32({x, w.as<float>(), y, m, rows, k, scale}, stream_);
@@ -341,7 +378,7 @@ class CudaRunner final : public SequenceRunner {
       index_w_, scores_, selected_, o_grouped_, z_, attn_out_, router_logits_, expert_ids_,
       expert_weights_, slot_count_, slot_expert_, slot_offset_, row_order_, expert_gate_, expert_up_, h_, y_pairs_,
       shared_y13_, h_shared_, shared_out_, head_in_, logits_, attention_scratch_, pair_weights_,
-      act_scratch_;
+      act_scratch_, mix_partials_;
   MoeSlots slots_;     // views of slot_count_ .. row_order_
   int max_slots_ = 1;  // grouped-gemv grid: min(experts, picks of a full chunk)
   int max_entries_ = 1;  // largest compressed-entry count of any layer (scores scratch row length)
@@ -559,6 +596,8 @@ CudaRunner::CudaRunner(const Model& model, int max_context, CudaRunnerOptions op
   shared_out_ = zeros(C * D * f);
   head_in_ = zeros(C * D * b16);
   logits_ = zeros(size_t(kCudaMaxChunk) * c.vocab_size * f);
+  if (options.fuse_mhc_mix)
+    mix_partials_ = zeros(size_t(kCudaMaxChunk) * (2 + hc) * hc * gpu::hc_post_mix_blocks(D) * f);
   size_t attention_scratch = 0;  // split-key partials of the chunks with few tokens (decode)
   for (const LayerDevice& d : layers_)
     for (int n = 1; n <= chunk_; ++n) {
@@ -582,7 +621,7 @@ CudaRunner::CudaRunner(const Model& model, int max_context, CudaRunnerOptions op
                                 &z_, &attn_out_, &router_logits_, &expert_ids_, &expert_weights_,
                                 &slot_count_, &slot_expert_, &slot_offset_, &row_order_, &expert_gate_, &expert_up_,
                                 &h_, &y_pairs_, &shared_y13_, &h_shared_, &shared_out_, &head_in_, &logits_,
-                                &attention_scratch_, &pair_weights_, &act_scratch_})
+                                &attention_scratch_, &pair_weights_, &act_scratch_, &mix_partials_})
     stats_.workspace_bytes += bytes_of(*b);
   pos_ = zeros(kCudaMaxChunk * sizeof(int64_t));
   DSV4_CUDA_CHECK(cudaMallocHost(&host_tokens_, C * sizeof(int32_t)));
@@ -960,18 +999,13 @@ void CudaRunner::attention_block(int l, int n) {
   const ModelConfig& c = c_;
   LayerDevice& d = layers_[l];
   auto state = [&](const ChunkPart& part) -> SequenceDevice::Layer& { return seqs_[part.seq].layers[l]; };
-  const int D = c.hidden_size, H = c.n_heads, hd = c.head_dim, rd = c.rope_dim, hc = c.hc_mult;
-  const int n_mix = (2 + hc) * hc, r = d.ratio;
+  const int D = c.hidden_size, H = c.n_heads, hd = c.head_dim, rd = c.rope_dim;
+  const int r = d.ratio;
   float* y_x = y_x_.as<float>();
   float* y_q = y_q_.as<float>();
 
-  // 2.3 mHC pre + attn_norm
-  linear_f32("attn: mHC mix", streams_.as<float>(), d.hc_attn.fn, mix_.as<float>(), n, n_mix, hc * D);
-  gpu::hc_pre({streams_.as<float>(), mix_.as<float>(), d.hc_attn.base.as<float>(), d.hc_attn.scale.as<float>(),
-               d.attn_norm.as<float>(), n, hc, D, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps, post_.as<float>(),
-               comb_.as<float>(), normed_.as<float>(), normed_bf16_.as<uint16_t>()},
-              stream_);
-  launched("attn: hc_pre + norm");
+  // 2.3 mHC pre + attn_norm (the mix comes from the previous layer's hc_post when fused)
+  mhc_pre("attn", d.hc_attn, d.attn_norm, n, l > 0 && fused_mix(n));
 
   // 3.2 / 3.3 / 3.5 input projections in one GEMM, then q_norm and the q projections in another.
   linear("attn: gemv x-side [wq_a|wkv|compressors]", d.w_x, normed_bf16_.data(), y_x, n, c.q_lora_rank + hd);
@@ -1175,23 +1209,16 @@ void CudaRunner::attention_block(int l, int n) {
   launched("attn: gemv wo_a (batched over groups)");
   linear("attn: gemv wo_b", d.wo_b, z_.data(), attn_out_.data(), n, GemvOut::F32, true);
 
-  gpu::hc_post(attn_out_.as<float>(), 1, nullptr, post_.as<float>(), comb_.as<float>(), n, hc, D, streams_.as<float>(),
-               stream_);
-  launched("attn: hc_post");
+  mhc_post("attn", attn_out_.as<float>(), 1, nullptr, n, &d.hc_ffn);
 }
 
 void CudaRunner::ffn_block(int l, int n) {
   const ModelConfig& c = c_;
   LayerDevice& d = layers_[l];
-  const int D = c.hidden_size, hc = c.hc_mult, n_mix = (2 + hc) * hc, E = c.n_routed_experts;
+  const int D = c.hidden_size, E = c.n_routed_experts;
   const int k = c.n_experts_per_tok;
 
-  linear_f32("ffn: mHC mix", streams_.as<float>(), d.hc_ffn.fn, mix_.as<float>(), n, n_mix, hc * D);
-  gpu::hc_pre({streams_.as<float>(), mix_.as<float>(), d.hc_ffn.base.as<float>(), d.hc_ffn.scale.as<float>(),
-               d.ffn_norm.as<float>(), n, hc, D, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps, post_.as<float>(),
-               comb_.as<float>(), normed_.as<float>(), normed_bf16_.as<uint16_t>()},
-              stream_);
-  launched("ffn: hc_pre + norm");
+  mhc_pre("ffn", d.hc_ffn, d.ffn_norm, n, fused_mix(n));
 
   // 4.1 router (fp32)
   linear_f32("ffn: router gate", normed_.as<float>(), d.gate, router_logits_.as<float>(), n, E, D);
@@ -1262,9 +1289,8 @@ void CudaRunner::ffn_block(int l, int n) {
     launched("ffn: shared swiglu");
     linear("ffn: gemv shared w2", d.shared_w2, h_shared_.data(), shared_out_.data(), n, GemvOut::F32, true);
   }
-  gpu::hc_post(y_pairs_.as<float>(), pairs, shared ? shared_out_.as<float>() : nullptr, post_.as<float>(),
-               comb_.as<float>(), n, hc, D, streams_.as<float>(), stream_);
-  launched("ffn: hc_post");
+  mhc_post("ffn", y_pairs_.as<float>(), pairs, shared ? shared_out_.as<float>() : nullptr, n,
+           l + 1 < c.n_layers ? &layers_[size_t(l + 1)].hc_attn : nullptr);
 }
 
 }  // namespace
@@ -1287,6 +1313,8 @@ std::unique_ptr<SequenceRunner> make_cuda_runner(const Model& model, int max_con
   if (const char* env = std::getenv("DSV4_CUDA_GRAPH"); env && std::string(env) == "0") options.graph_decode = false;
   if (const char* env = std::getenv("DSV4_DEVICE_DRAW"); env && (std::string(env) == "0" || std::string(env) == "1"))
     options.draw_on_device = std::string(env) == "1";
+  if (const char* env = std::getenv("DSV4_FUSED_MHC"); env && (std::string(env) == "0" || std::string(env) == "1"))
+    options.fuse_mhc_mix = std::string(env) == "1";
   return std::make_unique<CudaRunner>(model, max_context, options);
 }
 

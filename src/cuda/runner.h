@@ -54,6 +54,10 @@ struct CudaRunnerOptions {
   // Sampler's contract) and bring back 4 bytes per row instead of the logits. Off: they draw on the host from the
   // logits. DSV4_DEVICE_DRAW=1 / 0 in the environment sets it.
   bool draw_on_device = false;
+  // Decode-sized chunks (<= kCudaMaxChunk rows, hc = 4): each mHC post also computes the next sublayer's mix
+  // (gpu::hc_post_mix) and hc_pre adds its partials, so the mix kernel no longer runs on its own (86 launches fewer
+  // per Flash step). Off until it is measured on a GPU; DSV4_FUSED_MHC=1 / 0 in the environment sets it.
+  bool fuse_mhc_mix = false;
 };
 
 // The prefill chunk a runner settles on (host arithmetic, no GPU needed): `requested` (a multiple of 64 in

@@ -823,6 +823,60 @@ TEST(CudaModel, BatchedDecodeFortySequences) {  // more rows than one mma n-tile
 // Programmatic dependent launch (launch.cuh) lets a kernel start before its predecessor ends; every kernel waits
 // before touching what the step computes, so the logits must be the same bits with it on and off, and the same bits
 // when the same run repeats (a missing wait would show up as a difference that moves between runs).
+// CudaRunnerOptions::fuse_mhc_mix (each hc_post computes the next mix, hc_pre adds the partials) only reorders the
+// fp32 sums of the mHC mixes: against the unfused runner, the decode rows (and the prefill's last, short chunk, which
+// is decode-sized) must agree like batched rows do (median row within 1e-4 of max|logit|, 90% within 1e-3; a router
+// or indexer top-k may flip on an fp32 difference), both batch 1 and a batch of 5, both models.
+void check_fused_mhc(const std::string& name, Numerics numerics) {
+  std::string source;
+  const Model model = tiny_model(name, numerics, &source);
+  const int V = model.config().vocab_size, n = 70, steps = 12, B = 5;
+  std::mt19937 rng(17);
+  std::uniform_int_distribution<int32_t> token(2, V - 1);
+  std::vector<int32_t> prompt(n);
+  for (int32_t& t : prompt) t = token(rng);
+  std::vector<int32_t> fed(steps);
+  for (int32_t& t : fed) t = token(rng);
+  auto run = [&](bool fused) {
+    CudaRunnerOptions options;
+    options.fuse_mhc_mix = fused;
+    options.sequences = B;
+    options.prefill_chunk = 64;  // 70 tokens: chunks of 64 and 6 rows, both decode-sized, so they run fused too
+    std::unique_ptr<SequenceRunner> r = make_cuda_runner(model, n + 2 * steps + 1, options);
+    std::vector<float> logits = r->forward(prompt, false);
+    for (int i = 0; i < steps; ++i) {
+      const std::vector<float> row = r->forward(std::span<const int32_t>(&fed[size_t(i)], 1), true);
+      logits.insert(logits.end(), row.begin(), row.end());
+    }
+    const int64_t kernels = cuda_runner_stats(*r).graph_kernels;  // of the batch-1 decode graph
+    for (int b = 1; b < B; ++b) cuda_runner_copy_sequence(*r, 0, b);
+    for (int i = 0; i < steps; ++i) {
+      const std::vector<int32_t> tokens(B, fed[size_t(i)]);
+      const std::vector<float> rows = cuda_runner_decode_batch(*r, tokens);
+      logits.insert(logits.end(), rows.begin(), rows.end());
+    }
+    return std::pair{logits, kernels};
+  };
+  const auto [fused, fused_kernels] = run(true);
+  const auto [plain, plain_kernels] = run(false);
+  // The mixes of every sublayer but the first no longer run on their own.
+  EXPECT_EQ(plain_kernels - fused_kernels, 2 * model.config().n_layers - 1);
+  Diff diff;
+  diff.add(fused, plain, V);
+  const double scale = diff.max_ref;
+  std::printf("[cuda-fused-mhc] %s (%s): %zu rows, per-row max |fused - plain| median %.3g, max %.3g of max|logit| "
+              "%.3g; %.3f of rows within 1e-3\n", name.c_str(), source.c_str(), diff.row_max.size(),
+              diff.quantile(0.5), diff.max_abs, scale, diff.fraction_within(1e-3 * scale));
+  EXPECT_LE(diff.quantile(0.5), 1e-4 * scale);
+  EXPECT_GE(diff.fraction_within(1e-3 * scale), 0.9);
+}
+
+TEST(CudaModel, FusedMhcMixMatchesSeparateMix) {
+  DSV4_REQUIRE_CUDA();
+  check_fused_mhc("tiny-flash", kDefault);
+  check_fused_mhc("tiny-pro", kF32);
+}
+
 TEST(CudaModel, DependentLaunchChangesNoBits) {
   DSV4_REQUIRE_CUDA();
   std::string source;

@@ -7,6 +7,8 @@
 //   hc_pre: post and comb within 1e-6 relative (the gate arguments and Sinkhorn round like the CPU; only expf
 //     may differ in its last bits), normed within 1e-5 of max(1, |want|), normed_bf16 == bf16(normed) exactly.
 //   hc_post: within 1e-6 of max(1, |want|) (the same fp32 operations in the same order: normally exact).
+//   hc_post_mix: streams bit-identical to hc_post's, the mix within 1e-5 · Σ|x·w| of fp64, hc_pre from its
+//     partials bit-identical to hc_pre from their sums.
 //   hc_head_norm: bf16 output within 2^-8 relative (+1e-5) of the fp32 reference.
 //   linear_f32: |got - want| <= 1e-5 · |scale| · Σ|x·w| against fp64 (reordered fp32 sums; the kernel's bound is
 //     (k / 256 + 16) · 2^-24, 4.8e-6 at k = 16384).
@@ -24,6 +26,7 @@
 #include <random>
 #include <vector>
 
+#include "core/check.h"
 #include "cpu/ops.h"
 #include "cuda/device.h"
 #include "cuda/ops.h"
@@ -295,6 +298,126 @@ TEST(OpsRowsHcPost, DecodePrefillAndOddShapes) {
   check_hc_post(3, 4, 4099, 2, true, false, 24);   // D % 4 != 0: the scalar kernel
   check_hc_post(2, 4, 4096, 3, false, true, 25);   // misaligned streams: the scalar kernel
   check_hc_post(2, 8, 96, 2, true, false, 26);
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// hc_post_mix: the streams exactly as hc_post leaves them; the partials, added in block order on the host (as hc_pre
+// adds them), within 1e-5 · Σ|x·w| of the fp64 mix of the updated streams; and hc_pre from the partials gives the
+// same bits as hc_pre from those sums.
+
+void check_hc_post_mix(int n, int D, int out_k, bool out2, int n_mix, uint32_t seed) {
+  constexpr int hc = 4;
+  std::mt19937 rng(seed);
+  const std::vector<float> out = random_vector(size_t(n) * out_k * D, rng, -2.0f, 2.0f);
+  const std::vector<float> shared = random_vector(size_t(n) * D, rng, -2.0f, 2.0f);
+  const std::vector<float> post = random_vector(size_t(n) * hc, rng, 0.0f, 2.0f);
+  const std::vector<float> comb = random_vector(size_t(n) * hc * hc, rng, 0.0f, 1.0f);
+  const std::vector<float> streams = random_vector(size_t(n) * hc * D, rng, -2.0f, 2.0f);
+  const std::vector<float> fn = random_vector(size_t(n_mix) * hc * D, rng, -0.05f, 0.05f);
+  DeviceBuffer d_out = to_device(out), d_shared = to_device(shared), d_post = to_device(post),
+               d_comb = to_device(comb), d_fn = to_device(fn), plain = to_device(streams), fused = to_device(streams);
+  gpu::hc_post(d_out.as<float>(), out_k, out2 ? d_shared.as<float>() : nullptr, d_post.as<float>(),
+               d_comb.as<float>(), n, hc, D, plain.as<float>(), nullptr);
+  const int blocks = gpu::hc_post_mix_blocks(D);
+  DeviceBuffer partials = nan_buffer(size_t(n) * n_mix * blocks);
+  gpu::hc_post_mix({d_out.as<float>(), out_k, out2 ? d_shared.as<float>() : nullptr, d_post.as<float>(),
+                    d_comb.as<float>(), n, hc, D, fused.as<float>(), d_fn.as<float>(), n_mix, partials.as<float>()},
+                   nullptr);
+  sync();
+  const std::vector<float> want_streams = to_host<float>(plain, streams.size());
+  const std::vector<float> got_streams = to_host<float>(fused, streams.size());
+  int differ = 0;
+  for (size_t i = 0; i < streams.size(); ++i) differ += std::memcmp(&got_streams[i], &want_streams[i], 4) != 0;
+  EXPECT_EQ(differ, 0) << "hc_post_mix's streams are not hc_post's";
+
+  const std::vector<float> part = to_host<float>(partials, size_t(n) * n_mix * blocks);
+  std::vector<float> mix(size_t(n) * n_mix);
+  int bad = 0;
+  double worst = 0;  // in units of the bound
+  for (int t = 0; t < n; ++t)
+    for (int m = 0; m < n_mix; ++m) {
+      float sum = 0.0f;
+      for (int b = 0; b < blocks; ++b) sum += part[(size_t(t) * n_mix + m) * blocks + b];
+      mix[size_t(t) * n_mix + m] = sum;
+      double want = 0, mag = 0;
+      for (int i = 0; i < hc * D; ++i) {
+        const double prod = double(want_streams[size_t(t) * hc * D + i]) * fn[size_t(m) * hc * D + i];
+        want += prod;
+        mag += std::fabs(prod);
+      }
+      const double d = std::fabs(double(sum) - want), bound = 1e-5 * mag + 1e-30;
+      if (!(d <= bound)) ++bad;
+      worst = std::isnan(d) ? INFINITY : std::max(worst, d / bound);
+    }
+  EXPECT_EQ(bad, 0) << bad << " mix outputs beyond 1e-5 · Σ|x·w|";
+
+  int pre_differ = 0;
+  if (n_mix == (2 + hc) * hc) {  // hc_pre from the partials and from their sums
+    const std::vector<float> base = random_vector(size_t(n_mix), rng, -0.5f, 0.5f);
+    const std::vector<float> scale = random_vector(3, rng, 0.5f, 1.5f);
+    const std::vector<float> weight = random_vector(size_t(D), rng, 0.5f, 1.5f);
+    DeviceBuffer d_mix = to_device(mix), d_base = to_device(base), d_scale = to_device(scale),
+                 d_weight = to_device(weight);
+    std::vector<std::vector<float>> outputs;
+    for (bool from_partials : {false, true}) {
+      DeviceBuffer d_post_out = nan_buffer(size_t(n) * hc), d_comb_out = nan_buffer(size_t(n) * hc * hc),
+                   d_normed = nan_buffer(size_t(n) * D);
+      gpu::HcPreParams p;
+      p.streams = fused.as<float>();
+      p.mix = from_partials ? nullptr : d_mix.as<float>();
+      p.mix_partials = from_partials ? partials.as<float>() : nullptr;
+      p.mix_blocks = from_partials ? blocks : 0;
+      p.base = d_base.as<float>();
+      p.scale = d_scale.as<float>();
+      p.norm_weight = d_weight.as<float>();
+      p.n = n;
+      p.hc = hc;
+      p.D = D;
+      p.sinkhorn_iters = 20;
+      p.post = d_post_out.as<float>();
+      p.comb = d_comb_out.as<float>();
+      p.normed = d_normed.as<float>();
+      gpu::hc_pre(p, nullptr);
+      sync();
+      std::vector<float> all = to_host<float>(d_post_out, size_t(n) * hc);
+      const std::vector<float> c2 = to_host<float>(d_comb_out, size_t(n) * hc * hc);
+      const std::vector<float> n2 = to_host<float>(d_normed, size_t(n) * D);
+      all.insert(all.end(), c2.begin(), c2.end());
+      all.insert(all.end(), n2.begin(), n2.end());
+      outputs.push_back(all);
+    }
+    for (size_t i = 0; i < outputs[0].size(); ++i)
+      pre_differ += std::memcmp(&outputs[0][i], &outputs[1][i], 4) != 0 || std::isnan(outputs[1][i]);
+    EXPECT_EQ(pre_differ, 0) << "hc_pre from partials differs from hc_pre from their sums";
+  }
+  std::printf("[hc_post_mix] n=%d D=%d out_k=%d out2=%d n_mix=%d: %d blocks, mix worst %.3g of the bound, hc_pre "
+              "outputs differing %d\n", n, D, out_k, int(out2), n_mix, blocks, worst, pre_differ);
+}
+
+TEST(OpsRowsHcPostMix, DecodeShapes) {
+  DSV4_REQUIRE_CUDA();
+  check_hc_post_mix(1, 4096, 1, false, 24, 61);  // after attention: the ffn's mix
+  check_hc_post_mix(1, 4096, 6, true, 24, 62);   // after the routed picks + shared expert: the next layer's mix
+  check_hc_post_mix(64, 4096, 6, true, 24, 63);  // a decode batch of 64
+  check_hc_post_mix(3, 7168, 2, false, 24, 64);  // V4-Pro's hidden size
+  check_hc_post_mix(2, 100, 1, true, 24, 65);    // a partial block (25 column groups)
+  check_hc_post_mix(1, 4096, 1, false, 4, 66);   // a head-sized mix
+}
+
+TEST(OpsRowsHcPostMix, RejectsWhatItCannotRun) {
+  DSV4_REQUIRE_CUDA();
+  gpu::HcPostMixParams p;
+  p.n = 1;
+  p.hc = 8;
+  p.D = 64;
+  p.n_mix = 24;
+  EXPECT_THROW(gpu::hc_post_mix(p, nullptr), Error);  // hc 8
+  p.hc = 4;
+  p.n_mix = 25;
+  EXPECT_THROW(gpu::hc_post_mix(p, nullptr), Error);  // more outputs than accumulators
+  p.n_mix = 24;
+  p.D = 66;
+  EXPECT_THROW(gpu::hc_post_mix(p, nullptr), Error);  // D % 4 != 0
 }
 
 // ---------------------------------------------------------------------------------------------------------
