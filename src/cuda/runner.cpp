@@ -418,6 +418,11 @@ CudaRunner::CudaRunner(const Model& model, int max_context, CudaRunnerOptions op
   DSV4_CHECK(c.o_groups > 0 && H % c.o_groups == 0, "cuda runner: {} heads do not split into o_groups = {}", H,
              c.o_groups);
   DSV4_CHECK(c.moe_inter % 8 == 0, "cuda runner: moe_intermediate_size {} must be a multiple of 8", c.moe_inter);
+  {  // before any upload: a model larger than the GPU fails now, not after minutes of copying
+    size_t free_bytes = 0, total_bytes = 0;
+    DSV4_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+    check_cuda_memory(cuda_memory_need(model, max_context, options), free_bytes, total_bytes, max_context);
+  }
   // Non-blocking (graph capture must not meet the legacy stream); the constructor ends with a device sync, so
   // the uploads and memsets on the legacy stream are complete before the first launch.
   DSV4_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
@@ -1294,6 +1299,83 @@ void CudaRunner::ffn_block(int l, int n) {
 }
 
 }  // namespace
+
+namespace {
+// Device bytes of one linear matrix as WeightUploader stores it.
+size_t linear_bytes(const Matrix& m, std::optional<GemvWeight> synthetic) {
+  if (m.packed) return m.packed->w_bytes + m.packed->scale_bytes;
+  if (m.has_values()) return size_t(m.rows) * size_t(m.cols) * 2;  // fp32 values go up as bf16
+  if (synthetic) return size_t(gemv_weight_bytes(*synthetic, m.rows, m.cols) + gemv_scale_bytes(*synthetic, m.rows, m.cols));
+  return 0;
+}
+size_t f32_bytes(const Matrix& m) { return size_t(m.rows) * size_t(m.cols) * sizeof(float); }
+size_t f32_bytes(const Vector& v) { return v.size() * sizeof(float); }
+}  // namespace
+
+CudaMemoryNeed cuda_memory_need(const Model& model, int max_context, const CudaRunnerOptions& options) {
+  const ModelConfig& c = model.config();
+  const ModelWeights& W = model.weights();
+  const std::optional<GemvWeight> synthetic = options.synthetic_format;
+  CudaMemoryNeed need;
+  need.sequences = options.sequences;
+  size_t& w = need.weights;
+  const size_t bf16_table = size_t(c.vocab_size) * size_t(c.hidden_size) * 2;
+  w += 2 * bf16_table;  // embedding and lm_head: bf16
+  w += f32_bytes(W.norm) + f32_bytes(W.hc_head.fn) + f32_bytes(W.hc_head.base) + f32_bytes(W.hc_head.scale);
+  auto compressor = [&](const CompressorWeights& cw) {
+    w += linear_bytes(cw.wkv, synthetic) + linear_bytes(cw.wgate, synthetic) + f32_bytes(cw.ape) + f32_bytes(cw.norm);
+  };
+  auto expert = [&](const ExpertWeights& e) {
+    w += linear_bytes(e.w1, synthetic) + linear_bytes(e.w2, synthetic) + linear_bytes(e.w3, synthetic);
+  };
+  for (const LayerWeights& L : W.layers) {
+    w += f32_bytes(L.attn_norm) + f32_bytes(L.ffn_norm);
+    for (const HyperConnWeights* h : {&L.hc_attn, &L.hc_ffn})
+      w += f32_bytes(h->fn) + f32_bytes(h->base) + f32_bytes(h->scale);
+    const AttentionWeights& A = L.attn;
+    for (const Matrix* m : {&A.wq_a, &A.wq_b, &A.wkv, &A.wo_a, &A.wo_b}) w += linear_bytes(*m, synthetic);
+    w += f32_bytes(A.q_norm) + f32_bytes(A.kv_norm) + f32_bytes(A.sink);
+    if (A.compressor) compressor(*A.compressor);
+    if (A.indexer) {
+      w += linear_bytes(A.indexer->wq_b, synthetic) + f32_bytes(A.indexer->weights_proj);
+      compressor(A.indexer->compressor);
+    }
+    const MoEWeights& M = L.ffn;
+    w += f32_bytes(M.gate) + f32_bytes(M.gate_bias) + M.tid2eid.size() * sizeof(int32_t);
+    for (const ExpertWeights& e : M.experts) expert(e);
+    if (M.shared) expert(*M.shared);
+  }
+  // A sequence's state, fp32 (model/state.h's layout): the window ring, then per compressed layer its entries, the
+  // indexer's keys and both compressors' partial blocks.
+  size_t& s = need.state_per_sequence;
+  const size_t window = size_t(std::min(c.window, max_context)) * c.head_dim;
+  for (int l = 0; l < c.n_layers; ++l) {
+    s += window;
+    const int ratio = c.has_compressor(l) ? c.compress_ratio[size_t(l)] : 0;
+    if (ratio == 0) continue;
+    const size_t entries = size_t(max_context / ratio);
+    s += entries * c.head_dim;
+    const int series = c.is_csa(l) ? 2 : 1;
+    s += 2 * size_t(series * ratio) * size_t(series * c.head_dim);  // kv and score partials
+    if (c.is_csa(l)) s += entries * c.index_head_dim + 2 * size_t(series * ratio) * size_t(series * c.index_head_dim);
+  }
+  s *= sizeof(float);
+  return need;
+}
+
+void check_cuda_memory(const CudaMemoryNeed& need, size_t free_bytes, size_t total_bytes, int max_context) {
+  constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+  if (need.total() <= free_bytes) return;
+  const bool weights_fit = need.weights <= free_bytes;
+  DSV4_FAIL("--device cuda: the model needs at least {:.1f} GiB of GPU memory (weights {:.1f} GiB + state {:.2f} GiB "
+            "per sequence x {} for --max-context {}, before workspaces), but the GPU has {:.1f} GiB free of {:.1f} "
+            "GiB. {}",
+            need.total() / kGiB, need.weights / kGiB, need.state_per_sequence / kGiB, need.sequences, max_context,
+            free_bytes / kGiB, total_bytes / kGiB,
+            weights_fit ? "Lower --max-context (or --max-batch) so the state fits."
+                        : "The weights alone do not fit this GPU, and dsv4 runs a model on one GPU only (no "
+                          "multi-GPU support yet).");
+}
 
 int cuda_prefill_chunk(int requested, int pairs_per_token, int max_entries, int max_context) {
   DSV4_CHECK(requested >= kCudaMaxChunk && requested <= 4096 && requested % kCudaMaxChunk == 0,

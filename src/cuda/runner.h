@@ -66,7 +66,22 @@ struct CudaRunnerOptions {
 // than the context rounded up to 64; never below 64.
 int cuda_prefill_chunk(int requested, int pairs_per_token, int max_entries, int max_context);
 
-// Throws dsv4::Error when no CUDA device is usable or the model has a shape the kernels do not support.
+// What a runner needs on the device at least, from the host model alone (no GPU): the linear weights in the
+// encodings the runner uploads (a checkpoint's packed bytes, bf16 for fp32 values, the synthetic format for shape-only
+// matrices; the embedding and lm_head bf16), the fp32 matrices and vectors, and each sequence's state (window ring,
+// compressed KV, indexer keys, compressor partials). Workspaces come on top (they scale with the prefill chunk).
+struct CudaMemoryNeed {
+  size_t weights = 0, state_per_sequence = 0;
+  int sequences = 1;
+  size_t total() const { return weights + state_per_sequence * size_t(sequences); }
+};
+CudaMemoryNeed cuda_memory_need(const Model& model, int max_context, const CudaRunnerOptions& options);
+// The check make_cuda_runner does before uploading anything: throws dsv4::Error, with the sizes and what to change,
+// when `need` exceeds `free_bytes` (so a checkpoint larger than the GPU fails in a second, not after the upload).
+void check_cuda_memory(const CudaMemoryNeed& need, size_t free_bytes, size_t total_bytes, int max_context);
+
+// Throws dsv4::Error when no CUDA device is usable, the model does not fit its free memory (check_cuda_memory) or has a
+// shape the kernels do not support.
 std::unique_ptr<SequenceRunner> make_cuda_runner(const Model& model, int max_context, CudaRunnerOptions options = {});
 
 struct CudaRunnerStats {
