@@ -734,19 +734,17 @@ constexpr int kHcPrefillRows = 64;  // hc_pre rows from which a row gets 256 thr
 constexpr int kHcMixThreads = 32;   // hc_post_mix: one warp per 32 column groups (128 columns) of a token
 constexpr int kHcPostThreads = 64;  // a decode step's 1024 column groups over 16 blocks
 
-// 16-byte groups of four columns: D % 4 == 0 and every pointer aligned.
-__global__ void __launch_bounds__(kHcPostThreads)
-    hc_post_vec_kernel(const float* out, int out_k, const float* out2, const float* post, const float* comb, int n,
-                       int hc, int D, float* streams) {
-  gpu::dependent_enter();
-  const int D4 = D / 4;
-  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= int64_t(n) * D4) return;
-  const int t = int(i / D4), d = int(i % D4) * 4;
+// Columns d .. d + 3 of token t: o = the out_k picks summed in order (+ out2), then stream k <- post_k · o +
+// Σ_j comb[j, k] · old_j for k < hc, stored, and kept in fresh[k] when fresh is given. 16-byte groups: D % 4 == 0
+// and every pointer aligned.
+template <int kHc>
+__device__ __forceinline__ void hc_post_group(const float* out, int out_k, const float* out2, const float* post,
+                                              const float* comb, int hc, int D, int t, int d, float* streams,
+                                              float4* fresh) {
   float* xs = streams + int64_t(t) * hc * D;
-  float4 old[kMaxHc];
+  float4 old[kHc];
 #pragma unroll
-  for (int j = 0; j < kMaxHc; ++j)
+  for (int j = 0; j < kHc; ++j)
     if (j < hc) old[j] = *reinterpret_cast<const float4*>(xs + int64_t(j) * D + d);
   float4 o = *reinterpret_cast<const float4*>(out + int64_t(t) * out_k * D + d);
 #pragma unroll 4
@@ -763,7 +761,7 @@ __global__ void __launch_bounds__(kHcPostThreads)
     const float pk = post[int64_t(t) * hc + k];
     float4 acc = make_float4(__fmul_rn(pk, o.x), __fmul_rn(pk, o.y), __fmul_rn(pk, o.z), __fmul_rn(pk, o.w));
 #pragma unroll
-    for (int j = 0; j < kMaxHc; ++j)
+    for (int j = 0; j < kHc; ++j)
       if (j < hc) {
         const float c = C[j * hc + k];
         acc.x = __fadd_rn(acc.x, __fmul_rn(c, old[j].x));
@@ -772,7 +770,18 @@ __global__ void __launch_bounds__(kHcPostThreads)
         acc.w = __fadd_rn(acc.w, __fmul_rn(c, old[j].w));
       }
     *reinterpret_cast<float4*>(xs + int64_t(k) * D + d) = acc;
+    if (fresh) fresh[k] = acc;
   }
+}
+
+__global__ void __launch_bounds__(kHcPostThreads)
+    hc_post_vec_kernel(const float* out, int out_k, const float* out2, const float* post, const float* comb, int n,
+                       int hc, int D, float* streams) {
+  gpu::dependent_enter();
+  const int D4 = D / 4;
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= int64_t(n) * D4) return;
+  hc_post_group<kMaxHc>(out, out_k, out2, post, comb, hc, D, int(i / D4), int(i % D4) * 4, streams, nullptr);
 }
 
 // Any D or alignment: one column per thread.
@@ -796,7 +805,7 @@ __global__ void hc_post_kernel(const float* out, int out_k, const float* out2, c
   }
 }
 
-// hc_post_vec_kernel for hc = 4 on block (column block b, token t), then the block's partial products of the new
+// hc_post_group for hc = 4 on block (column block b, token t), then the block's partial products of the new
 // streams with the n_mix rows of fn (fmaf chains over the 4 streams, then a warp tree) into partials[t, m, b].
 __global__ void __launch_bounds__(kHcMixThreads) hc_post_mix_kernel(HcPostMixParams p) {
   constexpr int kHc = 4;
@@ -805,37 +814,7 @@ __global__ void __launch_bounds__(kHcMixThreads) hc_post_mix_kernel(HcPostMixPar
   float4 fresh[kHc];
 #pragma unroll
   for (int k = 0; k < kHc; ++k) fresh[k] = make_float4(0, 0, 0, 0);
-  if (d < D) {
-    float* xs = p.streams + int64_t(t) * kHc * D;
-    float4 old[kHc];
-#pragma unroll
-    for (int j = 0; j < kHc; ++j) old[j] = *reinterpret_cast<const float4*>(xs + int64_t(j) * D + d);
-    float4 o = *reinterpret_cast<const float4*>(p.out + int64_t(t) * p.out_k * D + d);
-    for (int e = 1; e < p.out_k; ++e) {
-      const float4 a = *reinterpret_cast<const float4*>(p.out + (int64_t(t) * p.out_k + e) * D + d);
-      o = make_float4(__fadd_rn(o.x, a.x), __fadd_rn(o.y, a.y), __fadd_rn(o.z, a.z), __fadd_rn(o.w, a.w));
-    }
-    if (p.out2) {
-      const float4 a = *reinterpret_cast<const float4*>(p.out2 + int64_t(t) * D + d);
-      o = make_float4(__fadd_rn(o.x, a.x), __fadd_rn(o.y, a.y), __fadd_rn(o.z, a.z), __fadd_rn(o.w, a.w));
-    }
-    const float* C = p.comb + int64_t(t) * kHc * kHc;
-#pragma unroll
-    for (int k = 0; k < kHc; ++k) {  // the same operations as hc_post_vec_kernel
-      const float pk = p.post[int64_t(t) * kHc + k];
-      float4 acc = make_float4(__fmul_rn(pk, o.x), __fmul_rn(pk, o.y), __fmul_rn(pk, o.z), __fmul_rn(pk, o.w));
-#pragma unroll
-      for (int j = 0; j < kHc; ++j) {
-        const float c = C[j * kHc + k];
-        acc.x = __fadd_rn(acc.x, __fmul_rn(c, old[j].x));
-        acc.y = __fadd_rn(acc.y, __fmul_rn(c, old[j].y));
-        acc.z = __fadd_rn(acc.z, __fmul_rn(c, old[j].z));
-        acc.w = __fadd_rn(acc.w, __fmul_rn(c, old[j].w));
-      }
-      *reinterpret_cast<float4*>(xs + int64_t(k) * D + d) = acc;
-      fresh[k] = acc;
-    }
-  }
+  if (d < D) hc_post_group<kHc>(p.out, p.out_k, p.out2, p.post, p.comb, kHc, D, t, d, p.streams, fresh);
   const int blocks = gridDim.x;
 #pragma unroll
   for (int m = 0; m < kHcMixMax; ++m) {

@@ -174,6 +174,9 @@ class CudaRunner final : public SequenceRunner {
     int64_t kernels = 0;
   };
   void check_tokens(std::span<const int32_t> tokens) const;
+  // The selected sequence consumes tokens in chunks; rows: the logits wanted (All, or Last of the last chunk), or
+  // with `drawn` the last row's token drawn by host_draws_[0] into host_drawn_[0].
+  std::vector<float> run_sequence(std::span<const int32_t> tokens, Rows rows, bool drawn);
   void run_chunk(std::span<const int32_t> tokens, int64_t pos0, Rows rows, bool drawn, std::vector<float>& logits);
   // parts_ (token ids in host_tokens_, positions in host_pos_ when on the device) through the decode graph of
   // its sequences when `graph`, else by direct launches; waits for the logits unless rows == None. `drawn`: the
@@ -754,6 +757,19 @@ void CudaRunner::check_tokens(std::span<const int32_t> tokens) const {
 }
 
 std::vector<float> CudaRunner::forward(std::span<const int32_t> tokens, bool last_only) {
+  return run_sequence(tokens, last_only ? Rows::Last : Rows::All, false);
+}
+
+int32_t CudaRunner::forward_draw(std::span<const int32_t> tokens, const TokenDraw& draw) {
+  if (!options_.draw_on_device) return SequenceRunner::forward_draw(tokens, draw);
+  DSV4_CHECK(draw.vocab >= 0 && draw.vocab <= c_.vocab_size, "forward_draw: vocab {} outside [0, {}]", draw.vocab,
+             c_.vocab_size);
+  host_draws_[0] = draw;  // free: the last drawn chunk waited for its ids
+  run_sequence(tokens, Rows::Last, true);
+  return host_drawn_[0];
+}
+
+std::vector<float> CudaRunner::run_sequence(std::span<const int32_t> tokens, Rows rows, bool drawn) {
   check_tokens(tokens);
   const int n = int(tokens.size());
   SequenceDevice& seq = seqs_[current_seq_];
@@ -762,33 +778,13 @@ std::vector<float> CudaRunner::forward(std::span<const int32_t> tokens, bool las
   std::vector<float> logits;
   for (int at = 0; at < n; at += chunk_) {
     const int len = std::min(chunk_, n - at);
-    const Rows rows = !last_only ? Rows::All : at + len == n ? Rows::Last : Rows::None;
-    run_chunk(tokens.subspan(at, len), seq.n_tokens, rows, false, logits);
+    const bool last = at + len == n;
+    run_chunk(tokens.subspan(at, len), seq.n_tokens, rows == Rows::All ? Rows::All : last ? Rows::Last : Rows::None,
+              drawn && last, logits);
     seq.n_tokens += len;
   }
   stats_.launches_last_forward = launches_;
   return logits;
-}
-
-int32_t CudaRunner::forward_draw(std::span<const int32_t> tokens, const TokenDraw& draw) {
-  if (!options_.draw_on_device) return SequenceRunner::forward_draw(tokens, draw);
-  check_tokens(tokens);
-  DSV4_CHECK(draw.vocab >= 0 && draw.vocab <= c_.vocab_size, "forward_draw: vocab {} outside [0, {}]", draw.vocab,
-             c_.vocab_size);
-  const int n = int(tokens.size());
-  SequenceDevice& seq = seqs_[current_seq_];
-  launches_ = 0;
-  stats_.last_forward_replayed_graph = false;
-  std::vector<float> unused;
-  for (int at = 0; at < n; at += chunk_) {
-    const int len = std::min(chunk_, n - at);
-    const bool last = at + len == n;
-    if (last) host_draws_[0] = draw;  // free: the previous drawn chunk waited for its ids
-    run_chunk(tokens.subspan(at, len), seq.n_tokens, last ? Rows::Last : Rows::None, last, unused);
-    seq.n_tokens += len;
-  }
-  stats_.launches_last_forward = launches_;
-  return host_drawn_[0];
 }
 
 std::vector<float> CudaRunner::decode_batch(std::span<const int32_t> tokens) { return decode_rows(tokens, {}); }
