@@ -145,7 +145,7 @@ __global__ void __launch_bounds__(kThreads, 1) draw_tokens_kernel(DrawTokensPara
       for (int i = int(threadIdx.x); i < 256; i += kThreads) s.count[i] = 0;
       __syncthreads();
       for_each_logit(row, n, [&](int, float v, bool valid) {
-        const uint32_t key = draw_order_key(v), digit = (key >> shift) & 255u;
+        const uint32_t key = float_order_key(v), digit = (key >> shift) & 255u;
         const bool in = valid && (key & mask) == prefix;
         const unsigned peers = __match_any_sync(kFull, in ? digit : kNoDigit);
         if (in && lane == __ffs(int(peers)) - 1) atomicAdd(&s.count[digit], uint32_t(__popc(int(peers))));
@@ -163,14 +163,14 @@ __global__ void __launch_bounds__(kThreads, 1) draw_tokens_kernel(DrawTokensPara
   }
   // 3. top-p: the shortest prefix of the cut in "before" order whose weight reaches the target
   if (d.top_p < 1.0f) {
-    const unsigned long long tie_weight = cut_active ? weight(draw_key_logit(cut.tau)) : 0;
+    const unsigned long long tie_weight = cut_active ? weight(float_of_order_key(cut.tau)) : 0;
     uint32_t prefix = 0, mask = 0;
     unsigned long long above = 0;  // the weight of the cut's ids with keys above the prefix
     for (int shift = 24; shift >= 0; shift -= 8) {
       for (int i = int(threadIdx.x); i < 256; i += kThreads) s.mass[i] = 0, s.count[i] = 0;
       __syncthreads();
       for_each_logit(row, n, [&](int, float v, bool valid) {
-        const uint32_t key = draw_order_key(v), digit = (key >> shift) & 255u;
+        const uint32_t key = float_order_key(v), digit = (key >> shift) & 255u;
         const bool in = valid && (key & mask) == prefix && (!cut_active || key > cut.tau);
         const unsigned peers = __match_any_sync(kFull, in ? digit : kNoDigit);
         // The group's weight as two 20-bit halves (a weight is at most 2^40), each summed in 32 bits.
@@ -206,7 +206,7 @@ __global__ void __launch_bounds__(kThreads, 1) draw_tokens_kernel(DrawTokensPara
       __syncthreads();
     }
     // The ids of key `prefix` the nucleus needs: the fewest whose weight closes the gap to the target.
-    const unsigned long long w = weight(draw_key_logit(prefix)), gap = s.target - above;
+    const unsigned long long w = weight(float_of_order_key(prefix)), gap = s.target - above;
     unsigned long long ties = w > 0 ? (gap + w - 1) / w : 1;
     if (ties < 1) ties = 1;
     if (ties > s.digit_count) ties = s.digit_count;
@@ -215,7 +215,7 @@ __global__ void __launch_bounds__(kThreads, 1) draw_tokens_kernel(DrawTokensPara
   }
 
   // 4. the draw: segment sums, the segment holding the point, its warp's walk in id order
-  const unsigned long long tie_weight = cut_active ? weight(draw_key_logit(cut.tau)) : 0;
+  const unsigned long long tie_weight = cut_active ? weight(float_of_order_key(cut.tau)) : 0;
   const int segment = ((n + kWarps - 1) / kWarps + 31) / 32 * 32;
   const int begin = warp * segment, end = min(begin + segment, n);
   {
@@ -231,7 +231,7 @@ __global__ void __launch_bounds__(kThreads, 1) draw_tokens_kernel(DrawTokensPara
 #pragma unroll
       for (int j = 0; j < kLoads; ++j) {
         if (c + 32 * j + lane >= end) continue;
-        const uint32_t key = draw_order_key(v[j]);
+        const uint32_t key = float_order_key(v[j]);
         if (key > cut.tau) sum += weight(v[j]);
         else if (key == cut.tau) ++ties;
       }
@@ -262,7 +262,7 @@ __global__ void __launch_bounds__(kThreads, 1) draw_tokens_kernel(DrawTokensPara
   for (int c = begin; c < end; c += 32) {
     const int id = c + lane;
     const float v = id < end ? row[id] : 0.0f;
-    const uint32_t key = draw_order_key(v);
+    const uint32_t key = float_order_key(v);
     const bool tie = id < end && key == cut.tau;
     const unsigned tie_lanes = __ballot_sync(kFull, tie);
     const uint32_t tie_rank = ties_before + uint32_t(__popc(int(tie_lanes & ((1u << lane) - 1u))));

@@ -8,6 +8,7 @@
 #include "cuda/launch.cuh"
 #include "cuda/ops.h"
 #include "cuda/ops_common.cuh"
+#include "formats/float_key.h"
 
 namespace dsv4::gpu {
 namespace {
@@ -196,12 +197,8 @@ __global__ void __launch_bounds__(kScoreThreads, 2) indexer_scores_kernel(Indexe
   }
 }
 
-// Order-preserving map of a (non-NaN) float to uint32: a > b as floats <=> key(a) > key(b), and -0 == +0.
-__device__ __forceinline__ uint32_t order_key(float f) {
-  uint32_t u = __float_as_uint(f);
-  if (u == 0x80000000u) u = 0;
-  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-}
+// Order-preserving keys of the scores: formats/float_key.h.
+__device__ __forceinline__ uint32_t order_key(float f) { return float_order_key(f); }
 
 // Score key and index in one word that sorts descending like top_k_indices: higher key first, then lower index.
 __device__ __forceinline__ uint64_t rank_word(uint32_t key, int index) {

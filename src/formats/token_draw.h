@@ -18,6 +18,7 @@
 #include <cstdint>
 
 #include "formats/bf16.h"
+#include "formats/float_key.h"
 
 namespace dsv4 {
 
@@ -112,17 +113,6 @@ DSV4_HD uint64_t draw_point(double u, uint64_t total) {
 #endif
   const uint64_t r = x > 0.0 ? uint64_t(x) : 0;  // truncation
   return r < total ? r : total - 1;
-}
-
-// A logit as an unsigned key in "before" order's reverse (larger logit, larger key); -0 and +0 give one key.
-DSV4_HD uint32_t draw_order_key(float logit) {
-  const uint32_t bits = logit == 0.0f ? 0u : f32_to_bits(logit);
-  return (bits & 0x80000000u) ? ~bits : bits | 0x80000000u;
-}
-
-// The logit of a key (draw_order_key's inverse; +0 for the key of zero).
-DSV4_HD float draw_key_logit(uint32_t key) {
-  return bits_to_f32((key & 0x80000000u) ? key & 0x7fffffffu : ~key);
 }
 
 }  // namespace dsv4

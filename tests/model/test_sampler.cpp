@@ -270,8 +270,11 @@ TEST(DrawContract, TargetAndPointStayInsideTheTotal) {
 TEST(DrawContract, KeysFollowTheLogitOrder) {
   const std::vector<float> v{-std::numeric_limits<float>::infinity(), -1e30f, -2.5f, -1e-30f, 0.0f, 1e-30f, 1.0f,
                              3e38f};
-  for (size_t i = 0; i + 1 < v.size(); ++i) EXPECT_LT(dsv4::draw_order_key(v[i]), dsv4::draw_order_key(v[i + 1]));
-  EXPECT_EQ(dsv4::draw_order_key(-0.0f), dsv4::draw_order_key(0.0f));
+  for (size_t i = 0; i + 1 < v.size(); ++i) EXPECT_LT(dsv4::float_order_key(v[i]), dsv4::float_order_key(v[i + 1]));
+  EXPECT_EQ(dsv4::float_order_key(-0.0f), dsv4::float_order_key(0.0f));
+  for (float x : v)
+    if (x != 0.0f) EXPECT_EQ(dsv4::float_of_order_key(dsv4::float_order_key(x)), x);
+  EXPECT_EQ(dsv4::f32_to_bits(dsv4::float_of_order_key(dsv4::float_order_key(-0.0f))), 0u);  // +0
 }
 
 // Sampler::draw is the contract: the same id as the full-sort implementation for every u tried, over shapes with
