@@ -63,6 +63,9 @@ class LoopedBatchRunner final : public BatchRunner {
   std::vector<float> forward(int seq, std::span<const int32_t> tokens, bool last_only) override {
     return at(seq).forward(tokens, last_only);
   }
+  int32_t forward_draw(int seq, std::span<const int32_t> tokens, const TokenDraw& draw) override {
+    return at(seq).forward_draw(tokens, draw);
+  }
   std::vector<float> decode(std::span<const int> seqs, std::span<const int32_t> tokens) override {
     check_decode_args(seqs, tokens, sequences());
     std::vector<float> logits;
@@ -121,6 +124,10 @@ class PackedBatchRunner final : public BatchRunner {
   std::vector<float> forward(int seq, std::span<const int32_t> tokens, bool last_only) override {
     select(seq);
     return b_.runner->forward(tokens, last_only);
+  }
+  int32_t forward_draw(int seq, std::span<const int32_t> tokens, const TokenDraw& draw) override {
+    select(seq);
+    return b_.runner->forward_draw(tokens, draw);
   }
   std::vector<float> decode(std::span<const int> seqs, std::span<const int32_t> tokens) override {
     check_decode_args(seqs, tokens, slots_);

@@ -25,6 +25,8 @@ class BatchRunner {
   virtual void release(int seq) = 0;
   // Consumes tokens on sequence `seq` (a prompt chunk) and returns next-token logits [n, vocab] or the last row.
   virtual std::vector<float> forward(int seq, std::span<const int32_t> tokens, bool last_only) = 0;
+  // Like forward(seq, tokens, true), returning the next token drawn by `draw` (SequenceRunner::forward_draw).
+  virtual int32_t forward_draw(int seq, std::span<const int32_t> tokens, const TokenDraw& draw) = 0;
   // One token for each of the distinct sequences seqs[i] (tokens[i]); returns their next-token logits, row i for
   // seqs[i]: [seqs.size(), vocab].
   virtual std::vector<float> decode(std::span<const int> seqs, std::span<const int32_t> tokens) = 0;

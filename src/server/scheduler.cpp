@@ -231,13 +231,21 @@ void Scheduler::admit_queued() {
 }
 
 void Scheduler::prefill_slot(Slot& slot) {
-  const std::vector<int32_t>& prompt = slot.request->request().prompt;
+  const GenerationRequest& r = slot.request->request();
+  const std::vector<int32_t>& prompt = r.prompt;
   try {
     const size_t n = std::min(size_t(options_.prefill_chunk), prompt.size() - slot.prompt_done);
-    const std::vector<float> logits =
-        runner_->forward(slot.seq, std::span<const int32_t>(prompt.data() + slot.prompt_done, n), true);
+    const std::span<const int32_t> chunk(prompt.data() + slot.prompt_done, n);
+    const bool last = slot.prompt_done + n == prompt.size();
+    if (last && r.top_logprobs < 0) {  // only the first token is needed: the runner draws it
+      const int32_t id = runner_->forward_draw(slot.seq, chunk, slot.sampler->next_draw(vocab_limit_));
+      slot.prompt_done += n;
+      deliver_token(slot, GeneratedToken{id, 0.0f, {}});
+      return;
+    }
+    const std::vector<float> logits = runner_->forward(slot.seq, chunk, true);
     slot.prompt_done += n;
-    if (slot.prompt_done == prompt.size()) choose_token(slot, logits);
+    if (last) choose_token(slot, logits);
   } catch (const std::exception& e) {
     spdlog::error("request failed in the engine: {}", e.what());
     finish_slot(slot, FinishReason::kError, e.what());

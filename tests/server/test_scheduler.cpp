@@ -4,6 +4,7 @@
 // cancellation frees the slot, overload and drain refusals.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <filesystem>
 #include <thread>
 
@@ -283,6 +284,59 @@ TEST(Scheduler, LogprobsAreNormalisedAndSorted) {
     }
   }
   EXPECT_EQ(tokens, 5);
+}
+
+// Requests without logprobs never bring logits back: the first token comes from forward_draw after the prompt, the
+// others from decode_draw (here one runner per slot: forward_draw each). With logprobs, every token comes from the
+// logits. Both give the same sampled tokens for a seed.
+TEST(Scheduler, OnlyLogprobRequestsReadLogits) {
+  struct Counts {
+    std::atomic<int> logits{0}, draws{0};
+  };
+  class Counting final : public SequenceRunner {
+   public:
+    Counting(std::unique_ptr<SequenceRunner> inner, Counts& counts) : inner_(std::move(inner)), counts_(counts) {}
+    const ModelConfig& config() const override { return inner_->config(); }
+    std::vector<float> forward(std::span<const int32_t> tokens, bool last_only) override {
+      if (!drawing_) ++counts_.logits;
+      return inner_->forward(tokens, last_only);
+    }
+    int32_t forward_draw(std::span<const int32_t> tokens, const TokenDraw& draw) override {
+      ++counts_.draws;
+      drawing_ = true;  // the default implementation's forward() is the draw's, not a logits read
+      const int32_t id = SequenceRunner::forward_draw(tokens, draw);
+      drawing_ = false;
+      return id;
+    }
+    int64_t n_tokens() const override { return inner_->n_tokens(); }
+    int max_context() const override { return inner_->max_context(); }
+    void reset() override { inner_->reset(); }
+    size_t state_bytes() const override { return inner_->state_bytes(); }
+
+   private:
+    std::unique_ptr<SequenceRunner> inner_;
+    Counts& counts_;
+    bool drawing_ = false;
+  };
+  std::vector<int32_t> outputs[2];
+  for (bool logprobs : {false, true}) {
+    Counts counts;
+    Metrics metrics;
+    Scheduler s(tiny().tokenizer,
+                [&](int max_context) {
+                  return std::make_unique<Counting>(make_cpu_runner(tiny().model, max_context), counts);
+                },
+                {1, 1, 512, 256}, metrics);
+    GenerationRequest r = greedy("Hello there", 8);
+    r.sampling = {0.9f, 0.95f, 0, 7};
+    if (logprobs) r.top_logprobs = 2;
+    outputs[logprobs] = collect(*submit(s, r)).ids;
+    EXPECT_TRUE(s.wait_idle(std::chrono::steady_clock::now() + 5s));
+    EXPECT_EQ(counts.logits.load(), logprobs ? 8 : 0) << "logprobs " << logprobs;
+    EXPECT_EQ(counts.draws.load(), logprobs ? 0 : 8) << "logprobs " << logprobs;
+  }
+  EXPECT_EQ(outputs[0], outputs[1]);
+  EXPECT_EQ(outputs[0].size(), 8u);
 }
 
 TEST(TextOutput, HoldsBackPossibleStopPrefixesAndCutsAtTheStop) {
