@@ -14,6 +14,7 @@
 #include "cuda/gemv_launch.h"
 #include "cuda/gemv_slot.cuh"
 #include "cuda/launch.cuh"
+#include "cuda/moe_route.cuh"
 
 namespace dsv4::detail {
 namespace {
@@ -278,73 +279,54 @@ KernelArgs plain_args(const GemvParams& p, int split_k) {
   return a;
 }
 
-// One block of moe_slots: counting sort of the pairs by expert (experts and pairs <= 4096). The block counts with
-// shared-memory atomics; then warp 0 alone scans the counts (each lane a run of experts, a shuffle scan across
-// lanes) and places the pairs 32 at a time in ascending order (lanes of one expert ranked by __match_any_sync), so
-// the order is stable without a serial loop over the pairs.
+// One block: place_pairs (cuda/moe_route.cuh).
 __global__ void moe_slots_kernel(MoeSlotsParams p) {
   gpu::dependent_enter();
   __shared__ int count[4096];
   __shared__ int start[4096];
-  const bool with_shared = p.shared_expert >= 0;
-  const int per_token = p.k + (with_shared ? 1 : 0), pairs = p.n * per_token;
-  auto expert_of = [&](int i) {
-    const int t = i / per_token, j = i % per_token;
-    return j == p.k ? p.shared_expert : p.ids[t * p.k + j];
-  };
-  for (int e = threadIdx.x; e < p.experts; e += blockDim.x) count[e] = 0;
-  __syncthreads();
-  for (int i = threadIdx.x; i < pairs; i += blockDim.x) {
-    atomicAdd(&count[expert_of(i)], 1);
-    if (with_shared) {
-      const int t = i / per_token, j = i % per_token;
-      p.pair_weights[i] = j == p.k ? 1.0f : p.weights[t * p.k + j];
-    }
+  place_pairs(p, count, start);
+}
+
+// The router's 16 warps take the step's tokens (warp w: tokens w, w + 16, ..), each with its E floats of shared memory;
+// after the barrier the block places the pairs (the router's ids and weights, written to global memory by this
+// block, are visible to it after __syncthreads).
+constexpr int kRouteThreads = 512;  // 16 warps: registers for the router's per-lane arrays without spills
+
+template <int kPerLane>
+__global__ void __launch_bounds__(kRouteThreads) moe_route_and_slots_kernel(gpu::RouterParams r, MoeSlotsParams p) {
+  gpu::dependent_enter();
+  extern __shared__ float route_smem[];  // [warps][E] router scores, then count [p.experts], start [p.experts]
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  float* s = route_smem + warp * r.experts;
+  for (int t = warp; t < r.n; t += kRouteThreads / 32) {
+    route_token<kPerLane>(r, t, lane, s);
+    __syncwarp();  // the token's reads of s before the next token's writes
   }
   __syncthreads();
-  if (threadIdx.x >= 32) return;
-  const int lane = threadIdx.x;
-  const int per_lane = (p.experts + 31) / 32, e0 = min(p.experts, lane * per_lane),
-            e1 = min(p.experts, e0 + per_lane);
-  int rows = 0, slots = 0;  // this lane's run of experts
-  for (int e = e0; e < e1; ++e) rows += count[e], slots += count[e] > 0;
-  int rows_before = rows, slots_before = slots;  // inclusive scans across lanes, then made exclusive
-#pragma unroll
-  for (int d = 1; d < 32; d *= 2) {
-    const int r = __shfl_up_sync(0xffffffffu, rows_before, d), s = __shfl_up_sync(0xffffffffu, slots_before, d);
-    if (lane >= d) rows_before += r, slots_before += s;
-  }
-  rows_before -= rows, slots_before -= slots;
-  for (int e = e0; e < e1; ++e) {
-    start[e] = rows_before;
-    if (count[e]) {
-      p.slots.expert[slots_before] = e;
-      p.slots.offset[slots_before] = rows_before;
-      ++slots_before;
-    }
-    rows_before += count[e];
-  }
-  if (lane == 31) {
-    p.slots.offset[slots_before] = rows_before;
-    *p.slots.count = slots_before;
-  }
-  __syncwarp();
-  for (int i0 = 0; i0 < pairs; i0 += 32) {
-    const int i = i0 + lane;
-    const bool valid = i < pairs;
-    const int e = valid ? expert_of(i) : -1;
-    const unsigned peers = __match_any_sync(0xffffffffu, e);
-    if (valid) {
-      const unsigned lower = peers & ((1u << lane) - 1u);
-      p.slots.row_order[start[e] + __popc(lower)] = i;
-    }
-    __syncwarp();
-    if (valid && (peers & ((1u << lane) - 1u)) == 0) start[e] += __popc(peers);  // the group's lowest lane
-    __syncwarp();
-  }
+  int* count = reinterpret_cast<int*>(route_smem + kRouteThreads / 32 * r.experts);
+  place_pairs(p, count, count + p.experts);
+}
+
+template <int kPerLane>
+cudaError_t launch_route_and_slots(const gpu::RouterParams& r, const MoeSlotsParams& p) {
+  const size_t smem = (size_t(kRouteThreads / 32) * r.experts + 2 * size_t(p.experts)) * sizeof(float);
+  static const cudaError_t attr = cudaFuncSetAttribute(moe_route_and_slots_kernel<kPerLane>,
+                                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                       int((kRouteThreads / 32 * 512 + 2 * 4096) * sizeof(float)));
+  if (attr != cudaSuccess) return attr;
+  gpu::launch(moe_route_and_slots_kernel<kPerLane>, 1, kRouteThreads, smem, p.stream, r, p);
+  return cudaGetLastError();
 }
 
 }  // namespace
+
+cudaError_t moe_route_and_slots_launch(const gpu::RouterParams& r, const MoeSlotsParams& p) {
+  // Experts per lane rounded up to a register-array size, as gpu::router picks them.
+  if (r.experts <= 128) return launch_route_and_slots<4>(r, p);
+  if (r.experts <= 256) return launch_route_and_slots<8>(r, p);
+  if (r.experts <= 384) return launch_route_and_slots<12>(r, p);
+  return launch_route_and_slots<16>(r, p);  // <= 512 (the launcher's check)
+}
 
 cudaError_t gemv_launch(const GemvParams& p, int split_k) {
   if (gemv_tiled_supported(p)) return gemv_tiled_launch(plain_args(p, split_k), p, dim3(1, 1, 1), false);

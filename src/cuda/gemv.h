@@ -41,6 +41,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "cuda/ops.h"
+
 namespace dsv4 {
 
 enum class GemvWeight { BF16, FP8_BLOCK, MXFP4, NVFP4 };
@@ -150,6 +152,10 @@ struct MoeSlotsParams {
   cudaStream_t stream = nullptr;
 };
 void moe_slots(const MoeSlotsParams& p);
+// gpu::router then moe_slots in one launch, for decode steps (router.n <= 64 tokens, routed by the 16 warps of one
+// block, which then places the pairs; experts <= 512): the same ids, weights and slots as the two launches, one
+// launch fewer per MoE layer. slots.ids / weights must be router.ids / weights; slots.n / k must equal router.n / k.
+void moe_route_and_slots(const gpu::RouterParams& router, const MoeSlotsParams& slots);
 
 // The split_k that gemv() chooses for p on a device with sm_count multiprocessors.
 int gemv_default_split_k(const GemvParams& p, int sm_count);

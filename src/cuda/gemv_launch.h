@@ -44,6 +44,7 @@ cudaError_t gemv_launch(const GemvParams& p, int split_k);
 cudaError_t gemv_batched_launch(const GemvBatchedParams& p, int split_k);
 cudaError_t gemv_grouped_launch(const GemvGroupedParams& p, int split_k);
 cudaError_t moe_slots_launch(const MoeSlotsParams& p);
+cudaError_t moe_route_and_slots_launch(const gpu::RouterParams& router, const MoeSlotsParams& slots);
 
 // FP4 weights x FP8 activations (gemv_w4a8.cu): MXFP4 / NVFP4 weights, act FP8, one row per call (grouped: per
 // slot), k <= kW4a8MaxK.

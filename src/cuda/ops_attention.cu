@@ -6,6 +6,7 @@
 
 #include "cuda/device.h"
 #include "cuda/launch.cuh"
+#include "cuda/moe_route.cuh"
 #include "cuda/ops.h"
 #include "cuda/ops_common.cuh"
 #include "formats/float_key.h"
@@ -392,80 +393,12 @@ __global__ void __launch_bounds__(kSelectThreads) indexer_select_kernel(IndexerT
   }
 }
 
-// One warp per token. Lane l owns experts l + 32·i (i < kPerLane): s in shared memory (the weights' source), the
-// selection keys of s + bias in registers. Each pick is a warp argmax: the lane's best (strictly greater, so the
-// lowest of its ties), then redux max over the lanes and redux min of the tying experts: ties go to the lower index,
-// exactly top_k_indices. The weights' sum runs in pick order like the reference.
+// One warp per token: route_token (cuda/moe_route.cuh).
 template <int kPerLane>
 __global__ void __launch_bounds__(32) router_kernel(RouterParams p) {
   gpu::dependent_enter();
   extern __shared__ float s[];  // [E]
-  const int t = blockIdx.x, lane = threadIdx.x, E = p.experts, k = p.k;
-  const float* logits = p.logits + int64_t(t) * E;
-  // Every global load first (one memory latency): the hash layer's picks, the bias, the logits.
-  int pick = 0;  // lane i < k: the i-th pick
-  if (p.tid2eid && lane < k) pick = p.tid2eid[int64_t(p.tokens[t]) * k + lane];
-  const bool biased = p.bias && !p.tid2eid;
-  float v[kPerLane], bias[kPerLane];
-#pragma unroll
-  for (int i = 0; i < kPerLane; ++i) {
-    const int e = lane + 32 * i;
-    bias[i] = biased && e < E ? p.bias[e] : 0.0f;
-    const float x = e < E ? logits[e] : 0.0f;
-    if (p.scoring == 0) v[i] = sqrtf(x > 20.0f ? x : log1pf(expf(x)));
-    else if (p.scoring == 1) v[i] = detail::sigmoid(x);
-    else v[i] = x;
-  }
-  if (p.scoring == 2) {
-    float mx = -INFINITY;
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i)
-      if (lane + 32 * i < E) mx = fmaxf(mx, v[i]);
-    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i)
-      if (lane + 32 * i < E) s[lane + 32 * i] = v[i] = expf(v[i] - mx);
-    __syncwarp();
-    // The sum in expert order, as the reference adds it (E dependent adds, a softmax-only cost).
-    float sum = 0;
-    if (lane == 0)
-      for (int e = 0; e < E; ++e) sum += s[e];
-    sum = __shfl_sync(0xffffffffu, sum, 0);
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) v[i] /= sum;
-    __syncwarp();  // s is rewritten below
-  }
-#pragma unroll
-  for (int i = 0; i < kPerLane; ++i)
-    if (lane + 32 * i < E) s[lane + 32 * i] = v[i];
-  __syncwarp();
-
-  if (!p.tid2eid) {
-    uint32_t key[kPerLane];  // order_key(s + bias); 0 (below every finite value) when absent or picked
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) key[i] = lane + 32 * i < E ? order_key(biased ? v[i] + bias[i] : v[i]) : 0;
-    for (int r = 0; r < k; ++r) {
-      uint32_t best = 0;
-      int best_i = 0;
-#pragma unroll
-      for (int i = 0; i < kPerLane; ++i)
-        if (key[i] > best) best = key[i], best_i = i;
-      const uint32_t top = __reduce_max_sync(0xffffffffu, best);
-      const uint32_t mine = best == top ? uint32_t(lane + 32 * best_i) : 0xffffffffu;
-      const uint32_t winner = __reduce_min_sync(0xffffffffu, mine);
-      if (lane == r) pick = int(winner);
-#pragma unroll
-      for (int i = 0; i < kPerLane; ++i)
-        if (mine == winner && i == best_i) key[i] = 0;
-    }
-  }
-  const float w = lane < k ? s[pick] : 0.0f;
-  float sum = 0;
-  for (int i = 0; i < k; ++i) sum += __shfl_sync(0xffffffffu, w, i);
-  if (lane < k) {
-    p.ids[t * k + lane] = pick;
-    p.weights[t * k + lane] = (p.norm_topk ? w / sum : w) * p.routed_scale;
-  }
+  ::dsv4::detail::route_token<kPerLane>(p, blockIdx.x, threadIdx.x, s);
 }
 
 __global__ void swiglu_kernel(SwigluParams p) {

@@ -1236,8 +1236,6 @@ void CudaRunner::ffn_block(int l, int n) {
   rp.routed_scale = c.routed_scaling_factor;
   rp.ids = expert_ids_.as<int32_t>();
   rp.weights = expert_weights_.as<float>();
-  gpu::router(rp, stream_);
-  launched("ffn: router");
 
   // 4.2 routed experts (only the picked ones, grouped by expert on the device), then the shared expert: as pair k
   // of every token on expert E when it is grouped with them (so the sum over pairs below adds it last, like the
@@ -1255,8 +1253,15 @@ void CudaRunner::ffn_block(int l, int n) {
     slots.weights = expert_weights_.as<float>();
     slots.pair_weights = pair_weights_.as<float>();
   }
-  moe_slots(slots);
-  launched("ffn: moe_slots");
+  if (options_.fuse_moe_routing && n <= kCudaMaxChunk && E <= 512) {
+    moe_route_and_slots(rp, slots);
+    launched("ffn: router + moe_slots");
+  } else {
+    gpu::router(rp, stream_);
+    launched("ffn: router");
+    moe_slots(slots);
+    launched("ffn: moe_slots");
+  }
   linear_grouped("ffn: grouped gemv w1 + w3", d.w1, normed_bf16_.data(), pairs, n, expert_gate_.data(), n, n * pairs,
                  GemvOut::F32,
                  &d.w3, expert_up_.data());
@@ -1393,6 +1398,8 @@ std::unique_ptr<SequenceRunner> make_cuda_runner(const Model& model, int max_con
     options.draw_on_device = std::string(env) == "1";
   if (const char* env = std::getenv("DSV4_FUSED_MHC"); env && (std::string(env) == "0" || std::string(env) == "1"))
     options.fuse_mhc_mix = std::string(env) == "1";
+  if (const char* env = std::getenv("DSV4_FUSED_ROUTING"); env && (std::string(env) == "0" || std::string(env) == "1"))
+    options.fuse_moe_routing = std::string(env) == "1";
   return std::make_unique<CudaRunner>(model, max_context, options);
 }
 

@@ -58,6 +58,9 @@ struct CudaRunnerOptions {
   // (gpu::hc_post_mix) and hc_pre adds its partials, so the mix kernel no longer runs on its own (86 launches fewer
   // per Flash step). Off until it is measured on a GPU; DSV4_FUSED_MHC=1 / 0 in the environment sets it.
   bool fuse_mhc_mix = false;
+  // Decode-sized chunks: the router and moe_slots in one launch (moe_route_and_slots; experts <= 512), 43 launches
+  // fewer per Flash step. Off until measured; DSV4_FUSED_ROUTING=1 / 0 sets it.
+  bool fuse_moe_routing = false;
 };
 
 // The prefill chunk a runner settles on (host arithmetic, no GPU needed): `requested` (a multiple of 64 in

@@ -877,6 +877,45 @@ TEST(CudaModel, FusedMhcMixMatchesSeparateMix) {
   check_fused_mhc("tiny-pro", kF32);
 }
 
+// CudaRunnerOptions::fuse_moe_routing runs the same router and slot placement code in one launch: the logits of a
+// prefill and of graph-replayed decode steps (batch 1 and 5) are the same bits, with one kernel fewer per layer.
+TEST(CudaModel, FusedRoutingChangesNoBits) {
+  DSV4_REQUIRE_CUDA();
+  for (const char* name : {"tiny-flash", "tiny-pro"}) {
+    std::string source;
+    const Model model = tiny_model(name, kDefault, &source);
+    const int V = model.config().vocab_size, n = 40, steps = 8, B = 5;
+    std::mt19937 rng(23);
+    std::uniform_int_distribution<int32_t> token(2, V - 1);
+    std::vector<int32_t> prompt(n), fed(steps);
+    for (int32_t& t : prompt) t = token(rng);
+    for (int32_t& t : fed) t = token(rng);
+    auto run = [&](bool fused) {
+      CudaRunnerOptions options;
+      options.fuse_moe_routing = fused;
+      options.sequences = B;
+      std::unique_ptr<SequenceRunner> r = make_cuda_runner(model, n + 2 * steps + 1, options);
+      std::vector<float> logits = r->forward(prompt, false);
+      for (int i = 0; i < steps; ++i) {
+        const std::vector<float> row = r->forward(std::span<const int32_t>(&fed[size_t(i)], 1), true);
+        logits.insert(logits.end(), row.begin(), row.end());
+      }
+      const int64_t kernels = cuda_runner_stats(*r).graph_kernels;
+      for (int b = 1; b < B; ++b) cuda_runner_copy_sequence(*r, 0, b);
+      for (int i = 0; i < steps; ++i) {
+        const std::vector<float> rows = cuda_runner_decode_batch(*r, std::vector<int32_t>(B, fed[size_t(i)]));
+        logits.insert(logits.end(), rows.begin(), rows.end());
+      }
+      return std::pair{logits, kernels};
+    };
+    const auto [fused, fused_kernels] = run(true);
+    const auto [plain, plain_kernels] = run(false);
+    ASSERT_EQ(fused.size(), plain.size());
+    EXPECT_EQ(std::memcmp(fused.data(), plain.data(), fused.size() * sizeof(float)), 0) << name;
+    EXPECT_EQ(plain_kernels - fused_kernels, model.config().n_layers) << name;
+  }
+}
+
 TEST(CudaModel, DependentLaunchChangesNoBits) {
   DSV4_REQUIRE_CUDA();
   std::string source;

@@ -26,7 +26,9 @@
 #include <vector>
 
 #include "cpu/ops.h"
+#include "core/check.h"
 #include "cuda/device.h"
+#include "cuda/gemv.h"
 #include "cuda/ops.h"
 #include "cuda_test_util.h"
 
@@ -636,6 +638,102 @@ TEST(CudaRouter, TiesGoToTheLowerIndex) {
   RouterInputs in = make_router_inputs(c, rng, false);
   std::fill(in.logits.begin(), in.logits.end(), 0.5f);
   check_router(in, "all equal");
+}
+
+// moe_route_and_slots against gpu::router then moe_slots: the same bits in the ids, weights, pair weights and every
+// slot array, for decode-sized steps, hash and scored layers, with and without a grouped shared expert.
+void check_route_and_slots(const RouterInputs& in, bool shared, const char* what) {
+  const RouterCase& c = in.c;
+  DeviceBuffer logits = to_device(in.logits), bias = to_device(in.bias), tid2eid = to_device(in.tid2eid),
+               tokens = to_device(in.tokens);
+  const int experts = c.E + (shared ? 1 : 0), pairs = c.n * (c.k + (shared ? 1 : 0));
+  struct Outputs {
+    DeviceBuffer ids, weights, pair_weights, count, expert, offset, row_order;
+  };
+  auto outputs = [&] {
+    Outputs o{DeviceBuffer(size_t(c.n) * c.k * 4), nan_buffer(size_t(c.n) * c.k), nan_buffer(size_t(pairs)),
+              DeviceBuffer(4), DeviceBuffer(size_t(experts) * 4), DeviceBuffer(size_t(experts + 1) * 4),
+              DeviceBuffer(size_t(pairs) * 4)};
+    for (DeviceBuffer* b : {&o.ids, &o.count, &o.expert, &o.offset, &o.row_order}) b->fill_bytes(0xff);
+    return o;
+  };
+  auto params = [&](Outputs& o) {
+    gpu::RouterParams r;
+    r.logits = logits.as<float>();
+    r.bias = c.bias ? bias.as<float>() : nullptr;
+    r.tid2eid = c.hash ? tid2eid.as<int32_t>() : nullptr;
+    r.tokens = tokens.as<int32_t>();
+    r.n = c.n;
+    r.experts = c.E;
+    r.k = c.k;
+    r.scoring = c.scoring;
+    r.norm_topk = c.norm;
+    r.routed_scale = c.routed_scale;
+    r.ids = o.ids.as<int32_t>();
+    r.weights = o.weights.as<float>();
+    MoeSlotsParams m;
+    m.ids = r.ids;
+    m.n = c.n;
+    m.k = c.k;
+    m.experts = experts;
+    m.slots = {o.count.as<int32_t>(), o.expert.as<int32_t>(), o.offset.as<int32_t>(), o.row_order.as<int32_t>()};
+    if (shared) {
+      m.shared_expert = c.E;
+      m.weights = r.weights;
+      m.pair_weights = o.pair_weights.as<float>();
+    }
+    return std::pair{r, m};
+  };
+  Outputs separate = outputs(), fused = outputs();
+  auto [r1, m1] = params(separate);
+  gpu::router(r1, nullptr);
+  moe_slots(m1);
+  auto [r2, m2] = params(fused);
+  moe_route_and_slots(r2, m2);
+  sync();
+  auto same = [&](const DeviceBuffer& a, const DeviceBuffer& b, size_t bytes, const char* name) {
+    std::vector<uint8_t> x(bytes), y(bytes);
+    a.download(x.data(), bytes);
+    b.download(y.data(), bytes);
+    EXPECT_EQ(x, y) << what << ": " << name << " differs";
+  };
+  same(separate.ids, fused.ids, size_t(c.n) * c.k * 4, "ids");
+  same(separate.weights, fused.weights, size_t(c.n) * c.k * 4, "weights");
+  same(separate.count, fused.count, 4, "slot count");
+  int32_t slots_used = 0;
+  fused.count.download(&slots_used, 4);
+  ASSERT_GT(slots_used, 0) << what;
+  same(separate.expert, fused.expert, size_t(slots_used) * 4, "slot experts");
+  same(separate.offset, fused.offset, size_t(slots_used + 1) * 4, "slot offsets");
+  same(separate.row_order, fused.row_order, size_t(pairs) * 4, "row order");
+  if (shared) same(separate.pair_weights, fused.pair_weights, size_t(pairs) * 4, "pair weights");
+}
+
+TEST(CudaRouter, RouteAndSlotsInOneLaunch) {
+  DSV4_REQUIRE_CUDA();
+  std::mt19937 rng(34);
+  int cases = 0;
+  for (const int E : {32, 256, 384})
+    for (const int n : {1, 5, 64})
+      for (const bool hash : {false, true})
+        for (const bool shared : {false, true}) {
+          RouterCase c;
+          c.n = n, c.E = E, c.hash = hash, c.bias = !hash, c.scoring = E == 32 ? 2 : 0, c.k = E == 384 ? 8 : 6;
+          char what[96];
+          std::snprintf(what, sizeof what, "E=%d n=%d hash=%d shared=%d", E, n, int(hash), int(shared));
+          check_route_and_slots(make_router_inputs(c, rng, n == 5), shared, what);
+          ++cases;
+        }
+  EXPECT_EQ(cases, 36);
+  gpu::RouterParams r;
+  r.n = 65;
+  r.experts = 256;
+  r.k = 6;
+  MoeSlotsParams m;
+  m.n = 65;
+  m.k = 6;
+  m.experts = 256;
+  EXPECT_THROW(moe_route_and_slots(r, m), Error);  // more rows than a decode step
 }
 
 }  // namespace

@@ -1,0 +1,156 @@
+// SPDX-License-Identifier: MIT
+// The MoE routing of a decode step as device functions: the router (one warp per token) and the placement of the
+// routed pairs into per-expert slots (one block), shared by their own kernels (ops_attention.cu router_kernel,
+// gemv.cu moe_slots_kernel) and the fused moe_route_and_slots kernel.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/gemv.h"
+#include "cuda/ops.h"
+#include "cuda/ops_common.cuh"
+#include "formats/float_key.h"
+
+namespace dsv4::detail {
+
+// One warp per token. Lane l owns experts l + 32·i (i < kPerLane): s in shared memory (the weights' source), the
+// selection keys of s + bias in registers. Each pick is a warp argmax: the lane's best (strictly greater, so the
+// lowest of its ties), then redux max over the lanes and redux min of the tying experts: ties go to the lower index,
+// exactly top_k_indices. The weights' sum runs in pick order like the reference.
+// s: E floats of shared memory for this warp.
+template <int kPerLane>
+__device__ __forceinline__ void route_token(const gpu::RouterParams& p, int t, int lane, float* s) {
+  const int E = p.experts, k = p.k;
+  const float* logits = p.logits + int64_t(t) * E;
+  // Every global load first (one memory latency): the hash layer's picks, the bias, the logits.
+  int pick = 0;  // lane i < k: the i-th pick
+  if (p.tid2eid && lane < k) pick = p.tid2eid[int64_t(p.tokens[t]) * k + lane];
+  const bool biased = p.bias && !p.tid2eid;
+  float v[kPerLane], bias[kPerLane];
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    const int e = lane + 32 * i;
+    bias[i] = biased && e < E ? p.bias[e] : 0.0f;
+    const float x = e < E ? logits[e] : 0.0f;
+    if (p.scoring == 0) v[i] = sqrtf(x > 20.0f ? x : log1pf(expf(x)));
+    else if (p.scoring == 1) v[i] = gpu::detail::sigmoid(x);
+    else v[i] = x;
+  }
+  if (p.scoring == 2) {
+    float mx = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i)
+      if (lane + 32 * i < E) mx = fmaxf(mx, v[i]);
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i)
+      if (lane + 32 * i < E) s[lane + 32 * i] = v[i] = expf(v[i] - mx);
+    __syncwarp();
+    // The sum in expert order, as the reference adds it (E dependent adds, a softmax-only cost).
+    float sum = 0;
+    if (lane == 0)
+      for (int e = 0; e < E; ++e) sum += s[e];
+    sum = __shfl_sync(0xffffffffu, sum, 0);
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) v[i] /= sum;
+    __syncwarp();  // s is rewritten below
+  }
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i)
+    if (lane + 32 * i < E) s[lane + 32 * i] = v[i];
+  __syncwarp();
+
+  if (!p.tid2eid) {
+    uint32_t key[kPerLane];  // float_order_key(s + bias); 0 (below every finite value) when absent or picked
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) key[i] = lane + 32 * i < E ? float_order_key(biased ? v[i] + bias[i] : v[i]) : 0;
+    for (int r = 0; r < k; ++r) {
+      uint32_t best = 0;
+      int best_i = 0;
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i)
+        if (key[i] > best) best = key[i], best_i = i;
+      const uint32_t top = __reduce_max_sync(0xffffffffu, best);
+      const uint32_t mine = best == top ? uint32_t(lane + 32 * best_i) : 0xffffffffu;
+      const uint32_t winner = __reduce_min_sync(0xffffffffu, mine);
+      if (lane == r) pick = int(winner);
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i)
+        if (mine == winner && i == best_i) key[i] = 0;
+    }
+  }
+  const float w = lane < k ? s[pick] : 0.0f;
+  float sum = 0;
+  for (int i = 0; i < k; ++i) sum += __shfl_sync(0xffffffffu, w, i);
+  if (lane < k) {
+    p.ids[t * k + lane] = pick;
+    p.weights[t * k + lane] = (p.norm_topk ? w / sum : w) * p.routed_scale;
+  }
+}
+
+// One block of moe_slots: counting sort of the pairs by expert (experts and pairs <= 4096). The block counts with
+// shared-memory atomics; then warp 0 alone scans the counts (each lane a run of experts, a shuffle scan across
+// lanes) and places the pairs 32 at a time in ascending order (lanes of one expert ranked by __match_any_sync), so
+// the order is stable without a serial loop over the pairs.
+// Every thread of the block calls it; count and start: p.experts ints of shared memory each.
+__device__ __forceinline__ void place_pairs(const MoeSlotsParams& p, int* count, int* start) {
+  const bool with_shared = p.shared_expert >= 0;
+  const int per_token = p.k + (with_shared ? 1 : 0), pairs = p.n * per_token;
+  auto expert_of = [&](int i) {
+    const int t = i / per_token, j = i % per_token;
+    return j == p.k ? p.shared_expert : p.ids[t * p.k + j];
+  };
+  for (int e = threadIdx.x; e < p.experts; e += blockDim.x) count[e] = 0;
+  __syncthreads();
+  for (int i = threadIdx.x; i < pairs; i += blockDim.x) {
+    atomicAdd(&count[expert_of(i)], 1);
+    if (with_shared) {
+      const int t = i / per_token, j = i % per_token;
+      p.pair_weights[i] = j == p.k ? 1.0f : p.weights[t * p.k + j];
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x >= 32) return;
+  const int lane = threadIdx.x;
+  const int per_lane = (p.experts + 31) / 32, e0 = min(p.experts, lane * per_lane),
+            e1 = min(p.experts, e0 + per_lane);
+  int rows = 0, slots = 0;  // this lane's run of experts
+  for (int e = e0; e < e1; ++e) rows += count[e], slots += count[e] > 0;
+  int rows_before = rows, slots_before = slots;  // inclusive scans across lanes, then made exclusive
+#pragma unroll
+  for (int d = 1; d < 32; d *= 2) {
+    const int r = __shfl_up_sync(0xffffffffu, rows_before, d), s = __shfl_up_sync(0xffffffffu, slots_before, d);
+    if (lane >= d) rows_before += r, slots_before += s;
+  }
+  rows_before -= rows, slots_before -= slots;
+  for (int e = e0; e < e1; ++e) {
+    start[e] = rows_before;
+    if (count[e]) {
+      p.slots.expert[slots_before] = e;
+      p.slots.offset[slots_before] = rows_before;
+      ++slots_before;
+    }
+    rows_before += count[e];
+  }
+  if (lane == 31) {
+    p.slots.offset[slots_before] = rows_before;
+    *p.slots.count = slots_before;
+  }
+  __syncwarp();
+  for (int i0 = 0; i0 < pairs; i0 += 32) {
+    const int i = i0 + lane;
+    const bool valid = i < pairs;
+    const int e = valid ? expert_of(i) : -1;
+    const unsigned peers = __match_any_sync(0xffffffffu, e);
+    if (valid) {
+      const unsigned lower = peers & ((1u << lane) - 1u);
+      p.slots.row_order[start[e] + __popc(lower)] = i;
+    }
+    __syncwarp();
+    if (valid && (peers & ((1u << lane) - 1u)) == 0) start[e] += __popc(peers);  // the group's lowest lane
+    __syncwarp();
+  }
+}
+
+}  // namespace dsv4::detail
