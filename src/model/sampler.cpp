@@ -6,6 +6,7 @@
 #include <numeric>
 
 #include "core/check.h"
+#include "formats/float_key.h"
 
 namespace dsv4 {
 
@@ -42,39 +43,46 @@ TokenDraw Sampler::without_u(int vocab) const {
   return d;
 }
 
-// The nucleus without sorting the vocabulary: quickselect over all ids in "before" order, each round keeping the
-// side where the running weight crosses `target` (linear time), then a sort of the last few. Leaves the nucleus in
-// order_[0, keep) and returns keep.
+// The nucleus without sorting the vocabulary: a radix select of its last key (formats/float_key.h), 4 passes of 8
+// bits, each over the ids still in the running (their weights summed per digit, from the highest digit down, until
+// the running weight reaches `target`), the way the GPU's draw_tokens finds it. Leaves the nucleus in order_[0, keep):
+// every id with a key above the last one, then the fewest ids of the last key, lowest first, that reach the target;
+// returns keep.
 int Sampler::nucleus_by_selection(std::span<const float> logits, uint64_t target) {
   const int V = int(logits.size());
-  const auto before = before_in(logits);
+  keys_.resize(size_t(V));
   order_.resize(size_t(V));
-  std::iota(order_.begin(), order_.end(), 0);
-  uint64_t acc = 0;  // the weight of order_[0, lo): ids all in the nucleus, short of the target
-  int lo = 0, hi = V;
-  while (hi - lo > 32) {
-    const int a = order_[size_t(lo)], b = order_[size_t(lo + (hi - lo) / 2)], c = order_[size_t(hi - 1)];
-    const int pivot = before(a, b) ? (before(b, c) ? b : before(a, c) ? c : a)
-                                   : (before(a, c) ? a : before(b, c) ? c : b);  // the median of the three
-    // [lo, m): before the pivot; then the pivot at m; then (m, hi): after it.
-    auto before_pivot = [&](int id) { return before(id, pivot); };
-    const int m = int(std::partition(order_.begin() + lo, order_.begin() + hi, before_pivot) - order_.begin());
-    std::iter_swap(order_.begin() + m, std::find(order_.begin() + m, order_.begin() + hi, pivot));
-    uint64_t left = 0;
-    for (int i = lo; i < m; ++i) left += weight_[size_t(order_[size_t(i)])];
-    if (acc + left >= target) {
-      hi = m;
-    } else if ((acc += left) + weight_[size_t(pivot)] >= target) {
-      return m + 1;
-    } else {
-      acc += weight_[size_t(pivot)];
-      lo = m + 1;
-    }
+  for (int id = 0; id < V; ++id) {
+    keys_[size_t(id)] = float_order_key(logits[size_t(id)]);
+    order_[size_t(id)] = id;
   }
-  std::sort(order_.begin() + lo, order_.begin() + hi, before);
-  for (int i = lo; i < hi; ++i)
-    if ((acc += weight_[size_t(order_[size_t(i)])]) >= target) return i + 1;
-  return hi;  // not reached: the target is at most the row's total
+  uint64_t above = 0;  // the weight of the ids whose keys are above every candidate's
+  int n = V;           // candidates order_[0, n), ascending ids, all sharing the digits chosen so far
+  for (int shift = 24; shift >= 0; shift -= 8) {
+    uint64_t mass[256] = {};
+    for (int i = 0; i < n; ++i) {
+      const int id = order_[size_t(i)];
+      mass[(keys_[size_t(id)] >> shift) & 0xffu] += weight_[size_t(id)];
+    }
+    uint32_t digit = 255;
+    for (; digit > 0 && above + mass[digit] < target; --digit) above += mass[digit];
+    int kept = 0;
+    for (int i = 0; i < n; ++i) {
+      const int id = order_[size_t(i)];
+      if (((keys_[size_t(id)] >> shift) & 0xffu) == digit) order_[size_t(kept++)] = id;
+    }
+    n = kept;
+  }
+  // order_[0, n): the ids of the last key, ascending, each of the same weight.
+  const uint32_t last_key = keys_[size_t(order_[0])];
+  const uint64_t w = weight_[size_t(order_[0])];
+  const int ties = int(std::min<uint64_t>(uint64_t(n), w > 0 ? (target - above + w - 1) / w : 1));
+  ties_.assign(order_.begin(), order_.begin() + ties);
+  int keep = 0;
+  for (int id = 0; id < V; ++id)
+    if (keys_[size_t(id)] > last_key) order_[size_t(keep++)] = id;
+  for (int id : ties_) order_[size_t(keep++)] = id;
+  return keep;
 }
 
 // Every id's weight into weight_ (a branch-free float loop the compiler vectorises, then the integer conversion);

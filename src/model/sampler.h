@@ -49,6 +49,8 @@ class Sampler {
   std::vector<uint64_t> weight_;   // scratch: ids' weights
   std::vector<float> value_;       // scratch: the same as floats (the vectorised loop)
   std::vector<uint8_t> in_cut_;    // scratch: a long cut as a mask over the row
+  std::vector<uint32_t> keys_;     // scratch: every id's order key (the nucleus's radix select)
+  std::vector<int> ties_;          // scratch: the nucleus's ids of its last key
 };
 
 // The token of `d` from `logits` on the host (Sampler::draw with this thread's scratch).
