@@ -519,7 +519,9 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
                          {"roofline_tok_s", roofline}, {"fraction_of_roofline", tok_s / roofline}});
     }
     set_launch_mode(a.launch_modes.front());
-    cuda_runner_set_draw_on_device(*runner, false);
+    // The profiled step draws on the device when that was timed, so its table shows the draw kernel.
+    cuda_runner_set_draw_on_device(*runner,
+                                   std::find(a.draws.begin(), a.draws.end(), "device") != a.draws.end());
     if (a.profile)
       report[B == 1 ? std::string("decode_profile") : fmt::format("decode_profile_batch_{}", B)] =
           print_profile(cuda_runner_profile_step(*runner, std::span<const int32_t>(tokens.data(), B)),

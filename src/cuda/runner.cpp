@@ -981,8 +981,13 @@ std::vector<LaunchTiming> CudaRunner::profile_step(std::span<const int32_t> toke
   // The GPU waits while the host queues the step, so host launch time does not show up between events.
   launch_delay_kernel(20000.0, stream_);
   record_event(0);
-  if (tokens.size() == 1 || prefill)
+  const TokenDraw draw{1.0f, 1.0f, 0, 0, 0.5};  // with draw_on_device: the step draws its tokens (temperature 1)
+  if (prefill)
     forward(tokens, true);
+  else if (tokens.size() == 1)
+    options_.draw_on_device ? void(forward_draw(tokens, draw)) : void(forward(tokens, true));
+  else if (options_.draw_on_device)
+    decode_batch_draw(tokens, std::vector<TokenDraw>(tokens.size(), draw));
   else
     decode_batch(tokens);
   DSV4_CUDA_CHECK(cudaStreamSynchronize(stream_));

@@ -129,7 +129,8 @@ struct LaunchTiming {
 };
 // Decodes one step with direct launches (no graph) and an event after every launch site, for dsv4 bench
 // --profile: one token advances the selected sequence like forward({token}, true), more advance sequences
-// 0..n-1 like cuda_runner_decode_batch. Throws for non-CUDA runners.
+// 0..n-1 like cuda_runner_decode_batch; with CudaRunnerOptions::draw_on_device the step also draws its tokens on the
+// device (temperature 1), so the draw is one of the sites. Throws for non-CUDA runners.
 std::vector<LaunchTiming> cuda_runner_profile_step(SequenceRunner& runner, std::span<const int32_t> tokens);
 // The same for a prefill of `tokens` on the selected sequence (its chunks as forward(tokens, true) runs them).
 std::vector<LaunchTiming> cuda_runner_profile_prefill(SequenceRunner& runner, std::span<const int32_t> tokens);
