@@ -501,27 +501,37 @@ std::vector<float> reference_scores(const RouterInputs& in, int t) {
   return s;
 }
 
+// The router's inputs on the device, and its parameters for outputs ids / weights.
+struct RouterDevice {
+  DeviceBuffer logits, bias, tid2eid, tokens;
+  explicit RouterDevice(const RouterInputs& in)
+      : logits(to_device(in.logits)), bias(to_device(in.bias)), tid2eid(to_device(in.tid2eid)),
+        tokens(to_device(in.tokens)) {}
+  gpu::RouterParams params(const RouterCase& c, DeviceBuffer& ids, DeviceBuffer& weights) const {
+    gpu::RouterParams p;
+    p.logits = logits.as<float>();
+    p.bias = c.bias ? bias.as<float>() : nullptr;
+    p.tid2eid = c.hash ? tid2eid.as<int32_t>() : nullptr;
+    p.tokens = tokens.as<int32_t>();
+    p.n = c.n;
+    p.experts = c.E;
+    p.k = c.k;
+    p.scoring = c.scoring;
+    p.norm_topk = c.norm;
+    p.routed_scale = c.routed_scale;
+    p.ids = ids.as<int32_t>();
+    p.weights = weights.as<float>();
+    return p;
+  }
+};
+
 void check_router(const RouterInputs& in, const char* what) {
   const RouterCase& c = in.c;
-  DeviceBuffer logits = to_device(in.logits), bias = to_device(in.bias), tid2eid = to_device(in.tid2eid),
-               tokens = to_device(in.tokens);
+  const RouterDevice device(in);
   DeviceBuffer ids(size_t(c.n) * c.k * sizeof(int32_t));
   DeviceBuffer weights = nan_buffer(size_t(c.n) * c.k);
   ids.fill_bytes(0xff);
-  gpu::RouterParams p;
-  p.logits = logits.as<float>();
-  p.bias = c.bias ? bias.as<float>() : nullptr;
-  p.tid2eid = c.hash ? tid2eid.as<int32_t>() : nullptr;
-  p.tokens = tokens.as<int32_t>();
-  p.n = c.n;
-  p.experts = c.E;
-  p.k = c.k;
-  p.scoring = c.scoring;
-  p.norm_topk = c.norm;
-  p.routed_scale = c.routed_scale;
-  p.ids = ids.as<int32_t>();
-  p.weights = weights.as<float>();
-  gpu::router(p, nullptr);
+  gpu::router(device.params(c, ids, weights), nullptr);
   sync();
   const std::vector<int32_t> got_ids = to_host<int32_t>(ids, size_t(c.n) * c.k);
   const std::vector<float> got_w = to_host<float>(weights, size_t(c.n) * c.k);
@@ -644,8 +654,7 @@ TEST(CudaRouter, TiesGoToTheLowerIndex) {
 // slot array, for decode-sized steps, hash and scored layers, with and without a grouped shared expert.
 void check_route_and_slots(const RouterInputs& in, bool shared, const char* what) {
   const RouterCase& c = in.c;
-  DeviceBuffer logits = to_device(in.logits), bias = to_device(in.bias), tid2eid = to_device(in.tid2eid),
-               tokens = to_device(in.tokens);
+  const RouterDevice device(in);
   const int experts = c.E + (shared ? 1 : 0), pairs = c.n * (c.k + (shared ? 1 : 0));
   struct Outputs {
     DeviceBuffer ids, weights, pair_weights, count, expert, offset, row_order;
@@ -658,19 +667,7 @@ void check_route_and_slots(const RouterInputs& in, bool shared, const char* what
     return o;
   };
   auto params = [&](Outputs& o) {
-    gpu::RouterParams r;
-    r.logits = logits.as<float>();
-    r.bias = c.bias ? bias.as<float>() : nullptr;
-    r.tid2eid = c.hash ? tid2eid.as<int32_t>() : nullptr;
-    r.tokens = tokens.as<int32_t>();
-    r.n = c.n;
-    r.experts = c.E;
-    r.k = c.k;
-    r.scoring = c.scoring;
-    r.norm_topk = c.norm;
-    r.routed_scale = c.routed_scale;
-    r.ids = o.ids.as<int32_t>();
-    r.weights = o.weights.as<float>();
+    const gpu::RouterParams r = device.params(c, o.ids, o.weights);
     MoeSlotsParams m;
     m.ids = r.ids;
     m.n = c.n;

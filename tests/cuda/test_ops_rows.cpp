@@ -254,13 +254,21 @@ TEST(OpsRowsHcPre, OddSizesAndMisalignedStreams) {
 // ---------------------------------------------------------------------------------------------------------
 // hc_post against model.cpp's hc_post (out = the sum of the picks, then the shared expert's output).
 
+// hc_post's inputs: the sublayer's output picks, a shared expert's output, post, comb and the streams.
+struct HcPostInputs {
+  std::vector<float> out, shared, post, comb, streams;
+  HcPostInputs(int n, int hc, int D, int out_k, std::mt19937& rng)
+      : out(random_vector(size_t(n) * out_k * D, rng, -2.0f, 2.0f)),
+        shared(random_vector(size_t(n) * D, rng, -2.0f, 2.0f)),
+        post(random_vector(size_t(n) * hc, rng, 0.0f, 2.0f)),
+        comb(random_vector(size_t(n) * hc * hc, rng, 0.0f, 1.0f)),
+        streams(random_vector(size_t(n) * hc * D, rng, -2.0f, 2.0f)) {}
+};
+
 void check_hc_post(int n, int hc, int D, int out_k, bool out2, bool misaligned, uint32_t seed) {
   std::mt19937 rng(seed);
-  const std::vector<float> out = random_vector(size_t(n) * out_k * D, rng, -2.0f, 2.0f);
-  const std::vector<float> shared = random_vector(size_t(n) * D, rng, -2.0f, 2.0f);
-  const std::vector<float> post = random_vector(size_t(n) * hc, rng, 0.0f, 2.0f);
-  const std::vector<float> comb = random_vector(size_t(n) * hc * hc, rng, 0.0f, 1.0f);
-  const std::vector<float> streams = random_vector(size_t(n) * hc * D, rng, -2.0f, 2.0f);
+  const HcPostInputs in(n, hc, D, out_k, rng);
+  const std::vector<float>&out = in.out, &shared = in.shared, &post = in.post, &comb = in.comb, &streams = in.streams;
   std::vector<float> want = streams;
   for (int t = 0; t < n; ++t) {
     const float* C = &comb[size_t(t) * hc * hc];
@@ -308,11 +316,8 @@ TEST(OpsRowsHcPost, DecodePrefillAndOddShapes) {
 void check_hc_post_mix(int n, int D, int out_k, bool out2, int n_mix, uint32_t seed) {
   constexpr int hc = 4;
   std::mt19937 rng(seed);
-  const std::vector<float> out = random_vector(size_t(n) * out_k * D, rng, -2.0f, 2.0f);
-  const std::vector<float> shared = random_vector(size_t(n) * D, rng, -2.0f, 2.0f);
-  const std::vector<float> post = random_vector(size_t(n) * hc, rng, 0.0f, 2.0f);
-  const std::vector<float> comb = random_vector(size_t(n) * hc * hc, rng, 0.0f, 1.0f);
-  const std::vector<float> streams = random_vector(size_t(n) * hc * D, rng, -2.0f, 2.0f);
+  const HcPostInputs in(n, hc, D, out_k, rng);
+  const std::vector<float>&out = in.out, &shared = in.shared, &post = in.post, &comb = in.comb, &streams = in.streams;
   const std::vector<float> fn = random_vector(size_t(n_mix) * hc * D, rng, -0.05f, 0.05f);
   DeviceBuffer d_out = to_device(out), d_shared = to_device(shared), d_post = to_device(post),
                d_comb = to_device(comb), d_fn = to_device(fn), plain = to_device(streams), fused = to_device(streams);
