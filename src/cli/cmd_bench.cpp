@@ -25,7 +25,6 @@
 #include "cli/commands.h"
 #include "core/check.h"
 #include "model/model.h"
-#include "model/sampler.h"
 #include "model/synthetic.h"
 #ifdef DSV4_HAVE_CUDA
 #include "cuda/bandwidth.h"
@@ -473,17 +472,12 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
         return;
       }
       for (TokenDraw& d : draws) d.u = uniform(rng);
+      // On the device, or (host) logits back and the rows drawn in parallel, as the runner is set below.
       if (B == 1) {
-        tokens[0] = runner->forward_draw(fed, draws[0]);  // on the device or the host, as set below
-      } else if (draw == "device") {
+        tokens[0] = runner->forward_draw(fed, draws[0]);
+      } else {
         const std::vector<int32_t> ids = cuda_runner_decode_batch_draw(*runner, fed, draws);
         std::copy(ids.begin(), ids.end(), tokens.begin());
-      } else {  // the server's host path: logits back, rows drawn in parallel
-        const std::vector<float> logits = cuda_runner_decode_batch(*runner, fed);
-#pragma omp parallel for
-        for (int b = 0; b < B; ++b)
-          tokens[size_t(b)] = draw_token(
-              std::span<const float>(logits).subspan(size_t(b) * c.vocab_size, size_t(c.vocab_size)), draws[size_t(b)]);
       }
     };
     double first_mode_ms = 0;

@@ -62,11 +62,10 @@ std::unique_ptr<BatchRunner> batch_runner(const Model& model, const std::string&
       return cuda_runner_decode_batch(r, tokens);
     };
     backend.copy = [](SequenceRunner& r, int from, int to) { cuda_runner_copy_sequence(r, from, to); };
-    if (cuda_runner_draws_on_device(*backend.runner))  // else the batch runner draws the rows on the host, in parallel
-      backend.decode_first_draw = [](SequenceRunner& r, std::span<const int32_t> tokens,
-                                     std::span<const TokenDraw> draws) {
-        return cuda_runner_decode_batch_draw(r, tokens, draws);
-      };
+    backend.decode_first_draw = [](SequenceRunner& r, std::span<const int32_t> tokens,
+                                   std::span<const TokenDraw> draws) {
+      return cuda_runner_decode_batch_draw(r, tokens, draws);  // on the device, or logits back and drawn on the host
+    };
     return make_packed_batch_runner(std::move(backend), sequences);
   }
 #endif

@@ -794,14 +794,7 @@ std::vector<int32_t> CudaRunner::decode_batch_draw(std::span<const int32_t> toke
   for (const TokenDraw& d : draws)
     DSV4_CHECK(d.vocab >= 0 && d.vocab <= c_.vocab_size, "decode_batch_draw: vocab {} outside [0, {}]", d.vocab,
                c_.vocab_size);
-  if (!options_.draw_on_device) {  // the logits come back and the host draws
-    const std::vector<float> logits = decode_rows(tokens, {});
-    std::vector<int32_t> ids(tokens.size());
-    for (size_t b = 0; b < tokens.size(); ++b)
-      ids[b] = draw_token(std::span<const float>(logits).subspan(b * size_t(c_.vocab_size), size_t(c_.vocab_size)),
-                          draws[b]);
-    return ids;
-  }
+  if (!options_.draw_on_device) return draw_rows(decode_rows(tokens, {}), draws);  // logits back, host draws
   decode_rows(tokens, draws);
   return std::vector<int32_t>(host_drawn_, host_drawn_ + tokens.size());
 }

@@ -104,7 +104,8 @@ void cuda_runner_select_sequence(SequenceRunner& runner, int sequence);
 // [tokens.size(), vocab]. With graph_decode, each batch size is captured once and replayed.
 std::vector<float> cuda_runner_decode_batch(SequenceRunner& runner, std::span<const int32_t> tokens);
 // The same step, each sequence's next token drawn by draws[b] (formats/token_draw.h): returns the ids
-// [tokens.size()] (on the device with CudaRunnerOptions::draw_on_device, else from the logits on the host).
+// [tokens.size()] (on the device with CudaRunnerOptions::draw_on_device, else from the logits on the host, the rows
+// in parallel: draw_rows).
 std::vector<int32_t> cuda_runner_decode_batch_draw(SequenceRunner& runner, std::span<const int32_t> tokens,
                                                    std::span<const TokenDraw> draws);
 // Whether forward_draw / cuda_runner_decode_batch_draw draw on the device (CudaRunnerOptions::draw_on_device), and

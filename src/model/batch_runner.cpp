@@ -3,7 +3,6 @@
 
 #include <algorithm>
 #include <numeric>
-#include <string>
 #include <utility>
 
 #include "core/check.h"
@@ -14,22 +13,7 @@ namespace dsv4 {
 std::vector<int32_t> BatchRunner::decode_draw(std::span<const int> seqs, std::span<const int32_t> tokens,
                                               std::span<const TokenDraw> draws) {
   DSV4_CHECK(draws.size() == seqs.size(), "decode_draw: {} draws for {} sequences", draws.size(), seqs.size());
-  const std::vector<float> logits = decode(seqs, tokens);
-  const size_t vocab = logits.size() / seqs.size();
-  const int n = int(seqs.size());
-  std::vector<int32_t> ids(seqs.size());
-  std::vector<std::string> failed(seqs.size());
-  // A draw over a 129K vocabulary takes 0.2-2 ms (docs/perf.md): the rows draw in parallel.
-#pragma omp parallel for schedule(dynamic, 1) if (n > 1)
-  for (int i = 0; i < n; ++i) {
-    try {
-      ids[size_t(i)] = draw_token(std::span<const float>(logits.data() + size_t(i) * vocab, vocab), draws[size_t(i)]);
-    } catch (const std::exception& e) {
-      failed[size_t(i)] = e.what();
-    }
-  }
-  for (const std::string& f : failed) DSV4_CHECK(f.empty(), "decode_draw: {}", f);
-  return ids;
+  return draw_rows(decode(seqs, tokens), draws);
 }
 
 namespace {

@@ -6,6 +6,7 @@
 #include <numeric>
 
 #include "core/check.h"
+#include "core/parallel.h"
 #include "formats/float_key.h"
 
 namespace dsv4 {
@@ -216,6 +217,18 @@ std::vector<int32_t> Sampler::kept_ids(std::span<const float> logits) {
 int32_t draw_token(std::span<const float> logits, const TokenDraw& d) {
   thread_local Sampler scratch{SamplingParams{}};
   return scratch.draw(logits, d);
+}
+
+std::vector<int32_t> draw_rows(std::span<const float> logits, std::span<const TokenDraw> draws) {
+  DSV4_CHECK(!draws.empty() && logits.size() % draws.size() == 0, "draw_rows: {} logits for {} rows", logits.size(),
+             draws.size());
+  const size_t vocab = logits.size() / draws.size();
+  std::vector<int32_t> ids(draws.size());
+  const std::vector<std::string> failed = parallel_indices(int(draws.size()), [&](int i) {
+    ids[size_t(i)] = draw_token(logits.subspan(size_t(i) * vocab, vocab), draws[size_t(i)]);
+  });
+  for (const std::string& f : failed) DSV4_CHECK(f.empty(), "draw_rows: {}", f);
+  return ids;
 }
 
 }  // namespace dsv4

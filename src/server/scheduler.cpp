@@ -9,6 +9,7 @@
 #include <numeric>
 
 #include "core/check.h"
+#include "core/parallel.h"
 #include "server/text_output.h"
 
 namespace dsv4::server {
@@ -290,18 +291,10 @@ void Scheduler::decode_slots(const std::vector<Slot*>& slots) {
   // A draw over a 129K vocabulary takes 0.2-2 ms (docs/perf.md): the slots draw in parallel (each from its own
   // sampler, so the tokens do not depend on the threads), then hand their tokens over in slot order.
   const size_t vocab = logits.size() / slots.size();
-  const int n = int(slots.size());
   std::vector<GeneratedToken> picked(slots.size());
-  std::vector<std::string> failed(slots.size());
-#pragma omp parallel for schedule(dynamic, 1) if (n > 1)
-  for (int i = 0; i < n; ++i) {
-    try {
-      const std::span<const float> row(logits.data() + size_t(i) * vocab, vocab);
-      picked[size_t(i)] = pick_token(*slots[size_t(i)], row);
-    } catch (const std::exception& e) {
-      failed[size_t(i)] = e.what();
-    }
-  }
+  const std::vector<std::string> failed = parallel_indices(int(slots.size()), [&](int i) {
+    picked[size_t(i)] = pick_token(*slots[size_t(i)], std::span<const float>(logits).subspan(size_t(i) * vocab, vocab));
+  });
   for (size_t i = 0; i < slots.size(); ++i) {
     if (failed[i].empty()) {
       deliver_token(*slots[i], std::move(picked[i]));

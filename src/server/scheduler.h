@@ -4,8 +4,9 @@
 //   1. drops requests that were cancelled (client gone, shutdown) and frees their slots,
 //   2. admits queued requests into free slots (a slot = one sequence of the BatchRunner, sized by max_context),
 //   3. runs one prefill chunk for each slot still reading its prompt, then one decode token for every other slot,
-//      all of them in one BatchRunner::decode call (one batched step on the GPU),
-//   4. samples, detokenises, checks stop conditions and hands the new text to each request's handle.
+//      all of them in one BatchRunner call (one batched step on the GPU): decode_draw, which brings back only the
+//      drawn ids, unless a request of the step wants logprobs (decode, logits back, drawn here),
+//   4. detokenises, checks stop conditions and hands the new text to each request's handle.
 // A sequence's tokens depend only on its own state, so batched output equals the output of the same request
 // alone (tested in tests/server/test_scheduler.cpp).
 #pragma once

@@ -1,0 +1,26 @@
+// SPDX-License-Identifier: MIT
+// Independent per-row work of the host spread over OpenMP threads, with each row's failure kept apart.
+#pragma once
+#include <exception>
+#include <string>
+#include <vector>
+
+namespace dsv4 {
+
+// f(i) for every i in [0, n), one index at a time per OpenMP thread (no threads for n = 1); returns what each call
+// threw, empty where it returned, so a caller decides per row.
+template <class F>
+std::vector<std::string> parallel_indices(int n, F&& f) {
+  std::vector<std::string> failed(size_t(n > 0 ? n : 0));
+#pragma omp parallel for schedule(dynamic, 1) if (n > 1)
+  for (int i = 0; i < n; ++i) {
+    try {
+      f(i);
+    } catch (const std::exception& e) {
+      failed[size_t(i)] = e.what();
+    }
+  }
+  return failed;
+}
+
+}  // namespace dsv4
