@@ -313,12 +313,14 @@ class CudaRunner final : public SequenceRunner {
   bool fused_mix(int n) const {
     return options_.fuse_mhc_mix && n <= kCudaMaxChunk && c_.hc_mult == 4 && c_.hidden_size % 4 == 0;
   }
+  enum class Sublayer { Attention, Ffn };
   // 2.3 mHC pre + the sublayer's norm; mix_ready: the previous hc_post_mix left the mix partials.
-  void mhc_pre(const char* sublayer, const HcDevice& w, const DeviceBuffer& norm, int n, bool mix_ready) {
+  void mhc_pre(Sublayer sublayer, const HcDevice& w, const DeviceBuffer& norm, int n, bool mix_ready) {
     const int D = c_.hidden_size, hc = c_.hc_mult, n_mix = (2 + hc) * hc;
+    const bool attn = sublayer == Sublayer::Attention;
     if (!mix_ready)
-      linear_f32(sublayer[0] == 'a' ? "attn: mHC mix" : "ffn: mHC mix", streams_.as<float>(), w.fn,
-                 mix_.as<float>(), n, n_mix, hc * D);
+      linear_f32(attn ? "attn: mHC mix" : "ffn: mHC mix", streams_.as<float>(), w.fn, mix_.as<float>(), n, n_mix,
+                 hc * D);
     gpu::HcPreParams p{streams_.as<float>(), mix_.as<float>(), w.base.as<float>(), w.scale.as<float>(),
                        norm.as<float>(), n, hc, D, c_.hc_sinkhorn_iters, c_.hc_eps, c_.rms_norm_eps,
                        post_.as<float>(), comb_.as<float>(), normed_.as<float>(), normed_bf16_.as<uint16_t>()};
@@ -328,13 +330,13 @@ class CudaRunner final : public SequenceRunner {
       p.mix_blocks = gpu::hc_post_mix_blocks(D);
     }
     gpu::hc_pre(p, stream_);
-    launched(sublayer[0] == 'a' ? "attn: hc_pre + norm" : "ffn: hc_pre + norm");
+    launched(attn ? "attn: hc_pre + norm" : "ffn: hc_pre + norm");
   }
   // 2.4 mHC post of the sublayer output (out [n, out_k, D] summed in order, + out2); `next`: the mHC whose mix the
   // fused kernel computes on the way (none after the last layer, or when not fused).
-  void mhc_post(const char* sublayer, const float* out, int out_k, const float* out2, int n, const HcDevice* next) {
+  void mhc_post(Sublayer sublayer, const float* out, int out_k, const float* out2, int n, const HcDevice* next) {
     const int D = c_.hidden_size, hc = c_.hc_mult;
-    const bool attn = sublayer[0] == 'a';
+    const bool attn = sublayer == Sublayer::Attention;
     if (next && fused_mix(n)) {
       gpu::hc_post_mix({out, out_k, out2, post_.as<float>(), comb_.as<float>(), n, hc, D, streams_.as<float>(),
                         next->fn.as<float>(), (2 + hc) * hc, mix_partials_.as<float>()},
@@ -1004,7 +1006,7 @@ void CudaRunner::attention_block(int l, int n) {
   float* y_q = y_q_.as<float>();
 
   // 2.3 mHC pre + attn_norm (the mix comes from the previous layer's hc_post when fused)
-  mhc_pre("attn", d.hc_attn, d.attn_norm, n, l > 0 && fused_mix(n));
+  mhc_pre(Sublayer::Attention, d.hc_attn, d.attn_norm, n, l > 0 && fused_mix(n));
 
   // 3.2 / 3.3 / 3.5 input projections in one GEMM, then q_norm and the q projections in another.
   linear("attn: gemv x-side [wq_a|wkv|compressors]", d.w_x, normed_bf16_.data(), y_x, n, c.q_lora_rank + hd);
@@ -1208,7 +1210,7 @@ void CudaRunner::attention_block(int l, int n) {
   launched("attn: gemv wo_a (batched over groups)");
   linear("attn: gemv wo_b", d.wo_b, z_.data(), attn_out_.data(), n, GemvOut::F32, true);
 
-  mhc_post("attn", attn_out_.as<float>(), 1, nullptr, n, &d.hc_ffn);
+  mhc_post(Sublayer::Attention, attn_out_.as<float>(), 1, nullptr, n, &d.hc_ffn);
 }
 
 void CudaRunner::ffn_block(int l, int n) {
@@ -1217,7 +1219,7 @@ void CudaRunner::ffn_block(int l, int n) {
   const int D = c.hidden_size, E = c.n_routed_experts;
   const int k = c.n_experts_per_tok;
 
-  mhc_pre("ffn", d.hc_ffn, d.ffn_norm, n, fused_mix(n));
+  mhc_pre(Sublayer::Ffn, d.hc_ffn, d.ffn_norm, n, fused_mix(n));
 
   // 4.1 router (fp32)
   linear_f32("ffn: router gate", normed_.as<float>(), d.gate, router_logits_.as<float>(), n, E, D);
@@ -1293,8 +1295,8 @@ void CudaRunner::ffn_block(int l, int n) {
     launched("ffn: shared swiglu");
     linear("ffn: gemv shared w2", d.shared_w2, h_shared_.data(), shared_out_.data(), n, GemvOut::F32, true);
   }
-  mhc_post("ffn", y_pairs_.as<float>(), pairs, shared ? shared_out_.as<float>() : nullptr, n,
-           l + 1 < c.n_layers ? &layers_[size_t(l + 1)].hc_attn : nullptr);
+  mhc_post(Sublayer::Ffn, y_pairs_.as<float>(), pairs, shared ? shared_out_.as<float>() : nullptr, n,
+           l + 1 < c.n_layers ? &layers_[size_t(l + 1)].hc_attn : nullptr);  // the next layer's mix, when fused
 }
 
 }  // namespace
