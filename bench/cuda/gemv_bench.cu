@@ -3,6 +3,8 @@
 // m in {1, 8, 32} and every split_k, against that copy bandwidth. Weight sets rotate through >= 256 MB so no
 // launch reads from L2 (60 MB); each timing is the median of 15 graph replays measured with events.
 // Usage: dsv4_gemv_bench [--md FILE] [--pdl] [--quick]   (FILE gets the markdown table for docs/perf.md)
+// FP4 rows with bf16 activations are also timed with the weights through the copy engine (set_gemv_bulk): "bulk"
+// gives its time at the heuristic's split and its best split, next to the register kernel's in the same run.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -19,6 +21,7 @@
 #include "cuda/bandwidth.h"
 #include "cuda/device.h"
 #include "cuda/gemv.h"
+#include "cuda/gemv_launch.h"
 #include "cuda/ops.h"
 
 namespace {
@@ -234,11 +237,29 @@ int main(int argc, char** argv) {
             if (split == auto_split) t_auto = t;
             if (t < t_best) t_best = t, best_split = split;
           }
+          std::string bulk_note;
+          GemvParams probe = p;
+          probe.w = sets.data(), probe.w_scale = sb ? sets.as<char>() + round_up(wb, 256) : nullptr;
+          set_gemv_bulk(true);
+          if (detail::gemv_bulk_supported(probe)) {
+            double tb_auto = 0, tb_best = 1e30;
+            int tb_split = 0;
+            for (int split : {1, 2, 4, 8}) {
+              const double t = time_split(split);
+              if (split == auto_split) tb_auto = t;
+              if (t < tb_best) tb_best = t, tb_split = split;
+            }
+            char buf[160];
+            std::snprintf(buf, sizeof buf, "  bulk %.2f us %.3f, best %d (%.3f)", tb_auto * 1e6,
+                          double(step_bytes) / tb_auto / copy_bw, tb_split, double(step_bytes) / tb_best / copy_bw);
+            bulk_note = buf;
+          }
+          set_gemv_bulk(false);
           const double bw = double(step_bytes) / t_auto;
           char line[512];
-          std::snprintf(line, sizeof line, "%-9s %-13s %3d%s %5d %10.2f %9.0f %8.3f %8.3f  %d (%.3f)\n", f.name, sh.name,
-                        m, act == GemvAct::FP8 ? "a8" : "  ", auto_split, t_auto * 1e6, bw / 1e9, bw / copy_bw,
-                        bw / same_bw, best_split, double(step_bytes) / t_best / copy_bw);
+          std::snprintf(line, sizeof line, "%-9s %-13s %3d%s %5d %10.2f %9.0f %8.3f %8.3f  %d (%.3f)%s\n", f.name,
+                        sh.name, m, act == GemvAct::FP8 ? "a8" : "  ", auto_split, t_auto * 1e6, bw / 1e9, bw / copy_bw,
+                        bw / same_bw, best_split, double(step_bytes) / t_best / copy_bw, bulk_note.c_str());
           std::fputs(line, stdout);
           std::fflush(stdout);
           std::snprintf(line, sizeof line, "| %s | %s | %d%s | %d | %.2f | %.0f | %.3f | %.3f | %d (%.3f) |\n", f.name,
@@ -277,7 +298,11 @@ int main(int argc, char** argv) {
           moe_slots(mp);
         }
         const double bytes = double(wb + sb) * picks * (second ? 2 : 1);
-        std::printf("  %-9s %-4s %-16s", f.name, act == GemvAct::FP8 ? "a8" : "a16", name);
+        const bool fp4 = f.w == GemvWeight::MXFP4 || f.w == GemvWeight::NVFP4;
+        for (const bool bulk : {false, true}) {
+        if (bulk && (!fp4 || act != GemvAct::BF16)) continue;
+        set_gemv_bulk(bulk);
+        std::printf("  %-9s %-4s %-16s%s", f.name, act == GemvAct::FP8 ? "a8" : "a16", name, bulk ? " bulk" : "     ");
         for (int split : {0, 1, 2, 4, 8}) {  // 0: the heuristic (7 active slots)
             const double t = time_steps(
                 [&](cudaStream_t st_, int step) {
@@ -301,6 +326,8 @@ int main(int argc, char** argv) {
           }
         std::printf("\n");
         std::fflush(stdout);
+        set_gemv_bulk(false);
+        }
       }
     }
 

@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # One device call for the CUDA backend (the device tool runs it in a copy of the repository):
-#   GPU tests -> compute-sanitizer memcheck on a short run -> (SERVE=1) the server's curl test on the GPU, with
-#   tokens drawn on the host and on the device -> dsv4 bench (Flash-shaped, NVFP4 + BF16).
+#   (FIRST_FILTER) new kernels' tests alone -> GPU tests -> compute-sanitizer memcheck on a short run -> (SERVE=1)
+#   the server's curl test on the GPU, with tokens drawn on the host and on the device -> (GEMV=1) dsv4_gemv_bench
+#   --quick (fp4 rows also with the copy-engine kernel) -> dsv4 bench (Flash-shaped, NVFP4 + BF16) ->
+#   (BENCH_ENV="A=1 B=1") the bench again with those variables set (same arguments), an A/B of switches that are off
+#   by default.
 # Expects devrun/build.tar.xz made on the CPU machine by bench/cuda/pack_device_build.sh (binaries + the
 # non-system shared libraries they need). Test binaries have the source path compiled in: /work/main is linked
 # to this copy when it does not exist.
@@ -13,8 +16,17 @@ tar -xJf devrun/build.tar.xz -C /tmp/dsv4
 export LD_LIBRARY_PATH="/tmp/dsv4/rt:/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}"
 B=/tmp/dsv4/bin
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader
+# FIRST_FILTER: tests of kernels never run before, in their own process first: a kernel that traps leaves the CUDA
+# context unusable, and every later test of the same process would fail with it.
+if [ -n "${FIRST_FILTER:-}" ]; then
+  T0=$(date +%s)
+  timeout ${FIRST_TIMEOUT:-120} "$B/dsv4_cuda_tests" --gtest_filter="$FIRST_FILTER" > "$OUT/tests_first.log" 2>&1
+  echo "first tests ($FIRST_FILTER) exit code: $? ($(( $(date +%s) - T0 )) s)"
+  grep -E "^\[  (PASSED|FAILED) |FAILED  \]|tests ran|^\[cuda-bulk\]" "$OUT/tests_first.log" | head -20
+fi
 T0=$(date +%s)
-timeout ${TEST_TIMEOUT:-240} "$B/dsv4_cuda_tests" ${TEST_FILTER:+--gtest_filter=$TEST_FILTER} > "$OUT/tests.log" 2>&1
+REST_FILTER=${TEST_FILTER:-${FIRST_FILTER:+-$FIRST_FILTER}}
+timeout ${TEST_TIMEOUT:-240} "$B/dsv4_cuda_tests" ${REST_FILTER:+--gtest_filter=$REST_FILTER} > "$OUT/tests.log" 2>&1
 echo "tests exit code: $? ($(( $(date +%s) - T0 )) s)"
 grep -E "^\[  (PASSED|FAILED|SKIPPED) |FAILED  \]|tests ran" "$OUT/tests.log" | head -30
 grep -E "^\[(cuda-model|cuda-quant|gemm)\]" "$OUT/tests.log" | head -60
@@ -35,9 +47,22 @@ if [ -n "${SERVE:-}" ]; then
     tail -5 "$OUT/serve_draw$draw.log"
   done
 fi
+if [ -n "${GEMV:-}" ]; then
+  T0=$(date +%s)
+  timeout ${GEMV_TIMEOUT:-200} "$B/dsv4_gemv_bench" --quick --pdl > "$OUT/gemv.log" 2>&1
+  echo "gemv bench exit code: $? ($(( $(date +%s) - T0 )) s)"
+  grep -E "^(copy|fixed)|mxfp4|nvfp4" "$OUT/gemv.log" | head -40
+fi
 if [ -z "${NO_BENCH:-}" ]; then
   T0=$(date +%s)
   timeout ${BENCH_TIMEOUT:-300} "$B/dsv4" bench ${BENCH_ARGS:-} --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
   echo "bench exit code: $? ($(( $(date +%s) - T0 )) s)"
   cat "$OUT/bench.log" | grep -v "^\s*$" | tail -80
+  if [ -n "${BENCH_ENV:-}" ]; then
+    T0=$(date +%s)
+    env $BENCH_ENV timeout ${BENCH_TIMEOUT:-300} "$B/dsv4" bench ${BENCH_ARGS:-} --json "$OUT/bench_env.json" \
+      > "$OUT/bench_env.log" 2>&1
+    echo "bench with $BENCH_ENV exit code: $? ($(( $(date +%s) - T0 )) s)"
+    grep -E "^(decode|prefill|  *[0-9]+ )|copy engine|fused|info" "$OUT/bench_env.log" | head -30
+  fi
 fi

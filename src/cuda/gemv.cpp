@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 
 #include "cuda/cuda_check.h"
 #include "cuda/device.h"
@@ -44,7 +46,37 @@ void for_row_pieces(const GemvParams& p, Fn&& fn) {
   }
 }
 
+// The weight stream of fp4 skinny launches (set_gemv_bulk); -1 = not yet read from the environment.
+int bulk_mode = -1;
+
+// Says once which kernel streams fp4 weights, and once per shape family when the copy-engine kernel was asked for
+// but cannot take a call (the register kernel runs it).
+void note_bulk_choice(const GemvParams& p, bool taken) {
+  const bool fp4 = p.weight == GemvWeight::MXFP4 || p.weight == GemvWeight::NVFP4;
+  if (!fp4 || p.m > kGemvMaxM || !gemv_bulk_enabled() || detail::gemv_w4a8_supported(p)) return;
+  static bool said_taken = false, said_not = false;
+  if (taken && !said_taken) {
+    said_taken = true;
+    spdlog::info("gemv: fp4 weights stream through the copy engine (DSV4_GEMV_BULK / set_gemv_bulk)");
+  } else if (!taken && !said_not) {
+    said_not = true;
+    spdlog::info("gemv: the copy-engine kernel cannot take {} n = {} k = {} (needs k % 512 == 0 and 16-byte aligned "
+                 "weights, scales and expert strides); the register kernel runs it and others like it",
+                 gemv_weight_name(p.weight), p.n, p.k);
+  }
+}
+
 }  // namespace
+
+void set_gemv_bulk(bool on) { bulk_mode = on ? 1 : 0; }
+
+bool gemv_bulk_enabled() {
+  if (bulk_mode < 0) {
+    const char* env = std::getenv("DSV4_GEMV_BULK");
+    bulk_mode = env && std::string(env) == "1" ? 1 : 0;
+  }
+  return bulk_mode == 1;
+}
 
 int gemv_k_multiple(GemvWeight w) {
   switch (w) {
@@ -164,6 +196,7 @@ void gemv(const GemvParams& p) {
     return;
   }
   const int split = q.split_k ? q.split_k : gemv_default_split_k(q, current_sm_count());
+  note_bulk_choice(q, detail::gemv_bulk_supported(q));
   DSV4_CUDA_CHECK(detail::gemv_launch(q, split));
 }
 
@@ -189,6 +222,7 @@ void gemv_batched(const GemvBatchedParams& b) {
   GemvParams whole = b.base;
   whole.n = b.base.n * b.batch;
   const int split = b.base.split_k ? b.base.split_k : gemv_default_split_k(whole, current_sm_count());
+  note_bulk_choice(b.base, detail::gemv_bulk_supported(b.base));
   DSV4_CUDA_CHECK(detail::gemv_batched_launch(b, split));
 }
 
@@ -220,9 +254,11 @@ void gemv_grouped(const GemvGroupedParams& g) {
     DSV4_CHECK(g.x_rows > 0, "gemv_grouped: act fp8 without the W4A8 kernel needs x_rows (got {})", g.x_rows);
     GemvGroupedParams q = g;
     q.base = with_quantised_x(g.base, g.x_rows, "gemv_grouped");
+    note_bulk_choice(q.base, detail::gemv_bulk_grouped_supported(q));
     DSV4_CUDA_CHECK(detail::gemv_grouped_launch(q, split));
     return;
   }
+  note_bulk_choice(g.base, detail::gemv_bulk_grouped_supported(g));
   DSV4_CUDA_CHECK(detail::gemv_grouped_launch(g, split));
 }
 

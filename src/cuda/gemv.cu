@@ -12,6 +12,7 @@
 
 #include "cuda/dequant.cuh"
 #include "cuda/gemv_launch.h"
+#include "cuda/gemv_piece.cuh"
 #include "cuda/gemv_slot.cuh"
 #include "cuda/launch.cuh"
 #include "cuda/moe_route.cuh"
@@ -19,49 +20,8 @@
 namespace dsv4::detail {
 namespace {
 
-enum class Fmt { BF16, FP8_E8M0, FP8_F32, MXFP4, NVFP4 };
-
 constexpr int kThreads = kGemvWarps * 32;
-constexpr int kChunkBytes = 64;  // bytes of one weight row per chunk: 4 quad threads x 16 bytes
 constexpr int kUnroll = 4;       // chunks loaded per thread before the first is used (8 x 16 B in flight)
-
-template <Fmt F>
-constexpr int elems_per_16b() {  // weight elements in one thread's 16-byte piece
-  return F == Fmt::BF16 ? 8 : (F == Fmt::FP8_E8M0 || F == Fmt::FP8_F32) ? 16 : 32;
-}
-
-
-__device__ __forceinline__ void mma_bf16(float c[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                         uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// One thread's 16-byte piece of one row -> bf16x2 words in element order. `scale` holds the raw scale bits
-// that apply to this piece (format-specific, see the loads in the kernel).
-template <Fmt F>
-__device__ __forceinline__ void decode_piece(const uint4& raw, uint32_t scale, uint32_t out[elems_per_16b<F>() / 2]) {
-  const uint32_t word[4] = {raw.x, raw.y, raw.z, raw.w};
-  if constexpr (F == Fmt::BF16) {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) out[i] = word[i];
-  } else if constexpr (F == Fmt::FP8_E8M0 || F == Fmt::FP8_F32) {
-    const uint32_t factor = F == Fmt::FP8_E8M0 ? dq::fp8_factor_e8m0(scale) : dq::fp8_factor_unit();
-#pragma unroll
-    for (int i = 0; i < 4; ++i) dq::e4m3x4_to_bf16x2(word[i], factor, out + 2 * i);
-  } else if constexpr (F == Fmt::MXFP4) {
-    const uint32_t factor = dq::mxfp4_factor(scale);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) dq::e2m1x8_to_bf16x2(word[i], factor, out + 4 * i);
-  } else {  // NVFP4: two 16-element blocks, scale bytes s0 (words 0-1) and s1 (words 2-3)
-    uint32_t f0, f1;
-    dq::nvfp4_factor_pair(scale, f0, f1);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) dq::e2m1x8_to_bf16x2(word[i], i < 2 ? f0 : f1, out + 4 * i);
-  }
-}
 
 template <Fmt F, int kTilesN, bool kGrouped>
 __global__ void __launch_bounds__(kThreads, kTilesN <= 2 ? 2 : 1) gemv_kernel(const KernelArgs a) {
@@ -201,37 +161,10 @@ __global__ void __launch_bounds__(kThreads, kTilesN <= 2 ? 2 : 1) gemv_kernel(co
     }
   }
 
-  // Split-k sum through shared memory. red[warp][row in tile][batch row]; +1 pads the row stride against
-  // bank conflicts in the read loop (consecutive threads read consecutive rows).
-  constexpr int kCols = kTilesN * 8 + 1;
-  __shared__ float red[kGemvWarps][16][kCols];
+  // Split-k sum through shared memory.
+  __shared__ float red[kGemvWarps * 16 * (kTilesN * 8 + 1)];
   if (rb > 0) __syncthreads();  // the previous pass's reads of red are done
-#pragma unroll
-  for (int j = 0; j < kTilesN; ++j) {
-    red[warp][g][8 * j + 2 * t] = acc[j][0];
-    red[warp][g][8 * j + 2 * t + 1] = acc[j][1];
-    red[warp][g + 8][8 * j + 2 * t] = acc[j][2];
-    red[warp][g + 8][8 * j + 2 * t + 1] = acc[j][3];
-  }
-  __syncthreads();
-  const int rows_in_block = tiles_per_block * 16;
-  const int n_block0 = blockIdx.x * rows_in_block;
-  const int pass_rows = min(kTilesN * 8, m_rows - rb);
-  for (int idx = threadIdx.x; idx < rows_in_block * pass_rows; idx += kThreads) {
-    const int r = idx % rows_in_block, m = idx / rows_in_block;
-    const int n = n_block0 + r;
-    if (n >= a.n) continue;
-    const int tl = r / 16, rr = r % 16;
-    float s = 0.0f;
-    for (int p = 0; p < split; ++p) s += red[tl * split + p][rr][m];
-    s *= y_factor;
-    void* y = kGrouped && blockIdx.z == 1 ? a.y_second : a.y;
-    const int64_t out = y_offset + int64_t(pair_of(rb + m)) * a.ldy + n;
-    if (a.out_bf16)
-      static_cast<__nv_bfloat16*>(y)[out] = __float2bfloat16_rn(s);
-    else
-      static_cast<float*>(y)[out] = s;
-  }
+  store_tile_sums<kTilesN, kGrouped>(a, {tiles_per_block, split, m_rows, rb, order0, y_factor, y_offset}, acc, red);
   }  // row passes
 }
 
@@ -331,6 +264,7 @@ cudaError_t moe_route_and_slots_launch(const gpu::RouterParams& r, const MoeSlot
 cudaError_t gemv_launch(const GemvParams& p, int split_k) {
   if (gemv_tiled_supported(p)) return gemv_tiled_launch(plain_args(p, split_k), p, dim3(1, 1, 1), false);
   if (gemv_w4a8_supported(p)) return gemv_w4a8_launch(plain_args(p, split_k), p, dim3(1, 1, 1), false);
+  if (gemv_bulk_supported(p)) return gemv_bulk_launch(plain_args(p, split_k), p, dim3(1, 1, 1), false);
   return launch<false>(p, plain_args(p, split_k), dim3(1, 1, 1));
 }
 
@@ -339,6 +273,7 @@ cudaError_t gemv_batched_launch(const GemvBatchedParams& b, int split_k) {
   a.x_batch_stride = b.x_batch_stride;
   a.y_batch_stride = b.y_batch_stride;
   if (gemv_tiled_supported(b.base)) return gemv_tiled_launch(a, b.base, dim3(1, b.batch, 1), false);
+  if (gemv_bulk_supported(b.base)) return gemv_bulk_launch(a, b.base, dim3(1, b.batch, 1), false);
   return launch<false>(b.base, a, dim3(1, b.batch, 1));
 }
 
@@ -360,6 +295,7 @@ cudaError_t gemv_grouped_launch(const GemvGroupedParams& g, int split_k) {
   const dim3 grid(1, g.max_slots, g.second.w ? 2 : 1);
   if (gemv_tiled_supported(g.base)) return gemv_tiled_launch(a, g.base, grid, true);
   if (gemv_w4a8_supported(g.base)) return gemv_w4a8_launch(a, g.base, grid, true);
+  if (gemv_bulk_grouped_supported(g)) return gemv_bulk_launch(a, g.base, grid, true);
   return launch<true>(g.base, a, grid);
 }
 

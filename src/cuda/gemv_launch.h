@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: MIT
 // Internal boundary between gemv.cpp (validation, heuristics, errors) and the kernels (gemv.cu: bf16 tensor-core
-// kernel for every format; gemv_w4a8.cu: FP4 weights x FP8 activations at m = 1; act_quant).
+// kernel for every format; gemv_bulk.cu: the same for FP4 weights fed by the copy engine; gemv_w4a8.cu: FP4
+// weights x FP8 activations at m = 1; act_quant).
 #pragma once
 #include <cuda_runtime.h>
 
@@ -51,6 +52,13 @@ cudaError_t moe_route_and_slots_launch(const gpu::RouterParams& router, const Mo
 constexpr int kW4a8MaxK = 16384;
 bool gemv_w4a8_supported(const GemvParams& p);
 cudaError_t gemv_w4a8_launch(const KernelArgs& a, const GemvParams& p, dim3 grid, bool grouped);
+
+// FP4 weights through the copy engine (gemv_bulk.cu), when switched on (gemv_bulk_enabled in gemv.h): MXFP4 /
+// NVFP4, m <= kGemvMaxM, k a multiple of 512, w and w_scale 16-byte aligned (grouped launches also need expert
+// strides that keep both aligned: gemv_bulk_grouped_supported). Same tiles and split as the register kernel.
+bool gemv_bulk_supported(const GemvParams& p);
+bool gemv_bulk_grouped_supported(const GemvGroupedParams& g);
+cudaError_t gemv_bulk_launch(const KernelArgs& a, const GemvParams& p, dim3 grid, bool grouped);
 
 // The tiled kernel for m > kGemvMaxM (gemv_tiled.cu): every format except FP8 block weights with f32 scales.
 // Plain, batched (grid.y) and grouped (grid.y slots, grid.z projections) like the skinny kernel; a.m is the row

@@ -37,6 +37,7 @@
 #include "cuda/runner.h"
 #include "formats/bf16.h"
 #include "model/model.h"
+#include "model/synthetic.h"
 #include "quant/quantize.h"
 
 namespace fs = std::filesystem;
@@ -913,6 +914,59 @@ TEST(CudaModel, FusedRoutingChangesNoBits) {
     ASSERT_EQ(fused.size(), plain.size());
     EXPECT_EQ(std::memcmp(fused.data(), plain.data(), fused.size() * sizeof(float)), 0) << name;
     EXPECT_EQ(plain_kernels - fused_kernels, model.config().n_layers) << name;
+  }
+}
+
+// set_gemv_bulk: the fp4 linears of a model whose every k is a multiple of 512 (the small synthetic structure at
+// hidden 512, synthetic NVFP4 / MXFP4 weights) run the copy-engine kernel in prefill chunks of up to 64 rows and in
+// graph-replayed decode at batch 1 and 5 (its first copies are issued before griddepcontrol.wait). The logits must
+// match the register kernel's to fp32 rounding (only the split-k partition differs), with the same kernel count.
+TEST(CudaModel, BulkGemvMatchesRegisterGemv) {
+  DSV4_REQUIRE_CUDA();
+  ModelConfig c = small_synthetic_config();
+  c.hidden_size = 512, c.q_lora_rank = 512, c.o_groups = 1, c.o_lora_rank = 512, c.moe_inter = 512;
+  c.index_head_dim = 128;
+  c.validate();
+  const Model model(c, synthetic_weights(c, 3), Numerics{});
+  const int V = c.vocab_size, n = 40, steps = 6, B = 5;
+  std::mt19937 rng(31);
+  std::uniform_int_distribution<int32_t> token(2, V - 1);
+  std::vector<int32_t> prompt(n), fed(steps);
+  for (int32_t& t : prompt) t = token(rng);
+  for (int32_t& t : fed) t = token(rng);
+  for (const GemvWeight format : {GemvWeight::NVFP4, GemvWeight::MXFP4}) {
+    auto run = [&](bool bulk) {
+      set_gemv_bulk(bulk);
+      CudaRunnerOptions options;
+      options.synthetic_format = format;
+      options.sequences = B;
+      options.prefill_chunk = 64;
+      std::unique_ptr<SequenceRunner> r = make_cuda_runner(model, n + 2 * steps + 1, options);
+      std::vector<float> logits = r->forward(prompt, false);
+      for (int i = 0; i < steps; ++i) {
+        const std::vector<float> row = r->forward(std::span<const int32_t>(&fed[size_t(i)], 1), true);
+        logits.insert(logits.end(), row.begin(), row.end());
+      }
+      const int64_t kernels = cuda_runner_stats(*r).graph_kernels;
+      for (int b = 1; b < B; ++b) cuda_runner_copy_sequence(*r, 0, b);
+      for (int i = 0; i < steps; ++i) {
+        const std::vector<float> rows = cuda_runner_decode_batch(*r, std::vector<int32_t>(B, fed[size_t(i)]));
+        logits.insert(logits.end(), rows.begin(), rows.end());
+      }
+      set_gemv_bulk(false);
+      return std::pair{logits, kernels};
+    };
+    const auto [bulk, bulk_kernels] = run(true);
+    const auto [plain, plain_kernels] = run(false);
+    EXPECT_EQ(bulk_kernels, plain_kernels);
+    Diff diff;
+    diff.add(bulk, plain, V);
+    const double scale = diff.max_ref;
+    std::printf("[cuda-bulk] %s: %zu rows, per-row max |bulk - register| median %.3g, max %.3g of max|logit| %.3g\n",
+                gemv_weight_name(format), diff.row_max.size(), diff.quantile(0.5), diff.max_abs, scale);
+    EXPECT_GT(scale, 0.0);
+    EXPECT_LE(diff.quantile(0.5), 1e-4 * scale);
+    EXPECT_LE(diff.max_abs, 1e-2 * scale);
   }
 }
 

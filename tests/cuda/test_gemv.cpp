@@ -119,6 +119,13 @@ struct Case {
   GemvOut out;
   int split_k;  // 0 = heuristic
   GemvAct act = GemvAct::BF16;
+  bool bulk = false;  // fp4 weights through the copy engine (set_gemv_bulk)
+};
+
+// set_gemv_bulk for one test, off again after it (also when an assertion returns early).
+struct BulkScope {
+  explicit BulkScope(bool on) { set_gemv_bulk(on); }
+  ~BulkScope() { set_gemv_bulk(false); }
 };
 
 std::string case_name(const Case& c) {
@@ -128,6 +135,7 @@ std::string case_name(const Case& c) {
   s += c.out == GemvOut::F32 ? "_outf32" : "_outbf16";
   s += c.split_k ? "_split" + std::to_string(c.split_k) : "_auto";
   if (c.act == GemvAct::FP8) s += "_actfp8";
+  if (c.bulk) s += "_bulk";
   return s;
 }
 
@@ -265,6 +273,10 @@ TEST_P(GemvTest, MatchesFp64Reference) {
   p.w_scale_2 = h.scale_2, p.y = y.data();
   p.weight = c.weight, p.fp8_scale = c.fp8_scale, p.out = c.out, p.split_k = c.split_k;
   p.act = c.act, p.act_scratch = act_scratch.data();
+  const BulkScope bulk(c.bulk);
+  if (c.bulk) {
+    ASSERT_TRUE(detail::gemv_bulk_supported(p)) << "the case must run the copy-engine kernel";
+  }
   gemv(p);
   DSV4_CUDA_CHECK(cudaDeviceSynchronize());
   const std::vector<double> xq = effective_x(h.x, c.m, c.k, c.act);
@@ -357,6 +369,19 @@ std::vector<Case> all_cases() {
       cases.push_back({f.w, f.s, 1, 301, f.k_wide, GemvOut::BF16, 0, GemvAct::FP8});
       cases.push_back({f.w, f.s, 1, 34000, f.k_tall, GemvOut::F32, 0, GemvAct::FP8});
       for (int split : {1, 2, 4, 8}) cases.push_back({f.w, f.s, 1, 301, f.k_wide, GemvOut::F32, split, GemvAct::FP8});
+      // The copy-engine kernel (k a multiple of 512): every n-tile count, partial tiles, warps with no stage
+      // (split 4 and 8 over 3 stages), one stage, a ring wrapped five times (16 stages at split 1), quantised x.
+      const GemvAct a = GemvAct::BF16;
+      for (int m : {1, 3, 8, 13, 29, 64}) {
+        cases.push_back({f.w, f.s, m, 301, 1024, GemvOut::F32, 0, a, true});
+        cases.push_back({f.w, f.s, m, 45, 4096, GemvOut::F32, 0, a, true});
+      }
+      for (int m : {3, 64}) cases.push_back({f.w, f.s, m, 301, 1024, GemvOut::BF16, 0, a, true});
+      for (int split : {1, 2, 4, 8}) cases.push_back({f.w, f.s, 8, 301, 1536, GemvOut::F32, split, a, true});
+      for (int m : {1, 64}) cases.push_back({f.w, f.s, m, 34000, 512, GemvOut::F32, 0, a, true});
+      cases.push_back({f.w, f.s, 1, 301, 8192, GemvOut::F32, 1, a, true});
+      cases.push_back({f.w, f.s, 8, 45, 8192, GemvOut::F32, 2, a, true});
+      cases.push_back({f.w, f.s, 3, 301, 1024, GemvOut::F32, 0, GemvAct::FP8, true});
     }
   }
   return cases;
@@ -398,6 +423,38 @@ TEST(GemvTiled, WeightTileVariantsAgreeBitForBit) {
     }
 }
 
+// At split_k 1 the copy-engine kernel walks k in the register kernel's order (one warp per tile, chunks in order,
+// the same mma sequence), so the two agree bit for bit; with more warps per tile only the split-k partition differs
+// (checked against fp64 above).
+TEST(GemvBulk, MatchesRegisterKernelBitForBitAtSplit1) {
+  DSV4_REQUIRE_CUDA();
+  std::mt19937_64 rng(91);
+  for (const GemvWeight w : {GemvWeight::MXFP4, GemvWeight::NVFP4})
+    for (const auto& [m, n, k] : {std::tuple{1, 301, 2048}, {8, 64, 4096}, {29, 301, 512}, {64, 45, 1536}}) {
+      const Case c{w, GemvScale::E8M0, m, n, k, GemvOut::F32, 1};
+      const HostProblem h = make_problem(c, rng);
+      DeviceBuffer x(h.x.size() * 2), dw(h.w.size()), ds(h.scale.size()), y(size_t(m) * n * 4);
+      x.upload(h.x.data(), h.x.size() * 2);
+      dw.upload(h.w.data(), h.w.size());
+      ds.upload(h.scale.data(), h.scale.size());
+      GemvParams p;
+      p.m = m, p.n = n, p.k = k, p.x = x.data(), p.w = dw.data(), p.w_scale = ds.data(), p.w_scale_2 = h.scale_2;
+      p.y = y.data(), p.weight = w, p.split_k = 1;
+      std::vector<std::vector<float>> got;
+      for (const bool on : {false, true}) {
+        const BulkScope bulk(on);
+        ASSERT_EQ(detail::gemv_bulk_supported(p), on);
+        y.fill_bytes(0xff);
+        gemv(p);
+        DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+        got.emplace_back(size_t(m) * n);
+        y.download(got.back().data(), got.back().size() * 4);
+      }
+      EXPECT_EQ(0, std::memcmp(got[0].data(), got[1].data(), got[0].size() * 4))
+          << gemv_weight_name(w) << " m " << m << " n " << n << " k " << k;
+    }
+}
+
 // Grouped (MoE) gemv and its slot builder, against the same fp64 reference per routed pair.
 
 struct GroupedCase {
@@ -408,6 +465,7 @@ struct GroupedCase {
   bool one_expert;     // every pick goes to expert 3, twice per token: more rows than a tile -> several passes
   bool second = false; // a second projection in the same launch (w3 next to w1)
   GemvAct act = GemvAct::BF16;
+  bool bulk = false;   // fp4 weights through the copy engine
 };
 
 std::string grouped_name(const GroupedCase& c) {
@@ -416,7 +474,7 @@ std::string grouped_name(const GroupedCase& c) {
   s = s.substr(0, s.find("_m1_")) + "_t" + std::to_string(c.tokens) + "x" + std::to_string(c.k_pick) + "_E" +
       std::to_string(c.experts) + "_n" + std::to_string(c.n) + "_k" + std::to_string(c.k) +
       (c.x_row_div == 1 ? "_pairrows" : "_tokenrows") + (c.one_expert ? "_oneexpert" : "") +
-      (c.second ? "_second" : "") + (c.act == GemvAct::FP8 ? "_actfp8" : "");
+      (c.second ? "_second" : "") + (c.act == GemvAct::FP8 ? "_actfp8" : "") + (c.bulk ? "_bulk" : "");
   return s;
 }
 
@@ -479,6 +537,10 @@ TEST_P(GemvGroupedTest, MatchesFp64ReferencePerPair) {
     g.second.w_scale = s_stride ? static_cast<const char*>(ds.data()) + s_stride * E : nullptr;
     g.second.scale_2 = ds2.as<float>() + E;
     g.second.y = dy.as<float>() + size_t(pairs) * c.n;
+  }
+  const BulkScope bulk(c.bulk);
+  if (c.bulk) {
+    ASSERT_TRUE(detail::gemv_bulk_grouped_supported(g)) << "the case must run the copy-engine kernel";
   }
   gemv_grouped(g);
   DSV4_CUDA_CHECK(cudaDeviceSynchronize());
@@ -569,6 +631,15 @@ std::vector<GroupedCase> grouped_cases() {
     cases.push_back({w, s, 1, 2, 8, 72, 256, 2, true, false, GemvAct::FP8});
     cases.push_back({w, s, 5, 6, 16, 200, 1056, 1, false, false, GemvAct::FP8});
     cases.push_back({w, s, 100, 6, 16, 136, 512, 6, false, true, GemvAct::FP8});
+    if (w == GemvWeight::MXFP4 || w == GemvWeight::NVFP4) {  // the copy-engine kernel: k a multiple of 512
+      const GemvAct a = GemvAct::BF16;
+      cases.push_back({w, s, 1, 6, 16, 200, 1024, 6, false, false, a, true});
+      cases.push_back({w, s, 5, 6, 16, 200, 1024, 1, false, false, a, true});
+      cases.push_back({w, s, 64, 6, 16, 136, 512, 6, false, false, a, true});
+      cases.push_back({w, s, 40, 2, 8, 72, 512, 2, true, false, a, true});  // 80 rows on one expert: two passes
+      cases.push_back({w, s, 1, 6, 16, 200, 1024, 6, false, true, a, true});
+      cases.push_back({w, s, 5, 6, 16, 200, 1024, 1, false, false, GemvAct::FP8, true});
+    }
   }
   return cases;
 }

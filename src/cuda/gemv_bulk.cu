@@ -1,0 +1,231 @@
+// SPDX-License-Identifier: MIT
+// The skinny kernel of gemv.cu with its weight stream on the copy engine (MXFP4 / NVFP4, m <= 64, k a multiple
+// of 512; gemv_bulk_supported). Same tiles, same split of a tile's k over `split` warps, same decode and mma
+// (gemv_piece.cuh); only the way weight bytes arrive differs.
+//
+// Why: the register kernel holds at most 128 bytes per thread in flight and waits for them before it decodes, and
+// an fp4 byte costs ~6 instructions of decode and mma, so its warps alternate between waiting and decoding and the
+// fp4 GEMVs stream at ~0.5 of copy bandwidth (docs/perf.md). Here each warp owns a ring of kStages shared-memory
+// stages of 512 weights x 16 rows: lane r < 16 copies row r's 256 bytes, lane 16 + r that row's scale bytes, with
+// cp.async.bulk completing on the stage's mbarrier. Copies hold no registers and cost one instruction per row, the
+// ring keeps kStages - 1 stages in flight while the warp decodes one, and a plain launch issues its first stages
+// before griddepcontrol.wait (weights never depend on the previous kernel), so they overlap its tail.
+//
+// Stage layout (bytes): even rows 2j at 256 j, odd rows 2j + 1 at 2112 + 256 j, so the rows g and g + 1 that one
+// quarter warp reads together are 64 bytes apart mod 128 (different bank halves), then each row's scale bytes at
+// 4160 + 32 r (NVFP4: 32 bytes = 32 e4m3 scales; MXFP4: 16 e8m0 bytes).
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "cuda/bulk_copy.cuh"
+#include "cuda/gemv_launch.h"
+#include "cuda/gemv_piece.cuh"
+#include "cuda/gemv_slot.cuh"
+#include "cuda/launch.cuh"
+
+namespace dsv4::detail {
+namespace {
+
+constexpr int kThreads = kGemvWarps * 32;
+constexpr int kStageChunks = 4;                                 // 64-byte chunks of a row per stage
+constexpr int kStageRowBytes = kStageChunks * kChunkBytes;      // 256
+constexpr int kStageK = kStageChunks * 128;                     // weights of a row per stage
+constexpr int kOddRowsAt = 8 * kStageRowBytes + 64;             // 2112
+constexpr int kScalesAt = 16 * kStageRowBytes + 64;             // 4160
+constexpr int kScaleRowBytes = 32;
+constexpr int kStageBytes = kScalesAt + 16 * kScaleRowBytes;    // 4672
+constexpr int kStages = 3;
+constexpr int kWarpRingBytes = kStages * kStageBytes;
+constexpr int kRingBytes = kGemvWarps * kWarpRingBytes;
+constexpr int kSmemBytes = kRingBytes + kGemvWarps * kStages * int(sizeof(uint64_t));
+static_assert(kStageBytes % 16 == 0 && kWarpRingBytes % 16 == 0 && kRingBytes % 8 == 0, "copy alignment");
+static_assert(kGemvWarps * 16 * (8 * 8 + 1) * 4 <= kRingBytes, "the split-k sums reuse the ring");
+
+__device__ __forceinline__ int stage_row_at(int r) { return r & 1 ? kOddRowsAt + (r >> 1) * kStageRowBytes
+                                                                   : (r >> 1) * kStageRowBytes; }
+
+__device__ __forceinline__ uint4 lds128(const uint8_t* p) { return *reinterpret_cast<const uint4*>(p); }
+
+template <Fmt F, int kTilesN, bool kGrouped>
+__global__ void __launch_bounds__(kThreads, kTilesN <= 2 ? 2 : 1) gemv_bulk_kernel(const KernelArgs a) {
+  static_assert(F == Fmt::MXFP4 || F == Fmt::NVFP4, "fp4 weights only");
+  gpu::allow_dependents();
+  extern __shared__ __align__(128) uint8_t smem[];
+  constexpr int kPairs = 16;  // bf16x2 words per decoded piece (32 weights)
+  constexpr int kScaleBytes = F == Fmt::NVFP4 ? 32 : 16;  // a row's scale bytes per stage
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int split = a.split, tiles_per_block = kGemvWarps / split;
+  const int tile = warp / split, part = warp % split;
+  const int row0 = (blockIdx.x * tiles_per_block + tile) * 16;
+  const int rows_valid = min(16, a.n - row0);  // <= 0 for a tile past n
+  const bool ok_lo = g < rows_valid, ok_hi = g + 8 < rows_valid;
+  const size_t row_bytes = size_t(a.k) / 2, scale_ld = size_t(a.k) / (F == Fmt::NVFP4 ? 16 : 32);
+  const int n_stages = a.k / kStageK;
+  const int s_begin = part * n_stages / split;  // this warp's stages of the tile's rows: [s_begin, s_end)
+  const int my_stages = rows_valid > 0 ? (part + 1) * n_stages / split - s_begin : 0;
+
+  uint8_t* ring = smem + warp * kWarpRingBytes;
+  uint64_t* bar = reinterpret_cast<uint64_t*>(smem + kRingBytes) + warp * kStages;
+  if (lane < kStages) barrier_init(bar + lane);
+  barrier_init_fence();
+  __syncwarp();
+
+  const uint8_t* w_base = a.w;
+  const uint8_t* w_scale = a.w_scale;
+  const __nv_bfloat16* x = reinterpret_cast<const __nv_bfloat16*>(a.x);
+  float y_factor = a.y_factor;
+  int m_rows = a.m, order0 = 0, w_row0 = a.w_row0;
+  int64_t y_offset = 0;
+  if constexpr (kGrouped) {
+    gpu::dependent_wait();  // the slots are the previous kernel's output
+    GroupedSlot slot;
+    if (!grouped_slot(a, slot)) return;  // the whole block, before any barrier
+    w_base = slot.w;
+    w_scale = slot.w_scale;
+    y_factor = slot.y_factor;
+    order0 = slot.order0;
+    m_rows = slot.m_rows;
+  } else {
+    w_row0 += blockIdx.y * a.n;
+    x += blockIdx.y * a.x_batch_stride;
+    y_offset = blockIdx.y * a.y_batch_stride;
+  }
+  const uint8_t* w_tile = w_base + size_t(w_row0 + row0) * row_bytes;
+  const uint8_t* s_tile = w_scale + size_t(w_row0 + row0) * scale_ld;
+
+  // Stage i of this warp's range into ring slot q % kStages (q counts the warp's stages over all row passes, so
+  // the slot's barrier has completed q / kStages phases before).
+  auto issue = [&](int i, int q) {
+    uint8_t* stage = ring + (q % kStages) * kStageBytes;
+    uint64_t* b = bar + q % kStages;
+    fence_proxy_async();  // this lane's reads of the slot's previous stage come before the copy engine's writes
+    if (lane == 0) expect_bytes(b, uint32_t(rows_valid) * (kStageRowBytes + kScaleBytes));
+    __syncwarp();
+    const int r = lane & 15, s = s_begin + i;
+    if (r < rows_valid) {
+      if (lane < 16)
+        bulk_copy(stage + stage_row_at(r), w_tile + size_t(r) * row_bytes + size_t(s) * kStageRowBytes,
+                  kStageRowBytes, b);
+      else
+        bulk_copy(stage + kScalesAt + r * kScaleRowBytes, s_tile + size_t(r) * scale_ld + size_t(s) * kScaleBytes,
+                  kScaleBytes, b);
+    }
+  };
+
+  int q0 = 0;  // stages this warp has consumed in earlier row passes
+  if constexpr (!kGrouped) {
+    for (int i = 0; i < min(kStages, my_stages); ++i) issue(i, i);
+    gpu::dependent_wait();  // x and y belong to the step
+  }
+
+  for (int rb = 0; rb < m_rows; rb += kTilesN * 8) {
+    if (rb > 0) {
+      __syncthreads();  // the previous pass's reads of the split-k sums (which reuse the ring) are done
+      for (int i = 0; i < min(kStages, my_stages); ++i) issue(i, q0 + i);
+    } else if constexpr (kGrouped) {
+      for (int i = 0; i < min(kStages, my_stages); ++i) issue(i, i);
+    }
+    const __nv_bfloat16* x_row[kTilesN];  // this thread's batch row of each n-tile, nullptr past the slot's rows
+#pragma unroll
+    for (int j = 0; j < kTilesN; ++j) {
+      const int row = rb + j * 8 + g;
+      x_row[j] = row < m_rows ? x + size_t(kGrouped ? a.row_order[order0 + row] / a.x_row_div : row) * a.k : nullptr;
+    }
+    float acc[kTilesN][4];
+#pragma unroll
+    for (int j = 0; j < kTilesN; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+
+    for (int i = 0; i < my_stages; ++i) {
+      const int q = q0 + i;
+      const uint8_t* stage = ring + (q % kStages) * kStageBytes;
+      wait_phase(bar + q % kStages, uint32_t(q / kStages) & 1u);
+#pragma unroll
+      for (int c = 0; c < kStageChunks; ++c) {
+        const uint4 zero = make_uint4(0, 0, 0, 0);
+        const uint4 raw_lo = ok_lo ? lds128(stage + stage_row_at(g) + c * kChunkBytes + t * 16) : zero;
+        const uint4 raw_hi = ok_hi ? lds128(stage + stage_row_at(g + 8) + c * kChunkBytes + t * 16) : zero;
+        const uint8_t* sc = stage + kScalesAt + g * kScaleRowBytes;
+        uint32_t sc_lo = 0, sc_hi = 0;
+        if constexpr (F == Fmt::NVFP4) {  // the piece's two e4m3 scales, low byte first
+          if (ok_lo) sc_lo = *reinterpret_cast<const uint16_t*>(sc + c * 8 + t * 2);
+          if (ok_hi) sc_hi = *reinterpret_cast<const uint16_t*>(sc + 8 * kScaleRowBytes + c * 8 + t * 2);
+        } else {  // the piece's e8m0 byte
+          if (ok_lo) sc_lo = sc[c * 4 + t];
+          if (ok_hi) sc_hi = sc[8 * kScaleRowBytes + c * 4 + t];
+        }
+        uint32_t w_lo_bf[kPairs], w_hi_bf[kPairs];
+        decode_piece<F>(raw_lo, sc_lo, w_lo_bf);
+        decode_piece<F>(raw_hi, sc_hi, w_hi_bf);
+        const int kk = (s_begin + i) * kStageK + c * 128 + t * 32;
+#pragma unroll
+        for (int j = 0; j < kTilesN; ++j) {
+          uint32_t xb[kPairs];
+          if (x_row[j]) {
+            const uint4* xp = reinterpret_cast<const uint4*>(x_row[j] + kk);
+#pragma unroll
+            for (int v = 0; v < kPairs / 4; ++v) {
+              const uint4 u = xp[v];
+              xb[4 * v + 0] = u.x, xb[4 * v + 1] = u.y, xb[4 * v + 2] = u.z, xb[4 * v + 3] = u.w;
+            }
+          } else {
+#pragma unroll
+            for (int e = 0; e < kPairs; ++e) xb[e] = 0;
+          }
+#pragma unroll
+          for (int e = 0; e < kPairs / 2; ++e)
+            mma_bf16(acc[j], w_lo_bf[2 * e], w_hi_bf[2 * e], w_lo_bf[2 * e + 1], w_hi_bf[2 * e + 1], xb[2 * e],
+                     xb[2 * e + 1]);
+        }
+      }
+      __syncwarp();  // every lane's reads of this slot are done before it is refilled
+      if (i + kStages < my_stages) issue(i + kStages, q + kStages);
+    }
+    q0 += my_stages;
+
+    __syncthreads();  // every warp has left its ring (no copy in flight) before the sums reuse it
+    store_tile_sums<kTilesN, kGrouped>(a, {tiles_per_block, split, m_rows, rb, order0, y_factor, y_offset}, acc,
+                                       reinterpret_cast<float*>(smem));
+  }
+}
+
+template <Fmt F, bool kGrouped>
+cudaError_t launch_fmt(const KernelArgs& a, dim3 grid, cudaStream_t stream) {
+  const int rows_per_block = kGemvWarps / a.split * 16;
+  grid.x = (a.n + rows_per_block - 1) / rows_per_block;
+  auto go = [&](auto kernel) {
+    static const cudaError_t attr =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+    if (attr != cudaSuccess) return attr;
+    gpu::launch(kernel, grid, kThreads, kSmemBytes, stream, a);
+    return cudaGetLastError();
+  };
+  if (a.m <= 8) return go(gemv_bulk_kernel<F, 1, kGrouped>);
+  if (a.m <= 16) return go(gemv_bulk_kernel<F, 2, kGrouped>);
+  if (a.m <= 32) return go(gemv_bulk_kernel<F, 4, kGrouped>);
+  return go(gemv_bulk_kernel<F, 8, kGrouped>);
+}
+
+}  // namespace
+
+bool gemv_bulk_supported(const GemvParams& p) {
+  auto aligned16 = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
+  return gemv_bulk_enabled() && (p.weight == GemvWeight::MXFP4 || p.weight == GemvWeight::NVFP4) &&
+         p.m <= kGemvMaxM && p.k % kStageK == 0 && aligned16(p.w) && aligned16(p.w_scale) && !gemv_w4a8_supported(p);
+}
+
+bool gemv_bulk_grouped_supported(const GemvGroupedParams& g) {
+  auto aligned16 = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
+  return gemv_bulk_supported(g.base) && g.w_expert_stride % 16 == 0 && g.scale_expert_stride % 16 == 0 &&
+         (!g.second.w || (aligned16(g.second.w) && aligned16(g.second.w_scale)));
+}
+
+cudaError_t gemv_bulk_launch(const KernelArgs& a, const GemvParams& p, dim3 grid, bool grouped) {
+  const bool nv = p.weight == GemvWeight::NVFP4;
+  if (nv) return grouped ? launch_fmt<Fmt::NVFP4, true>(a, grid, p.stream) : launch_fmt<Fmt::NVFP4, false>(a, grid, p.stream);
+  return grouped ? launch_fmt<Fmt::MXFP4, true>(a, grid, p.stream) : launch_fmt<Fmt::MXFP4, false>(a, grid, p.stream);
+}
+
+}  // namespace dsv4::detail

@@ -1,0 +1,108 @@
+// SPDX-License-Identifier: MIT
+// What the two skinny kernels share (gemv.cu loads weights into registers, gemv_bulk.cu through a shared-memory
+// ring): one thread's 16-byte piece of a weight row decoded to bf16x2 words, the m16n8k16 mma they feed, and the
+// split-k sum of a block's warps through shared memory into y.
+// Piece layout: within each 64-byte chunk of a row, quad thread t owns bytes 16t..16t+15 and feeds them to its own
+// k-slots of the mma fragments (a dot product does not care about the order of k), so the matching activations are
+// 16-byte loads from the same k range.
+#pragma once
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "cuda/dequant.cuh"
+#include "cuda/gemv_launch.h"
+
+namespace dsv4::detail {
+
+enum class Fmt { BF16, FP8_E8M0, FP8_F32, MXFP4, NVFP4 };
+
+constexpr int kChunkBytes = 64;  // bytes of one weight row per chunk: 4 quad threads x 16 bytes
+
+template <Fmt F>
+__host__ __device__ constexpr int elems_per_16b() {  // weight elements in one thread's 16-byte piece
+  return F == Fmt::BF16 ? 8 : (F == Fmt::FP8_E8M0 || F == Fmt::FP8_F32) ? 16 : 32;
+}
+
+__device__ __forceinline__ void mma_bf16(float c[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// One thread's 16-byte piece of one row -> bf16x2 words in element order. `scale` holds the raw scale bits
+// that apply to this piece (format-specific, see the loads in the kernels).
+template <Fmt F>
+__device__ __forceinline__ void decode_piece(const uint4& raw, uint32_t scale, uint32_t out[elems_per_16b<F>() / 2]) {
+  const uint32_t word[4] = {raw.x, raw.y, raw.z, raw.w};
+  if constexpr (F == Fmt::BF16) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) out[i] = word[i];
+  } else if constexpr (F == Fmt::FP8_E8M0 || F == Fmt::FP8_F32) {
+    const uint32_t factor = F == Fmt::FP8_E8M0 ? dq::fp8_factor_e8m0(scale) : dq::fp8_factor_unit();
+#pragma unroll
+    for (int i = 0; i < 4; ++i) dq::e4m3x4_to_bf16x2(word[i], factor, out + 2 * i);
+  } else if constexpr (F == Fmt::MXFP4) {
+    const uint32_t factor = dq::mxfp4_factor(scale);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) dq::e2m1x8_to_bf16x2(word[i], factor, out + 4 * i);
+  } else {  // NVFP4: two 16-element blocks, scale bytes s0 (words 0-1) and s1 (words 2-3)
+    uint32_t f0, f1;
+    dq::nvfp4_factor_pair(scale, f0, f1);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) dq::e2m1x8_to_bf16x2(word[i], i < 2 ? f0 : f1, out + 4 * i);
+  }
+}
+
+// Where a block's sums go: the rows it covers and how its activation rows map to rows of y.
+struct TileOutput {
+  int tiles_per_block, split;  // 16-row tiles per block, warps per tile
+  int m_rows, rb;              // activation rows of the launch (grouped: of the slot), first row of this pass
+  int order0;                  // grouped: the slot's first entry of row_order
+  float y_factor;
+  int64_t y_offset;            // batched: this batch's offset into y
+};
+
+// The split-k sum: every warp's accumulators (acc[j] = mma C fragment of n-tile j) go through `red`
+// ([kGemvWarps][16][kTilesN * 8 + 1] floats, the +1 against bank conflicts in the read loop), the warps of a tile
+// are added in order, and each (row, batch row) is written once. Ends with the block past a __syncthreads; the
+// caller syncs again before `red` is reused.
+template <int kTilesN, bool kGrouped>
+__device__ __forceinline__ void store_tile_sums(const KernelArgs& a, const TileOutput& o, const float acc[kTilesN][4],
+                                                float* red) {
+  constexpr int kCols = kTilesN * 8 + 1;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  auto cell = [&](int w, int row, int col) -> float& { return red[(w * 16 + row) * kCols + col]; };
+#pragma unroll
+  for (int j = 0; j < kTilesN; ++j) {
+    cell(warp, g, 8 * j + 2 * t) = acc[j][0];
+    cell(warp, g, 8 * j + 2 * t + 1) = acc[j][1];
+    cell(warp, g + 8, 8 * j + 2 * t) = acc[j][2];
+    cell(warp, g + 8, 8 * j + 2 * t + 1) = acc[j][3];
+  }
+  __syncthreads();
+  const int rows_in_block = o.tiles_per_block * 16;
+  const int n_block0 = blockIdx.x * rows_in_block;
+  const int pass_rows = min(kTilesN * 8, o.m_rows - o.rb);
+  for (int idx = threadIdx.x; idx < rows_in_block * pass_rows; idx += blockDim.x) {
+    const int r = idx % rows_in_block, m = idx / rows_in_block;
+    const int n = n_block0 + r;
+    if (n >= a.n) continue;
+    const int tl = r / 16, rr = r % 16;
+    float s = 0.0f;
+    for (int p = 0; p < o.split; ++p) s += cell(tl * o.split + p, rr, m);
+    s *= o.y_factor;
+    void* y = kGrouped && blockIdx.z == 1 ? a.y_second : a.y;
+    const int row = o.rb + m;
+    const int64_t out = o.y_offset + int64_t(kGrouped ? a.row_order[o.order0 + row] : row) * a.ldy + n;
+    if (a.out_bf16)
+      static_cast<__nv_bfloat16*>(y)[out] = __float2bfloat16_rn(s);
+    else
+      static_cast<float*>(y)[out] = s;
+  }
+}
+
+}  // namespace dsv4::detail
