@@ -49,19 +49,20 @@ void for_row_pieces(const GemvParams& p, Fn&& fn) {
 // The weight stream of fp4 skinny launches (set_gemv_bulk); -1 = not yet read from the environment.
 int bulk_mode = -1;
 
-// Says once which kernel streams fp4 weights, and once per shape family when the copy-engine kernel was asked for
-// but cannot take a call (the register kernel runs it).
+// Says once which kernel streams fp4 / fp8 weights, and once when the copy-engine kernel was asked for but cannot
+// take a call (the register kernel runs it and every later call like it).
 void note_bulk_choice(const GemvParams& p, bool taken) {
-  const bool fp4 = p.weight == GemvWeight::MXFP4 || p.weight == GemvWeight::NVFP4;
-  if (!fp4 || p.m > kGemvMaxM || !gemv_bulk_enabled() || detail::gemv_w4a8_supported(p)) return;
+  if (p.weight == GemvWeight::BF16 || p.m > kGemvMaxM || !gemv_bulk_enabled() || detail::gemv_w4a8_supported(p))
+    return;
   static bool said_taken = false, said_not = false;
   if (taken && !said_taken) {
     said_taken = true;
-    spdlog::info("gemv: fp4 weights stream through the copy engine (DSV4_GEMV_BULK / set_gemv_bulk)");
+    spdlog::info("gemv: fp4 / fp8 weights stream through the copy engine (DSV4_GEMV_BULK / set_gemv_bulk)");
   } else if (!taken && !said_not) {
     said_not = true;
-    spdlog::info("gemv: the copy-engine kernel cannot take {} n = {} k = {} (needs k % 512 == 0 and 16-byte aligned "
-                 "weights, scales and expert strides); the register kernel runs it and others like it",
+    spdlog::info("gemv: the copy-engine kernel cannot take {} n = {} k = {} (needs k a multiple of 512 for fp4 or "
+                 "256 for fp8, and 16-byte aligned weights, fp4 scales and expert strides); the register kernel runs "
+                 "it and others like it",
                  gemv_weight_name(p.weight), p.n, p.k);
   }
 }

@@ -3,8 +3,8 @@
 // chunks. Weights stay in their checkpoint layout in GPU memory and are decoded to bf16 in registers; products and
 // sums run on the tensor cores (mma.sync bf16, fp32 accumulate).
 //   m <= 64 (kGemvMaxM): the skinny kernel (gemv.cu): each weight byte is read once per launch for all m rows,
-//     activations come through L1; at small m it runs at memory bandwidth. FP4 weights can instead come through
-//     the copy engine (gemv_bulk.cu, set_gemv_bulk below).
+//     activations come through L1; at small m it runs at memory bandwidth. FP4 / FP8 weights can instead come
+//     through the copy engine (gemv_bulk.cu, set_gemv_bulk below).
 //   m > 64: the tiled kernel (gemv_tiled.cu): 256 (or, on small grids, 128) weight rows x 64 activation rows per
 //     block, activations and weights staged in shared memory, weights from DRAM about once and from L2 for the
 //     further row tiles. FP8 block weights with f32 scales have no tiled kernel: they run as skinny 64-row pieces
@@ -158,8 +158,8 @@ void moe_slots(const MoeSlotsParams& p);
 // launch fewer per MoE layer. slots.ids / weights must be router.ids / weights; slots.n / k must equal router.n / k.
 void moe_route_and_slots(const gpu::RouterParams& router, const MoeSlotsParams& slots);
 
-// How FP4 weights reach the skinny kernel (m <= kGemvMaxM): loads into registers (default), or copy-engine
-// copies into a shared-memory ring (gemv_bulk.cu) for k a multiple of 512. Same decode and mma; the warps of a
+// How FP4 / FP8 weights reach the skinny kernel (m <= kGemvMaxM): loads into registers (default), or copy-engine
+// copies into a shared-memory ring (gemv_bulk.cu) for k a multiple of 512 (FP4) / 256 (FP8). Same decode and mma; the warps of a
 // split tile take contiguous k ranges instead of interleaved chunks, so sums agree bit for bit at split_k 1 and to
 // fp32 rounding otherwise. Process-wide; DSV4_GEMV_BULK=1 in the environment switches it on at the
 // first call. Off by default until a GPU run has measured it (docs/perf.md, ninth round).

@@ -1,19 +1,20 @@
 // SPDX-License-Identifier: MIT
-// The skinny kernel of gemv.cu with its weight stream on the copy engine (MXFP4 / NVFP4, m <= 64, k a multiple
-// of 512; gemv_bulk_supported). Same tiles, same split of a tile's k over `split` warps, same decode and mma
-// (gemv_piece.cuh); only the way weight bytes arrive differs.
+// The skinny kernel of gemv.cu with its weight stream on the copy engine (FP4 and FP8 weights, m <= 64; k a
+// multiple of one stage: 512 for FP4, 256 for FP8; gemv_bulk_supported). Same tiles, same split of a tile's k over
+// `split` warps, same decode and mma (gemv_piece.cuh); only the way weight bytes arrive differs.
 //
 // Why: the register kernel holds at most 128 bytes per thread in flight and waits for them before it decodes, and
 // an fp4 byte costs ~6 instructions of decode and mma, so its warps alternate between waiting and decoding and the
-// fp4 GEMVs stream at ~0.5 of copy bandwidth (docs/perf.md). Here each warp owns a ring of kStages shared-memory
-// stages of 512 weights x 16 rows: lane r < 16 copies row r's 256 bytes, lane 16 + r that row's scale bytes, with
-// cp.async.bulk completing on the stage's mbarrier. Copies hold no registers and cost one instruction per row, the
-// ring keeps kStages - 1 stages in flight while the warp decodes one, and a plain launch issues its first stages
-// before griddepcontrol.wait (weights never depend on the previous kernel), so they overlap its tail.
+// fp4 GEMVs stream at ~0.5 of copy bandwidth, fp8 at ~0.6 (docs/perf.md). Here each warp owns a ring of kStages
+// shared-memory stages of 16 rows x 256 bytes: lane r < 16 copies row r's bytes, lane 16 + r that row's FP4 scale
+// bytes, with cp.async.bulk completing on the stage's mbarrier. Copies hold no registers and cost one instruction
+// per row, the ring keeps kStages - 1 stages in flight while the warp decodes one, and a plain launch issues its
+// first stages before griddepcontrol.wait (weights never depend on the previous kernel), so they overlap its tail.
+// FP8 block scales (one per 128 rows x 128 k, uniform over a tile) come through the read-only cache, a stage ahead.
 //
 // Stage layout (bytes): even rows 2j at 256 j, odd rows 2j + 1 at 2112 + 256 j, so the rows g and g + 1 that one
-// quarter warp reads together are 64 bytes apart mod 128 (different bank halves), then each row's scale bytes at
-// 4160 + 32 r (NVFP4: 32 bytes = 32 e4m3 scales; MXFP4: 16 e8m0 bytes).
+// quarter warp reads together are 64 bytes apart mod 128 (different bank halves), then each row's FP4 scale bytes
+// at 4160 + 32 r (NVFP4: 32 bytes = 32 e4m3 scales; MXFP4: 16 e8m0 bytes).
 #include <cuda_bf16.h>
 
 #include <cstdint>
@@ -30,7 +31,10 @@ namespace {
 constexpr int kThreads = kGemvWarps * 32;
 constexpr int kStageChunks = 4;                                 // 64-byte chunks of a row per stage
 constexpr int kStageRowBytes = kStageChunks * kChunkBytes;      // 256
-constexpr int kStageK = kStageChunks * 128;                     // weights of a row per stage
+template <Fmt F>
+constexpr int stage_k() { return kStageChunks * 4 * elems_per_16b<F>(); }  // weights of a row per stage
+template <Fmt F>
+constexpr int stage_scale_bytes() { return F == Fmt::NVFP4 ? 32 : F == Fmt::MXFP4 ? 16 : 0; }  // per row
 constexpr int kOddRowsAt = 8 * kStageRowBytes + 64;             // 2112
 constexpr int kScalesAt = 16 * kStageRowBytes + 64;             // 4160
 constexpr int kScaleRowBytes = 32;
@@ -49,11 +53,14 @@ __device__ __forceinline__ uint4 lds128(const uint8_t* p) { return *reinterpret_
 
 template <Fmt F, int kTilesN, bool kGrouped>
 __global__ void __launch_bounds__(kThreads, kTilesN <= 2 ? 2 : 1) gemv_bulk_kernel(const KernelArgs a) {
-  static_assert(F == Fmt::MXFP4 || F == Fmt::NVFP4, "fp4 weights only");
+  static_assert(F != Fmt::BF16, "bf16 weights stream at copy bandwidth through the register kernel");
   gpu::allow_dependents();
   extern __shared__ __align__(128) uint8_t smem[];
-  constexpr int kPairs = 16;  // bf16x2 words per decoded piece (32 weights)
-  constexpr int kScaleBytes = F == Fmt::NVFP4 ? 32 : 16;  // a row's scale bytes per stage
+  constexpr bool kFp8 = F == Fmt::FP8_E8M0 || F == Fmt::FP8_F32;
+  constexpr int kElems = elems_per_16b<F>();  // weights per 16-byte piece
+  constexpr int kChunkK = 4 * kElems, kStageK = stage_k<F>();
+  constexpr int kPairs = kElems / 2;          // bf16x2 words per decoded piece
+  constexpr int kScaleBytes = stage_scale_bytes<F>();  // a row's FP4 scale bytes per stage
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -62,7 +69,8 @@ __global__ void __launch_bounds__(kThreads, kTilesN <= 2 ? 2 : 1) gemv_bulk_kern
   const int row0 = (blockIdx.x * tiles_per_block + tile) * 16;
   const int rows_valid = min(16, a.n - row0);  // <= 0 for a tile past n
   const bool ok_lo = g < rows_valid, ok_hi = g + 8 < rows_valid;
-  const size_t row_bytes = size_t(a.k) / 2, scale_ld = size_t(a.k) / (F == Fmt::NVFP4 ? 16 : 32);
+  const size_t row_bytes = kFp8 ? size_t(a.k) : size_t(a.k) / 2;
+  const size_t scale_ld = kFp8 ? size_t(a.k + 127) / 128 : size_t(a.k) / (F == Fmt::NVFP4 ? 16 : 32);
   const int n_stages = a.k / kStageK;
   const int s_begin = part * n_stages / split;  // this warp's stages of the tile's rows: [s_begin, s_end)
   const int my_stages = rows_valid > 0 ? (part + 1) * n_stages / split - s_begin : 0;
@@ -94,7 +102,14 @@ __global__ void __launch_bounds__(kThreads, kTilesN <= 2 ? 2 : 1) gemv_bulk_kern
     y_offset = blockIdx.y * a.y_batch_stride;
   }
   const uint8_t* w_tile = w_base + size_t(w_row0 + row0) * row_bytes;
-  const uint8_t* s_tile = w_scale + size_t(w_row0 + row0) * scale_ld;
+  // FP4: the tile's first scale row; FP8: the scale row of its 128-row block (a tile lies in one: w_row0 % 16 == 0).
+  const uint8_t* s_tile = w_scale + (kFp8 ? size_t((w_row0 + row0) / 128) * scale_ld * (F == Fmt::FP8_F32 ? 4 : 1)
+                                          : size_t(w_row0 + row0) * scale_ld);
+  // FP8: the raw scale (e8m0 byte or f32 bits) of 128-block kb of the tile's k.
+  auto fp8_scale = [&](int kb) -> uint32_t {
+    if constexpr (F == Fmt::FP8_E8M0) return __ldg(s_tile + kb);
+    else return __ldg(reinterpret_cast<const uint32_t*>(s_tile) + kb);
+  };
 
   // Stage i of this warp's range into ring slot q % kStages (q counts the warp's stages over all row passes, so
   // the slot's barrier has completed q / kStages phases before).
@@ -109,7 +124,7 @@ __global__ void __launch_bounds__(kThreads, kTilesN <= 2 ? 2 : 1) gemv_bulk_kern
       if (lane < 16)
         bulk_copy(stage + stage_row_at(r), w_tile + size_t(r) * row_bytes + size_t(s) * kStageRowBytes,
                   kStageRowBytes, b);
-      else
+      else if constexpr (kScaleBytes > 0)
         bulk_copy(stage + kScalesAt + r * kScaleRowBytes, s_tile + size_t(r) * scale_ld + size_t(s) * kScaleBytes,
                   kScaleBytes, b);
     }
@@ -138,9 +153,21 @@ __global__ void __launch_bounds__(kThreads, kTilesN <= 2 ? 2 : 1) gemv_bulk_kern
 #pragma unroll
     for (int j = 0; j < kTilesN; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
 
+    // FP8: the two block scales of the stage being decoded and of the next one (loaded a stage ahead).
+    uint32_t fp8_now[2] = {0, 0}, fp8_next[2] = {0, 0};
+    if constexpr (kFp8) {
+      if (my_stages > 0) fp8_next[0] = fp8_scale(2 * s_begin), fp8_next[1] = fp8_scale(2 * s_begin + 1);
+    }
     for (int i = 0; i < my_stages; ++i) {
       const int q = q0 + i;
       const uint8_t* stage = ring + (q % kStages) * kStageBytes;
+      if constexpr (kFp8) {
+        fp8_now[0] = fp8_next[0], fp8_now[1] = fp8_next[1];
+        if (i + 1 < my_stages) {
+          const int kb = 2 * (s_begin + i + 1);
+          fp8_next[0] = fp8_scale(kb), fp8_next[1] = fp8_scale(kb + 1);
+        }
+      }
       wait_phase(bar + q % kStages, uint32_t(q / kStages) & 1u);
 #pragma unroll
       for (int c = 0; c < kStageChunks; ++c) {
@@ -152,14 +179,21 @@ __global__ void __launch_bounds__(kThreads, kTilesN <= 2 ? 2 : 1) gemv_bulk_kern
         if constexpr (F == Fmt::NVFP4) {  // the piece's two e4m3 scales, low byte first
           if (ok_lo) sc_lo = *reinterpret_cast<const uint16_t*>(sc + c * 8 + t * 2);
           if (ok_hi) sc_hi = *reinterpret_cast<const uint16_t*>(sc + 8 * kScaleRowBytes + c * 8 + t * 2);
-        } else {  // the piece's e8m0 byte
+        } else if constexpr (F == Fmt::MXFP4) {  // the piece's e8m0 byte
           if (ok_lo) sc_lo = sc[c * 4 + t];
           if (ok_hi) sc_hi = sc[8 * kScaleRowBytes + c * 4 + t];
+        } else {  // FP8: chunk c (64 weights) lies in 128-block c / 2 of the stage, for every row of the tile
+          sc_lo = sc_hi = fp8_now[c / 2];
         }
         uint32_t w_lo_bf[kPairs], w_hi_bf[kPairs];
         decode_piece<F>(raw_lo, sc_lo, w_lo_bf);
         decode_piece<F>(raw_hi, sc_hi, w_hi_bf);
-        const int kk = (s_begin + i) * kStageK + c * 128 + t * 32;
+        const int kk = (s_begin + i) * kStageK + c * kChunkK + t * kElems;
+        float chunk_acc[kTilesN][4];  // FP8 with f32 scales: the scale multiplies each chunk's partial sum
+        if constexpr (F == Fmt::FP8_F32) {
+#pragma unroll
+          for (int j = 0; j < kTilesN; ++j) chunk_acc[j][0] = chunk_acc[j][1] = chunk_acc[j][2] = chunk_acc[j][3] = 0.0f;
+        }
 #pragma unroll
         for (int j = 0; j < kTilesN; ++j) {
           uint32_t xb[kPairs];
@@ -176,8 +210,15 @@ __global__ void __launch_bounds__(kThreads, kTilesN <= 2 ? 2 : 1) gemv_bulk_kern
           }
 #pragma unroll
           for (int e = 0; e < kPairs / 2; ++e)
-            mma_bf16(acc[j], w_lo_bf[2 * e], w_hi_bf[2 * e], w_lo_bf[2 * e + 1], w_hi_bf[2 * e + 1], xb[2 * e],
-                     xb[2 * e + 1]);
+            mma_bf16(F == Fmt::FP8_F32 ? chunk_acc[j] : acc[j], w_lo_bf[2 * e], w_hi_bf[2 * e], w_lo_bf[2 * e + 1],
+                     w_hi_bf[2 * e + 1], xb[2 * e], xb[2 * e + 1]);
+        }
+        if constexpr (F == Fmt::FP8_F32) {
+          const float sf = __uint_as_float(sc_lo);
+#pragma unroll
+          for (int j = 0; j < kTilesN; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[j][e] = fmaf(chunk_acc[j][e], sf, acc[j][e]);
         }
       }
       __syncwarp();  // every lane's reads of this slot are done before it is refilled
@@ -212,20 +253,33 @@ cudaError_t launch_fmt(const KernelArgs& a, dim3 grid, cudaStream_t stream) {
 
 bool gemv_bulk_supported(const GemvParams& p) {
   auto aligned16 = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
-  return gemv_bulk_enabled() && (p.weight == GemvWeight::MXFP4 || p.weight == GemvWeight::NVFP4) &&
-         p.m <= kGemvMaxM && p.k % kStageK == 0 && aligned16(p.w) && aligned16(p.w_scale) && !gemv_w4a8_supported(p);
+  const bool fp4 = p.weight == GemvWeight::MXFP4 || p.weight == GemvWeight::NVFP4;
+  const int stage = fp4 ? stage_k<Fmt::NVFP4>() : stage_k<Fmt::FP8_E8M0>();
+  return gemv_bulk_enabled() && (fp4 || p.weight == GemvWeight::FP8_BLOCK) && p.m <= kGemvMaxM &&
+         p.k % stage == 0 && aligned16(p.w) && (!fp4 || aligned16(p.w_scale)) && !gemv_w4a8_supported(p);
 }
 
 bool gemv_bulk_grouped_supported(const GemvGroupedParams& g) {
   auto aligned16 = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
-  return gemv_bulk_supported(g.base) && g.w_expert_stride % 16 == 0 && g.scale_expert_stride % 16 == 0 &&
-         (!g.second.w || (aligned16(g.second.w) && aligned16(g.second.w_scale)));
+  const bool fp4 = g.base.weight != GemvWeight::FP8_BLOCK;
+  return gemv_bulk_supported(g.base) && g.w_expert_stride % 16 == 0 && (!fp4 || g.scale_expert_stride % 16 == 0) &&
+         (!g.second.w || (aligned16(g.second.w) && (!fp4 || aligned16(g.second.w_scale))));
 }
 
 cudaError_t gemv_bulk_launch(const KernelArgs& a, const GemvParams& p, dim3 grid, bool grouped) {
-  const bool nv = p.weight == GemvWeight::NVFP4;
-  if (nv) return grouped ? launch_fmt<Fmt::NVFP4, true>(a, grid, p.stream) : launch_fmt<Fmt::NVFP4, false>(a, grid, p.stream);
-  return grouped ? launch_fmt<Fmt::MXFP4, true>(a, grid, p.stream) : launch_fmt<Fmt::MXFP4, false>(a, grid, p.stream);
+  switch (p.weight) {
+    case GemvWeight::MXFP4:
+      return grouped ? launch_fmt<Fmt::MXFP4, true>(a, grid, p.stream) : launch_fmt<Fmt::MXFP4, false>(a, grid, p.stream);
+    case GemvWeight::NVFP4:
+      return grouped ? launch_fmt<Fmt::NVFP4, true>(a, grid, p.stream) : launch_fmt<Fmt::NVFP4, false>(a, grid, p.stream);
+    case GemvWeight::FP8_BLOCK:
+      if (p.fp8_scale == GemvScale::E8M0)
+        return grouped ? launch_fmt<Fmt::FP8_E8M0, true>(a, grid, p.stream)
+                       : launch_fmt<Fmt::FP8_E8M0, false>(a, grid, p.stream);
+      return grouped ? launch_fmt<Fmt::FP8_F32, true>(a, grid, p.stream) : launch_fmt<Fmt::FP8_F32, false>(a, grid, p.stream);
+    case GemvWeight::BF16: break;
+  }
+  return cudaErrorInvalidValue;
 }
 
 }  // namespace dsv4::detail

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: MIT
 // Internal boundary between gemv.cpp (validation, heuristics, errors) and the kernels (gemv.cu: bf16 tensor-core
-// kernel for every format; gemv_bulk.cu: the same for FP4 weights fed by the copy engine; gemv_w4a8.cu: FP4
+// kernel for every format; gemv_bulk.cu: the same for FP4 / FP8 weights fed by the copy engine; gemv_w4a8.cu: FP4
 // weights x FP8 activations at m = 1; act_quant).
 #pragma once
 #include <cuda_runtime.h>
@@ -53,9 +53,10 @@ constexpr int kW4a8MaxK = 16384;
 bool gemv_w4a8_supported(const GemvParams& p);
 cudaError_t gemv_w4a8_launch(const KernelArgs& a, const GemvParams& p, dim3 grid, bool grouped);
 
-// FP4 weights through the copy engine (gemv_bulk.cu), when switched on (gemv_bulk_enabled in gemv.h): MXFP4 /
-// NVFP4, m <= kGemvMaxM, k a multiple of 512, w and w_scale 16-byte aligned (grouped launches also need expert
-// strides that keep both aligned: gemv_bulk_grouped_supported). Same tiles and split as the register kernel.
+// FP4 / FP8 weights through the copy engine (gemv_bulk.cu), when switched on (gemv_bulk_enabled in gemv.h): MXFP4
+// / NVFP4 with k a multiple of 512 and 16-byte aligned w_scale, or FP8 blocks with k a multiple of 256; m <=
+// kGemvMaxM, w 16-byte aligned (grouped launches also need expert strides that keep them aligned:
+// gemv_bulk_grouped_supported). Same tiles and split as the register kernel.
 bool gemv_bulk_supported(const GemvParams& p);
 bool gemv_bulk_grouped_supported(const GemvGroupedParams& g);
 cudaError_t gemv_bulk_launch(const KernelArgs& a, const GemvParams& p, dim3 grid, bool grouped);

@@ -217,8 +217,23 @@ class CudaRunner final : public SequenceRunner {
   // Counts the kernels of one launch site; when profiling, an event after it times the site.
   void launched(const char* site, int kernels = 1);
   void record_event(size_t index);  // events_[index] on the stream, created when first needed
+  // CudaRunnerOptions::overlap_branches: launches between fork_side() and to_main() go to side_, which first waits
+  // for everything queued on the main stream so far; join_side() makes the main stream wait for them. Under graph
+  // capture the side launches become a parallel branch. Not while profiling (the sites' events are on stream_).
+  bool overlapping() const { return options_.overlap_branches && !profiling_; }
+  void fork_side() {
+    DSV4_CUDA_CHECK(cudaEventRecord(fork_event_, stream_));
+    DSV4_CUDA_CHECK(cudaStreamWaitEvent(side_, fork_event_, 0));
+    cur_ = side_;
+  }
+  void to_main() { cur_ = stream_; }
+  void join_side() {
+    DSV4_CUDA_CHECK(cudaEventRecord(join_event_, side_));
+    DSV4_CUDA_CHECK(cudaStreamWaitEvent(stream_, join_event_, 0));
+    cur_ = stream_;
+  }
   void row_op(const char* site, const RowOpParams& p) {
-    gpu::row_op(p, stream_);
+    gpu::row_op(p, cur_);
     launched(site);
   }
   // The activation quantisation of one of the reference's FP8/FP4 linears (Numerics::act) on p.
@@ -232,7 +247,7 @@ class CudaRunner final : public SequenceRunner {
   void linear(const char* site, const DeviceLinear& w, const void* x, void* y, int m, GemvOut out,
               bool fp8_linear = false) {
     GemvParams p = w.params(x, y, m, out);
-    p.stream = stream_;
+    p.stream = cur_;
     dense(fp8_linear ? quantised(p) : p);
     launched(site);
   }
@@ -262,7 +277,7 @@ class CudaRunner final : public SequenceRunner {
       for (const auto& [row0, rows, fp8] : {std::tuple{0, split, true}, {split, part.weight.n - split, false}}) {
         if (rows == 0) continue;
         GemvParams p = part.weight.params(x, y + part.row0 + row0, m, GemvOut::F32, f.n, row0, rows);
-        p.stream = stream_;
+        p.stream = cur_;
         dense(fp8 ? quantised(p) : p);
         launched(site);
       }
@@ -286,7 +301,7 @@ class CudaRunner final : public SequenceRunner {
     g.base.weight = w.format;
     g.base.fp8_scale = w.fp8_scale;
     g.base.out = out;
-    g.base.stream = stream_;
+    g.base.stream = cur_;
     g.w_expert_stride = w.w_stride;
     g.scale_expert_stride = w.scale_stride;
     g.scale_2 = w.scale_2.data() ? w.scale_2.as<float>() : nullptr;
@@ -329,7 +344,7 @@ class CudaRunner final : public SequenceRunner {
       p.mix_partials = mix_partials_.as<float>();
       p.mix_blocks = gpu::hc_post_mix_blocks(D);
     }
-    gpu::hc_pre(p, stream_);
+    gpu::hc_pre(p, cur_);
     launched(attn ? "attn: hc_pre + norm" : "ffn: hc_pre + norm");
   }
   // 2.4 mHC post of the sublayer output (out [n, out_k, D] summed in order, + out2); `next`: the mHC whose mix the
@@ -340,16 +355,16 @@ class CudaRunner final : public SequenceRunner {
     if (next && fused_mix(n)) {
       gpu::hc_post_mix({out, out_k, out2, post_.as<float>(), comb_.as<float>(), n, hc, D, streams_.as<float>(),
                         next->fn.as<float>(), (2 + hc) * hc, mix_partials_.as<float>()},
-                       stream_);
+                       cur_);
       launched(attn ? "attn: hc_post + ffn mix" : "ffn: hc_post + next attn mix");
       return;
     }
-    gpu::hc_post(out, out_k, out2, post_.as<float>(), comb_.as<float>(), n, hc, D, streams_.as<float>(), stream_);
+    gpu::hc_post(out, out_k, out2, post_.as<float>(), comb_.as<float>(), n, hc, D, streams_.as<float>(), cur_);
     launched(attn ? "attn: hc_post" : "ffn: hc_post");
   }
   void linear_f32(const char* site, const float* x, const DeviceBuffer& w, float* y, int m, int rows, int k,
                   float scale = 1.0f) {
-    gpu::linear_f32({x, w.as<float>(), y, m, rows, k, scale}, stream_);
+    gpu::linear_f32({x, w.as<float>(), y, m, rows, k, scale}, cur_);
     launched(site);
   }
 
@@ -367,6 +382,10 @@ class CudaRunner final : public SequenceRunner {
   CudaRunnerStats stats_;
   int64_t launches_ = 0;
   cudaStream_t stream_ = nullptr;
+  // The stream the launch helpers use: stream_, or side_ between fork_side() and to_main() / join_side().
+  cudaStream_t cur_ = nullptr;
+  cudaStream_t side_ = nullptr;  // CudaRunnerOptions::overlap_branches
+  cudaEvent_t fork_event_ = nullptr, join_event_ = nullptr;
   CudaRunnerOptions options_;
   std::map<std::tuple<int, int, bool>, DecodeGraph> decode_graphs_;  // by (first sequence, count, drawn)
   cudaEvent_t tokens_uploaded_ = nullptr;  // host_tokens_ may be rewritten once this has completed
@@ -432,6 +451,12 @@ CudaRunner::CudaRunner(const Model& model, int max_context, CudaRunnerOptions op
   // the uploads and memsets on the legacy stream are complete before the first launch.
   DSV4_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   DSV4_CUDA_CHECK(cudaEventCreateWithFlags(&tokens_uploaded_, cudaEventDisableTiming));
+  cur_ = stream_;
+  if (options_.overlap_branches) {
+    DSV4_CUDA_CHECK(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
+    DSV4_CUDA_CHECK(cudaEventCreateWithFlags(&fork_event_, cudaEventDisableTiming));
+    DSV4_CUDA_CHECK(cudaEventCreateWithFlags(&join_event_, cudaEventDisableTiming));
+  }
 
   window_slots_ = std::min(c.window, max_context);
   WeightUploader uploader(options.synthetic_format, options.synthetic_seed);
@@ -711,6 +736,9 @@ CudaRunner::~CudaRunner() {
   if (host_drawn_) cudaFreeHost(host_drawn_);
   if (tokens_uploaded_) cudaEventDestroy(tokens_uploaded_);
   for (cudaEvent_t e : events_) cudaEventDestroy(e);
+  for (cudaEvent_t e : {fork_event_, join_event_})
+    if (e) cudaEventDestroy(e);
+  if (side_) cudaStreamDestroy(side_);
   if (stream_) cudaStreamDestroy(stream_);
 }
 
@@ -901,6 +929,7 @@ void CudaRunner::enqueue_chunk(int n, Rows wanted, bool drawn) {
   const int D = c.hidden_size, hc = c.hc_mult;
   DSV4_CHECK(!drawn || wanted == Rows::Last || (wanted == Rows::All && n <= kCudaMaxChunk),
              "cuda runner: a drawn chunk draws its last row or up to {} rows", kCudaMaxChunk);
+  cur_ = stream_;  // also after a chunk that threw between fork_side() and join_side()
   DSV4_CUDA_CHECK(cudaMemcpyAsync(tokens_.data(), host_tokens_, n * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
   if (drawn)
     DSV4_CUDA_CHECK(cudaMemcpyAsync(draws_.data(), host_draws_, (wanted == Rows::All ? n : 1) * sizeof(TokenDraw),
@@ -954,6 +983,7 @@ void CudaRunner::record_event(size_t index) {
 
 void CudaRunner::launched(const char* site, int kernels) {
   launches_ += kernels;
+  if (cur_ == side_) stats_.side_stream_kernels += kernels;
   if (!profiling_) return;
   record_event(marks_.size() + 1);
   marks_.push_back({site, current_layer_, kernels});
@@ -1040,24 +1070,8 @@ void CudaRunner::attention_block(int l, int n) {
   kv.round = kv_round;
   set_positions(kv);
   // q_norm and the kv row read the x-side output only: one launch for both.
-  gpu::row_op_pair(qn, kv, stream_);
+  gpu::row_op_pair(qn, kv, cur_);
   launched("attn: q_norm + kv norm + rope + round");
-  linear("attn: gemv q-side [wq_b|indexer wq_b]", d.w_q, qr_bf16_.data(), y_q, n, d.n_q);
-
-  RowOpParams q;  // per-head norm (no weight) + RoPE, in place
-  q.x = q.y = y_q;
-  q.x_token_stride = q.y_token_stride = d.n_q;
-  q.x_head_stride = q.y_head_stride = hd;
-  q.tokens = n;
-  q.heads = H;
-  q.dim = hd;
-  q.norm = true;
-  q.eps = c.rms_norm_eps;
-  q.rope_dim = rd;
-  q.inv_freq = d.inv_freq;
-  set_positions(q);
-  row_op("attn: q norm + rope", q);
-
   // The state kernels below run once over all n rows: a prefill chunk or one-sequence decode step is one part;
   // a batched decode step has one part per sequence (row b = sequence b), and the kernels find each row's state
   // through the pointer tables and its position in pos_ (the first part's own fields are then unused).
@@ -1078,7 +1092,7 @@ void CudaRunner::attention_block(int l, int n) {
       cp.state_score_rows = state_table(l, score_table);
       cp.entries_rows = state_table(l, entries_table);
     }
-    gpu::compressor_advance(cp, stream_);
+    gpu::compressor_advance(cp, cur_);
     launched(site);
     const int64_t b_first = pos_device ? 0 : pos0 / r, b_end = pos_device ? 1 : (pos0 + n) / r;
     if (b_end == b_first) return;
@@ -1104,17 +1118,42 @@ void CudaRunner::attention_block(int l, int n) {
     }
     row_op(finish_site, fin);
   };
+
+  // 3.6 lightning indexer
+  const int nh = c.index_n_heads, ihd = c.index_head_dim;
+  // The state side (overlap_branches: a second stream) needs only the x-side output and the normed input: the
+  // compressors with their entries, and the indexer's weights_proj. The q side needs only q_norm's output. They
+  // meet before the indexer scores.
+  const bool side = overlapping() && (d.compressor || d.indexer);
+  if (side) fork_side();
   if (d.compressor)
     advance("attn: compressor", "attn: compressor entry", *d.compressor, d.off_ckv, d.off_cgate,
             state(part).compressor_kv, state(part).compressor_score, state(part).compressed.as<float>(), kv_round,
             StateTable::CompressorKv, StateTable::CompressorScore, StateTable::Compressed);
-
-  // 3.6 lightning indexer
-  const int nh = c.index_n_heads, ihd = c.index_head_dim;
   if (d.indexer) {
     advance("indexer: compressor", "indexer: compressor entry", *d.index_compressor, d.off_ikv, d.off_igate,
             state(part).index_compressor_kv, state(part).index_compressor_score, state(part).index_keys.as<float>(),
             index_round, StateTable::IndexCompressorKv, StateTable::IndexCompressorScore, StateTable::IndexKeys);
+    linear_f32("indexer: weights_proj", normed_.as<float>(), d.index_wproj, index_w_.as<float>(), n, nh, D);
+  }
+  if (side) to_main();
+
+  linear("attn: gemv q-side [wq_b|indexer wq_b]", d.w_q, qr_bf16_.data(), y_q, n, d.n_q);
+
+  RowOpParams q;  // per-head norm (no weight) + RoPE, in place
+  q.x = q.y = y_q;
+  q.x_token_stride = q.y_token_stride = d.n_q;
+  q.x_head_stride = q.y_head_stride = hd;
+  q.tokens = n;
+  q.heads = H;
+  q.dim = hd;
+  q.norm = true;
+  q.eps = c.rms_norm_eps;
+  q.rope_dim = rd;
+  q.inv_freq = d.inv_freq;
+  set_positions(q);
+  row_op("attn: q norm + rope", q);
+  if (d.indexer) {
     RowOpParams qi;  // RoPE + rounding, no norm
     qi.x = qi.y = y_q + d.off_iq;
     qi.x_token_stride = qi.y_token_stride = d.n_q;
@@ -1127,7 +1166,9 @@ void CudaRunner::attention_block(int l, int n) {
     qi.round = index_round;
     set_positions(qi);
     row_op("indexer: q rope + round", qi);
-    linear_f32("indexer: weights_proj", normed_.as<float>(), d.index_wproj, index_w_.as<float>(), n, nh, D);
+  }
+  if (side) join_side();
+  if (d.indexer) {
     gpu::IndexerTopkParams ip;
     ip.q = y_q + d.off_iq;
     ip.q_token_stride = d.n_q;
@@ -1148,9 +1189,9 @@ void CudaRunner::attention_block(int l, int n) {
       ip.pos_rows = pos_.as<int64_t>();
       ip.keys_rows = index_keys_rows(l);
     }
-    gpu::indexer_scores(ip, stream_);
+    gpu::indexer_scores(ip, cur_);
     launched("indexer: scores");
-    gpu::indexer_select(ip, stream_);
+    gpu::indexer_select(ip, cur_);
     launched("indexer: top-k select");
   }
 
@@ -1190,11 +1231,11 @@ void CudaRunner::attention_block(int l, int n) {
   // Decode steps store their keys into the rings inside the attention launch; prefill chunks after it (their
   // later rows may overwrite ring slots that earlier rows of the chunk still read).
   ap.store_window = batched || n == 1;
-  gpu::attention(ap, stream_);
+  gpu::attention(ap, cur_);
   launched("attn: attention");
   if (!ap.store_window) {
     gpu::window_store(kv_chunk_.as<float>(), n, hd, part.pos0, part.pos_device, state(part).window.as<float>(),
-                      window_slots_, stream_);
+                      window_slots_, cur_);
     launched("attn: window store");
   }
 
@@ -1202,7 +1243,7 @@ void CudaRunner::attention_block(int l, int n) {
   // batched launch), written token-major as z [n, G·o_lora], then wo_b.
   GemvBatchedParams wo_a;
   wo_a.base = d.wo_a.params(o_grouped_.data(), z_.data(), n, GemvOut::BF16, int64_t(G) * ol, 0, ol);
-  wo_a.base.stream = stream_;
+  wo_a.base.stream = cur_;
   wo_a.batch = G;
   wo_a.x_batch_stride = int64_t(n) * gw;
   wo_a.y_batch_stride = ol;
@@ -1247,7 +1288,7 @@ void CudaRunner::ffn_block(int l, int n) {
   slots.k = k;
   slots.experts = d.w1.experts;
   slots.slots = slots_;
-  slots.stream = stream_;
+  slots.stream = cur_;
   if (d.shared_grouped) {
     slots.shared_expert = E;
     slots.weights = expert_weights_.as<float>();
@@ -1257,7 +1298,7 @@ void CudaRunner::ffn_block(int l, int n) {
     moe_route_and_slots(rp, slots);
     launched("ffn: router + moe_slots");
   } else {
-    gpu::router(rp, stream_);
+    gpu::router(rp, cur_);
     launched("ffn: router");
     moe_slots(slots);
     launched("ffn: moe_slots");
@@ -1274,7 +1315,7 @@ void CudaRunner::ffn_block(int l, int n) {
   sw.inter = c.moe_inter;
   sw.limit = c.swiglu_limit;
   sw.h = h_.as<uint16_t>();
-  gpu::swiglu(sw, stream_);
+  gpu::swiglu(sw, cur_);
   launched("ffn: swiglu");
   linear_grouped("ffn: grouped gemv w2", d.w2, h_.data(), 1, n * pairs, y_pairs_.data(), n, n * pairs, GemvOut::F32);
 
@@ -1291,7 +1332,7 @@ void CudaRunner::ffn_block(int l, int n) {
     ss.inter = si;
     ss.limit = c.swiglu_limit;
     ss.h = h_shared_.as<uint16_t>();
-    gpu::swiglu(ss, stream_);
+    gpu::swiglu(ss, cur_);
     launched("ffn: shared swiglu");
     linear("ffn: gemv shared w2", d.shared_w2, h_shared_.data(), shared_out_.data(), n, GemvOut::F32, true);
   }
@@ -1400,6 +1441,8 @@ std::unique_ptr<SequenceRunner> make_cuda_runner(const Model& model, int max_con
     options.fuse_mhc_mix = std::string(env) == "1";
   if (const char* env = std::getenv("DSV4_FUSED_ROUTING"); env && (std::string(env) == "0" || std::string(env) == "1"))
     options.fuse_moe_routing = std::string(env) == "1";
+  if (const char* env = std::getenv("DSV4_OVERLAP"); env && (std::string(env) == "0" || std::string(env) == "1"))
+    options.overlap_branches = std::string(env) == "1";
   return std::make_unique<CudaRunner>(model, max_context, options);
 }
 

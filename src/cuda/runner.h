@@ -61,6 +61,11 @@ struct CudaRunnerOptions {
   // Decode-sized chunks: the router and moe_slots in one launch (moe_route_and_slots; experts <= 512), 43 launches
   // fewer per Flash step. Off until measured; DSV4_FUSED_ROUTING=1 / 0 sets it.
   bool fuse_moe_routing = false;
+  // Attention blocks with compressors: the compressors, their entry finishing and the indexer's weights_proj run on
+  // a second stream (a parallel branch of the captured graph) while the q-side projection and the q norms run on
+  // the main one; they meet before the indexer scores. Same kernels, same results. Off until measured;
+  // DSV4_OVERLAP=1 / 0 in the environment sets it. Profiled steps run everything on one stream.
+  bool overlap_branches = false;
 };
 
 // The prefill chunk a runner settles on (host arithmetic, no GPU needed): `requested` (a multiple of 64 in
@@ -92,6 +97,7 @@ struct CudaRunnerStats {
   int64_t graph_kernels = 0;          // kernel nodes in the captured decode graph (0 until captured)
   bool last_forward_replayed_graph = false;
   int64_t cublas_linears = 0;         // dense linears run through cuBLASLt so far (prefill chunks of >= 256 rows)
+  int64_t side_stream_kernels = 0;    // kernels enqueued on the second stream so far (overlap_branches)
   size_t weight_bytes = 0, workspace_bytes = 0;
 };
 // Stats of a runner made by make_cuda_runner (throws for other runners).

@@ -917,8 +917,8 @@ TEST(CudaModel, FusedRoutingChangesNoBits) {
   }
 }
 
-// set_gemv_bulk: the fp4 linears of a model whose every k is a multiple of 512 (the small synthetic structure at
-// hidden 512, synthetic NVFP4 / MXFP4 weights) run the copy-engine kernel in prefill chunks of up to 64 rows and in
+// set_gemv_bulk: the fp4 / fp8 linears of a model whose every k is a multiple of 512 (the small synthetic structure
+// at hidden 512, synthetic NVFP4 / MXFP4 / FP8 block weights) run the copy-engine kernel in prefill chunks of up to 64 rows and in
 // graph-replayed decode at batch 1 and 5 (its first copies are issued before griddepcontrol.wait). The logits must
 // match the register kernel's to fp32 rounding (only the split-k partition differs), with the same kernel count.
 TEST(CudaModel, BulkGemvMatchesRegisterGemv) {
@@ -934,7 +934,7 @@ TEST(CudaModel, BulkGemvMatchesRegisterGemv) {
   std::vector<int32_t> prompt(n), fed(steps);
   for (int32_t& t : prompt) t = token(rng);
   for (int32_t& t : fed) t = token(rng);
-  for (const GemvWeight format : {GemvWeight::NVFP4, GemvWeight::MXFP4}) {
+  for (const GemvWeight format : {GemvWeight::NVFP4, GemvWeight::MXFP4, GemvWeight::FP8_BLOCK}) {
     auto run = [&](bool bulk) {
       set_gemv_bulk(bulk);
       CudaRunnerOptions options;
@@ -967,6 +967,54 @@ TEST(CudaModel, BulkGemvMatchesRegisterGemv) {
     EXPECT_GT(scale, 0.0);
     EXPECT_LE(diff.quantile(0.5), 1e-4 * scale);
     EXPECT_LE(diff.max_abs, 1e-2 * scale);
+  }
+}
+
+// CudaRunnerOptions::overlap_branches runs the same kernels, the state side of each compressed attention block on a
+// second stream: prefill chunks (eager, 64 rows) and graph-replayed decode at batch 1 and 5 give the same bits,
+// with the same kernel count, with dependent launches on and off.
+TEST(CudaModel, OverlappedBranchesChangeNoBits) {
+  DSV4_REQUIRE_CUDA();
+  for (const char* name : {"tiny-flash", "tiny-pro"}) {
+    std::string source;
+    const Model model = tiny_model(name, kDefault, &source);
+    const int V = model.config().vocab_size, n = 100, steps = 8, B = 5;
+    std::mt19937 rng(29);
+    std::uniform_int_distribution<int32_t> token(2, V - 1);
+    std::vector<int32_t> prompt(n), fed(steps);
+    for (int32_t& t : prompt) t = token(rng);
+    for (int32_t& t : fed) t = token(rng);
+    for (const bool pdl : {true, false}) {
+      const bool before = gpu::dependent_launch();
+      gpu::set_dependent_launch(pdl);
+      auto run = [&](bool overlap) {
+        CudaRunnerOptions options;
+        options.overlap_branches = overlap;
+        options.sequences = B;
+        options.prefill_chunk = 64;
+        std::unique_ptr<SequenceRunner> r = make_cuda_runner(model, n + 2 * steps + 1, options);
+        std::vector<float> logits = r->forward(prompt, false);
+        for (int i = 0; i < steps; ++i) {
+          const std::vector<float> row = r->forward(std::span<const int32_t>(&fed[size_t(i)], 1), true);
+          logits.insert(logits.end(), row.begin(), row.end());
+        }
+        const int64_t kernels = cuda_runner_stats(*r).graph_kernels;
+        for (int b = 1; b < B; ++b) cuda_runner_copy_sequence(*r, 0, b);
+        for (int i = 0; i < steps; ++i) {
+          const std::vector<float> rows = cuda_runner_decode_batch(*r, std::vector<int32_t>(B, fed[size_t(i)]));
+          logits.insert(logits.end(), rows.begin(), rows.end());
+        }
+        EXPECT_EQ(cuda_runner_stats(*r).side_stream_kernels > 0, overlap) << name;
+        return std::pair{logits, kernels};
+      };
+      const auto [overlapped, overlapped_kernels] = run(true);
+      const auto [serial, serial_kernels] = run(false);
+      gpu::set_dependent_launch(before);
+      ASSERT_EQ(overlapped.size(), serial.size());
+      EXPECT_EQ(std::memcmp(overlapped.data(), serial.data(), serial.size() * sizeof(float)), 0)
+          << name << (pdl ? " (dependent launches)" : "");
+      EXPECT_EQ(overlapped_kernels, serial_kernels) << name;
+    }
   }
 }
 

@@ -369,8 +369,11 @@ std::vector<Case> all_cases() {
       cases.push_back({f.w, f.s, 1, 301, f.k_wide, GemvOut::BF16, 0, GemvAct::FP8});
       cases.push_back({f.w, f.s, 1, 34000, f.k_tall, GemvOut::F32, 0, GemvAct::FP8});
       for (int split : {1, 2, 4, 8}) cases.push_back({f.w, f.s, 1, 301, f.k_wide, GemvOut::F32, split, GemvAct::FP8});
-      // The copy-engine kernel (k a multiple of 512): every n-tile count, partial tiles, warps with no stage
-      // (split 4 and 8 over 3 stages), one stage, a ring wrapped five times (16 stages at split 1), quantised x.
+    }
+    if (f.w != GemvWeight::BF16) {
+      // The copy-engine kernel (k a multiple of 512 for fp4, 256 for fp8): every n-tile count, partial tiles, warps
+      // with no stage (split 4 and 8 over 3 fp4 stages), one stage, a ring wrapped five times (16 or 32 stages at
+      // split 1), quantised x.
       const GemvAct a = GemvAct::BF16;
       for (int m : {1, 3, 8, 13, 29, 64}) {
         cases.push_back({f.w, f.s, m, 301, 1024, GemvOut::F32, 0, a, true});
@@ -382,6 +385,10 @@ std::vector<Case> all_cases() {
       cases.push_back({f.w, f.s, 1, 301, 8192, GemvOut::F32, 1, a, true});
       cases.push_back({f.w, f.s, 8, 45, 8192, GemvOut::F32, 2, a, true});
       cases.push_back({f.w, f.s, 3, 301, 1024, GemvOut::F32, 0, GemvAct::FP8, true});
+      if (f.w == GemvWeight::FP8_BLOCK) {  // one and three 256-weight stages
+        cases.push_back({f.w, f.s, 1, 301, 256, GemvOut::F32, 0, a, true});
+        cases.push_back({f.w, f.s, 8, 301, 768, GemvOut::F32, 2, a, true});
+      }
     }
   }
   return cases;
@@ -429,9 +436,10 @@ TEST(GemvTiled, WeightTileVariantsAgreeBitForBit) {
 TEST(GemvBulk, MatchesRegisterKernelBitForBitAtSplit1) {
   DSV4_REQUIRE_CUDA();
   std::mt19937_64 rng(91);
-  for (const GemvWeight w : {GemvWeight::MXFP4, GemvWeight::NVFP4})
+  for (const auto& [w, s] : {std::pair{GemvWeight::MXFP4, GemvScale::E8M0}, {GemvWeight::NVFP4, GemvScale::E8M0},
+                             {GemvWeight::FP8_BLOCK, GemvScale::E8M0}, {GemvWeight::FP8_BLOCK, GemvScale::F32}})
     for (const auto& [m, n, k] : {std::tuple{1, 301, 2048}, {8, 64, 4096}, {29, 301, 512}, {64, 45, 1536}}) {
-      const Case c{w, GemvScale::E8M0, m, n, k, GemvOut::F32, 1};
+      const Case c{w, s, m, n, k, GemvOut::F32, 1};
       const HostProblem h = make_problem(c, rng);
       DeviceBuffer x(h.x.size() * 2), dw(h.w.size()), ds(h.scale.size()), y(size_t(m) * n * 4);
       x.upload(h.x.data(), h.x.size() * 2);
@@ -439,7 +447,7 @@ TEST(GemvBulk, MatchesRegisterKernelBitForBitAtSplit1) {
       ds.upload(h.scale.data(), h.scale.size());
       GemvParams p;
       p.m = m, p.n = n, p.k = k, p.x = x.data(), p.w = dw.data(), p.w_scale = ds.data(), p.w_scale_2 = h.scale_2;
-      p.y = y.data(), p.weight = w, p.split_k = 1;
+      p.y = y.data(), p.weight = w, p.fp8_scale = s, p.split_k = 1;
       std::vector<std::vector<float>> got;
       for (const bool on : {false, true}) {
         const BulkScope bulk(on);
@@ -631,7 +639,7 @@ std::vector<GroupedCase> grouped_cases() {
     cases.push_back({w, s, 1, 2, 8, 72, 256, 2, true, false, GemvAct::FP8});
     cases.push_back({w, s, 5, 6, 16, 200, 1056, 1, false, false, GemvAct::FP8});
     cases.push_back({w, s, 100, 6, 16, 136, 512, 6, false, true, GemvAct::FP8});
-    if (w == GemvWeight::MXFP4 || w == GemvWeight::NVFP4) {  // the copy-engine kernel: k a multiple of 512
+    if (w != GemvWeight::BF16) {  // the copy-engine kernel: k a multiple of 512 (fp4) / 256 (fp8)
       const GemvAct a = GemvAct::BF16;
       cases.push_back({w, s, 1, 6, 16, 200, 1024, 6, false, false, a, true});
       cases.push_back({w, s, 5, 6, 16, 200, 1024, 1, false, false, a, true});
