@@ -78,7 +78,35 @@ struct BenchArgs {
   // copied back and drawn by the host Sampler, rows in parallel) or "device" (drawn on the GPU, ids come back); the
   // draws are temperature 1, top_p 1 (the server's default).
   std::vector<std::string> draws = {"none"};
+  // Decode is also timed once per set of step switches: "default" (as the runner was built, environment included),
+  // or '+'-joined names turned on: bulk (fp4 / fp8 GEMVs through the copy engine, set_gemv_bulk), overlap
+  // (CudaRunnerOptions::overlap_branches), mhc (fuse_mhc_mix), routing (fuse_moe_routing). Prefill and --profile
+  // use the first.
+  std::vector<std::string> switches = {"default"};
 };
+
+// One entry of --switches.
+struct StepSwitches {
+  bool bulk = false, overlap = false, mhc = false, routing = false;
+};
+
+StepSwitches parse_switches(const std::string& spec) {
+  StepSwitches s;
+  if (spec == "default") return s;
+  size_t from = 0;
+  while (from <= spec.size()) {
+    const size_t to = std::min(spec.find('+', from), spec.size());
+    const std::string name = spec.substr(from, to - from);
+    if (name == "bulk") s.bulk = true;
+    else if (name == "overlap") s.overlap = true;
+    else if (name == "mhc") s.mhc = true;
+    else if (name == "routing") s.routing = true;
+    else DSV4_FAIL("dsv4 bench: --switches entry '{}' has '{}' (expected default, or bulk, overlap, mhc and "
+                   "routing joined by '+')", spec, name);
+    from = to + 1;
+  }
+  return s;
+}
 
 // ---- accounting -------------------------------------------------------------------------------------------
 
@@ -261,7 +289,10 @@ void validate(BenchArgs& a) {
   DSV4_CHECK(!a.launch_modes.empty(), "dsv4 bench: --launch-modes lists no mode");
   // Sequence 0 goes on from batch to batch and mode to mode (the others are copied from it).
   DSV4_CHECK(!a.draws.empty(), "dsv4 bench: --draws lists no draw");
-  const int timed_runs = int(a.decode_batch.size() * a.launch_modes.size() * a.draws.size());
+  DSV4_CHECK(!a.switches.empty(), "dsv4 bench: --switches lists no set");
+  for (const std::string& spec : a.switches) parse_switches(spec);  // throws for an unknown name
+  const int timed_runs =
+      int(a.decode_batch.size() * a.launch_modes.size() * a.draws.size() * a.switches.size());
   DSV4_CHECK(a.profile_prefill >= 0, "dsv4 bench: --profile-prefill {} must be >= 0", a.profile_prefill);
   const int needed = std::max({*std::max_element(a.prefill.begin(), a.prefill.end()), a.profile_prefill,
                               a.decode_context + timed_runs * (kDecodeWarmupSteps + a.decode_steps) +
@@ -297,7 +328,7 @@ json args_json(const BenchArgs& a, const ModelConfig& c) {
           {"decode_steps", a.decode_steps}, {"decode_batch", a.decode_batch}, {"max_context", a.max_context},
           {"seed", a.seed},
           {"act_quant", a.act_quant},
-          {"launch_modes", a.launch_modes}, {"draws", a.draws},
+          {"launch_modes", a.launch_modes}, {"draws", a.draws}, {"switches", a.switches},
           {"config", c.summary()}, {"bf16_dense_flops", kBf16DenseFlops}, {"prefill_chunk", kPlanPrefillChunk}};
 }
 
@@ -409,6 +440,19 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
              runner->state_bytes() / 1e9, used / 1e9, device_info().global_mem_bytes / 1e9);
   json report = {{"weight_bytes", built.weight_bytes}, {"workspace_bytes", built.workspace_bytes},
                  {"state_bytes", runner->state_bytes()}, {"gpu_memory_used_bytes", used}};
+  // --switches: each set is applied on top of the options the runner was built with.
+  const CudaRunnerOptions built_options = cuda_runner_options(*runner);
+  const bool built_bulk = gemv_bulk_enabled();
+  auto use_switches = [&](const std::string& spec) {
+    const StepSwitches s = parse_switches(spec);
+    CudaRunnerOptions o = built_options;
+    o.overlap_branches = o.overlap_branches || s.overlap;
+    o.fuse_mhc_mix = o.fuse_mhc_mix || s.mhc;
+    o.fuse_moe_routing = o.fuse_moe_routing || s.routing;
+    cuda_runner_set_step_switches(*runner, o);
+    set_gemv_bulk(built_bulk || s.bulk);
+  };
+  use_switches(a.switches.front());
   std::mt19937_64 rng(a.seed);
 
   const int chunk = cuda_runner_prefill_chunk(*runner);
@@ -482,8 +526,10 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
     };
     double first_mode_ms = 0;
     for (const std::string& mode : a.launch_modes)
-    for (const std::string& run_draw : a.draws) {
+    for (const std::string& run_draw : a.draws)
+    for (const std::string& switches : a.switches) {
       draw = run_draw;
+      use_switches(switches);
       cuda_runner_set_draw_on_device(*runner, draw == "device");
       set_launch_mode(mode);
       cuda_runner_drop_graphs(*runner);
@@ -497,15 +543,17 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
       const std::vector<CostLine> lines = decode_step_cost(c, f, pos, B);
       const double bytes = total_bytes(lines), tok_s = double(B) * a.decode_steps / seconds;
       const double roofline = B * bandwidth / bytes;
-      const bool first_run = mode == a.launch_modes.front() && draw == a.draws.front();
+      const bool first_run =
+          mode == a.launch_modes.front() && draw == a.draws.front() && switches == a.switches.front();
       if (B == a.decode_batch.front() && first_run) print_cost_table(lines, f, pos, B);
       if (first_run) first_mode_ms = 1e3 * seconds / a.decode_steps;
-      fmt::print("\ndecode batch {} at context {} [{}, draw {}]: {:.1f} tok/s ({:.3f} ms/step), {} kernels per step{}; "
-                 "roofline {:.1f} tok/s ({:.2f} GB/step at {:.0f} GB/s) -> {:.3f} of roofline\n",
-                 B, pos, mode, draw, tok_s, 1e3 * seconds / a.decode_steps, kernels,
+      fmt::print("\ndecode batch {} at context {} [{}, draw {}, switches {}]: {:.1f} tok/s ({:.3f} ms/step), {} kernels "
+                 "per step{}; roofline {:.1f} tok/s ({:.2f} GB/step at {:.0f} GB/s) -> {:.3f} of roofline\n",
+                 B, pos, mode, draw, switches, tok_s, 1e3 * seconds / a.decode_steps, kernels,
                  stats.last_forward_replayed_graph ? " (graph replay)" : "", roofline, bytes / 1e9, bandwidth_gbs,
                  tok_s / roofline);
-      decodes.push_back({{"batch", B}, {"launch_mode", mode}, {"draw", draw}, {"context", a.decode_context},
+      decodes.push_back({{"batch", B}, {"launch_mode", mode}, {"draw", draw}, {"switches", switches},
+                         {"context", a.decode_context},
                          {"steps", a.decode_steps}, {"mean_position", pos}, {"seconds", seconds}, {"tok_s", tok_s},
                          {"ms_per_step", 1e3 * seconds / a.decode_steps}, {"kernels_per_step", kernels},
                          {"graph_replay", stats.last_forward_replayed_graph}, {"bytes_per_step", bytes},
@@ -513,6 +561,7 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
                          {"roofline_tok_s", roofline}, {"fraction_of_roofline", tok_s / roofline}});
     }
     set_launch_mode(a.launch_modes.front());
+    use_switches(a.switches.front());
     // The profiled step draws on the device when that was timed, so its table shows the draw kernel.
     cuda_runner_set_draw_on_device(*runner,
                                    std::find(a.draws.begin(), a.draws.end(), "device") != a.draws.end());
@@ -522,6 +571,7 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
                         fmt::format("one decode step at batch {}", B), first_mode_ms, "the graph step above");
   }
   report["decode"] = decodes;
+  set_gemv_bulk(built_bulk);
   return report;
 }
 
@@ -595,6 +645,12 @@ void add_bench_command(CLI::App& app, Handler& handler) {
                   "nothing comes back), host (logits back, host Sampler) or device (drawn on the GPU), e.g. "
                   "none,host,device")
       ->delimiter(',')->capture_default_str()->check(CLI::IsMember({"none", "host", "device"}));
+  cmd->add_option("--switches", args->switches,
+                  "Decode also timed with each set of step switches: default (as built), or names joined by '+': "
+                  "bulk (fp4 / fp8 GEMVs through the copy engine), overlap (the attention state side on a second "
+                  "stream), mhc (hc_post with the next mix), routing (router + slots in one launch), e.g. "
+                  "default,bulk,overlap,mhc+routing,bulk+overlap+mhc+routing")
+      ->delimiter(',')->capture_default_str();
   cmd->add_flag("--profile", args->profile,
                 "After the timed decode steps, time every launch site of one more step (events, no graph)");
   cmd->add_option("--profile-prefill", args->profile_prefill,

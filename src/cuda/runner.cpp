@@ -156,6 +156,15 @@ class CudaRunner final : public SequenceRunner {
   CudaRunnerStats stats() const { return stats_; }
   bool draws_on_device() const { return options_.draw_on_device; }
   void set_draw_on_device(bool on) { options_.draw_on_device = on; }
+  const CudaRunnerOptions& options() const { return options_; }
+  void set_step_switches(const CudaRunnerOptions& o) {
+    drop_graphs();
+    options_.draw_on_device = o.draw_on_device;
+    options_.fuse_mhc_mix = o.fuse_mhc_mix;
+    options_.fuse_moe_routing = o.fuse_moe_routing;
+    options_.overlap_branches = o.overlap_branches;
+    if (o.overlap_branches) make_side_stream();
+  }
   std::vector<LaunchTiming> profile_step(std::span<const int32_t> tokens, bool prefill = false);
   int prefill_chunk() const { return chunk_; }
   int sequences() const { return int(seqs_.size()); }
@@ -227,6 +236,12 @@ class CudaRunner final : public SequenceRunner {
     cur_ = side_;
   }
   void to_main() { cur_ = stream_; }
+  void make_side_stream() {
+    if (side_) return;
+    DSV4_CUDA_CHECK(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
+    DSV4_CUDA_CHECK(cudaEventCreateWithFlags(&fork_event_, cudaEventDisableTiming));
+    DSV4_CUDA_CHECK(cudaEventCreateWithFlags(&join_event_, cudaEventDisableTiming));
+  }
   void join_side() {
     DSV4_CUDA_CHECK(cudaEventRecord(join_event_, side_));
     DSV4_CUDA_CHECK(cudaStreamWaitEvent(stream_, join_event_, 0));
@@ -452,11 +467,7 @@ CudaRunner::CudaRunner(const Model& model, int max_context, CudaRunnerOptions op
   DSV4_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   DSV4_CUDA_CHECK(cudaEventCreateWithFlags(&tokens_uploaded_, cudaEventDisableTiming));
   cur_ = stream_;
-  if (options_.overlap_branches) {
-    DSV4_CUDA_CHECK(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
-    DSV4_CUDA_CHECK(cudaEventCreateWithFlags(&fork_event_, cudaEventDisableTiming));
-    DSV4_CUDA_CHECK(cudaEventCreateWithFlags(&join_event_, cudaEventDisableTiming));
-  }
+  if (options_.overlap_branches) make_side_stream();
 
   window_slots_ = std::min(c.window, max_context);
   WeightUploader uploader(options.synthetic_format, options.synthetic_seed);
@@ -1496,6 +1507,16 @@ bool cuda_runner_draws_on_device(const SequenceRunner& runner) {
 
 void cuda_runner_set_draw_on_device(SequenceRunner& runner, bool on) {
   as_cuda(runner, "cuda_runner_set_draw_on_device").set_draw_on_device(on);
+}
+
+CudaRunnerOptions cuda_runner_options(const SequenceRunner& runner) {
+  const auto* cuda = dynamic_cast<const CudaRunner*>(&runner);
+  DSV4_CHECK(cuda, "cuda_runner_options: not a CUDA runner");
+  return cuda->options();
+}
+
+void cuda_runner_set_step_switches(SequenceRunner& runner, const CudaRunnerOptions& switches) {
+  as_cuda(runner, "cuda_runner_set_step_switches").set_step_switches(switches);
 }
 
 CudaRunnerStats cuda_runner_stats(const SequenceRunner& runner) {

@@ -118,6 +118,11 @@ std::vector<int32_t> cuda_runner_decode_batch_draw(SequenceRunner& runner, std::
 // switching it (benchmarks: the captured graphs of both kinds are kept apart).
 bool cuda_runner_draws_on_device(const SequenceRunner& runner);
 void cuda_runner_set_draw_on_device(SequenceRunner& runner, bool on);
+// The options the runner holds (after the environment's overrides), and a change of the ones it reads at every
+// step: draw_on_device, fuse_mhc_mix, fuse_moe_routing and overlap_branches (the others of `switches` are
+// ignored). Drops the captured decode graphs. For A/B timing in one process (dsv4 bench --switches).
+CudaRunnerOptions cuda_runner_options(const SequenceRunner& runner);
+void cuda_runner_set_step_switches(SequenceRunner& runner, const CudaRunnerOptions& switches);
 // Sequence `to` becomes a copy of sequence `from` (state and length), on the device (benchmarks: B sequences at
 // one context without B prefills).
 void cuda_runner_copy_sequence(SequenceRunner& runner, int from, int to);

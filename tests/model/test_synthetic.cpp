@@ -251,6 +251,21 @@ TEST(SyntheticBenchCli, RejectsTooFewExpertsBeforeAnyCudaCall) {
   EXPECT_THAT(small.out, HasSubstr("--max-context 1000"));
 }
 
+// --switches: every set is checked before anything runs, and the report lists them.
+TEST(SyntheticBenchCli, SwitchesAreCheckedAndReported) {
+  const RunResult bad = run_dsv4("bench --plan-only --switches default,bulk+warp");
+  EXPECT_EQ(bad.exit_code, 1) << bad.out;
+  EXPECT_THAT(bad.out, HasSubstr("'bulk+warp' has 'warp'"));
+  const std::filesystem::path json_path = std::filesystem::temp_directory_path() / "dsv4_bench_switches.json";
+  const RunResult ok = run_dsv4("bench --plan-only --switches default,bulk+overlap+mhc+routing --json " +
+                                json_path.string());
+  ASSERT_EQ(ok.exit_code, 0) << ok.out;
+  std::ifstream in(json_path);
+  const nlohmann::json j = nlohmann::json::parse(in);
+  EXPECT_EQ(j["switches"], nlohmann::json({"default", "bulk+overlap+mhc+routing"}));
+  std::filesystem::remove(json_path);
+}
+
 // --plan-only prints the accounting without a GPU; the JSON's numbers against an independent count.
 TEST(SyntheticBenchCli, PlanOnlyAccountsTheFlashBytesPerToken) {
   const std::filesystem::path json_path = std::filesystem::temp_directory_path() / "dsv4_bench_plan.json";
