@@ -29,7 +29,6 @@ __global__ void __launch_bounds__(kThreads, kTilesN <= 2 ? 2 : 1) gemv_kernel(co
   constexpr int kElems = elems_per_16b<F>();  // per thread, per row, per chunk
   constexpr int kChunkK = 4 * kElems;
   constexpr int kPairs = kElems / 2;          // bf16x2 words per row piece
-  constexpr int kMmas = kElems / 4;           // k16 steps per chunk
   constexpr bool kFp8 = F == Fmt::FP8_E8M0 || F == Fmt::FP8_F32;
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -44,26 +43,14 @@ __global__ void __launch_bounds__(kThreads, kTilesN <= 2 ? 2 : 1) gemv_kernel(co
 
   // Which weights and which rows of x / y: all m rows (plain; batch blockIdx.y of a batched launch), or one
   // slot's routed pairs (grouped).
-  const uint8_t* w_base = a.w;
-  const uint8_t* w_scale = a.w_scale;
-  const __nv_bfloat16* x = reinterpret_cast<const __nv_bfloat16*>(a.x);
-  float y_factor = a.y_factor;
-  int m_rows = a.m, order0 = 0, w_row0 = a.w_row0;
-  int64_t y_offset = 0;
-  if constexpr (kGrouped) {
-    gpu::dependent_wait();  // the slots are the previous kernel's output
-    GroupedSlot slot;
-    if (!grouped_slot(a, slot)) return;  // the whole block, before any barrier
-    w_base = slot.w;
-    w_scale = slot.w_scale;
-    y_factor = slot.y_factor;
-    order0 = slot.order0;
-    m_rows = slot.m_rows;
-  } else {
-    w_row0 += blockIdx.y * a.n;
-    x += blockIdx.y * a.x_batch_stride;
-    y_offset = blockIdx.y * a.y_batch_stride;
-  }
+  BlockRows rows;
+  if (!block_rows<kGrouped>(a, rows)) return;  // an empty slot: the whole block, before any barrier
+  const uint8_t* w_base = rows.w;
+  const uint8_t* w_scale = rows.w_scale;
+  const __nv_bfloat16* x = rows.x;
+  const float y_factor = rows.y_factor;
+  const int m_rows = rows.m_rows, order0 = rows.order0, w_row0 = rows.w_row0;
+  const int64_t y_offset = rows.y_offset;
   w_base += size_t(w_row0) * row_bytes;
   if constexpr (F == Fmt::MXFP4) w_scale += size_t(w_row0) * (a.k / 32);
   if constexpr (F == Fmt::NVFP4) w_scale += size_t(w_row0) * (a.k / 16);
@@ -126,37 +113,7 @@ __global__ void __launch_bounds__(kThreads, kTilesN <= 2 ? 2 : 1) gemv_kernel(co
         decode_piece<F>(raw_lo[u], sc_lo[u], w_lo_bf);
         decode_piece<F>(raw_hi[u], kFp8 ? sc_lo[u] : sc_hi[u], w_hi_bf);
 
-        float chunk_acc[kTilesN][4];  // FP8 with f32 scales: the scale multiplies each chunk's partial sum
-        if constexpr (F == Fmt::FP8_F32) {
-#pragma unroll
-          for (int j = 0; j < kTilesN; ++j) chunk_acc[j][0] = chunk_acc[j][1] = chunk_acc[j][2] = chunk_acc[j][3] = 0.0f;
-        }
-#pragma unroll
-        for (int j = 0; j < kTilesN; ++j) {
-          uint32_t xb[kPairs];
-          if (x_row[j] && in_k) {
-            const uint4* xp = reinterpret_cast<const uint4*>(x_row[j] + kk);
-#pragma unroll
-            for (int v = 0; v < kPairs / 4; ++v) {
-              const uint4 q = xp[v];
-              xb[4 * v + 0] = q.x, xb[4 * v + 1] = q.y, xb[4 * v + 2] = q.z, xb[4 * v + 3] = q.w;
-            }
-          } else {
-#pragma unroll
-            for (int i = 0; i < kPairs; ++i) xb[i] = 0;
-          }
-#pragma unroll
-          for (int i = 0; i < kMmas; ++i)
-            mma_bf16(F == Fmt::FP8_F32 ? chunk_acc[j] : acc[j], w_lo_bf[2 * i], w_hi_bf[2 * i], w_lo_bf[2 * i + 1],
-                     w_hi_bf[2 * i + 1], xb[2 * i], xb[2 * i + 1]);
-        }
-        if constexpr (F == Fmt::FP8_F32) {
-          const float s = __uint_as_float(sc_lo[u]);
-#pragma unroll
-          for (int j = 0; j < kTilesN; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[j][e] = fmaf(chunk_acc[j][e], s, acc[j][e]);
-        }
+        mma_chunk<F, kTilesN>(acc, w_lo_bf, w_hi_bf, x_row, kk, in_k, sc_lo[u]);
       }
     }
   }

@@ -81,26 +81,14 @@ __global__ void __launch_bounds__(kThreads, kTilesN <= 2 ? 2 : 1) gemv_bulk_kern
   barrier_init_fence();
   __syncwarp();
 
-  const uint8_t* w_base = a.w;
-  const uint8_t* w_scale = a.w_scale;
-  const __nv_bfloat16* x = reinterpret_cast<const __nv_bfloat16*>(a.x);
-  float y_factor = a.y_factor;
-  int m_rows = a.m, order0 = 0, w_row0 = a.w_row0;
-  int64_t y_offset = 0;
-  if constexpr (kGrouped) {
-    gpu::dependent_wait();  // the slots are the previous kernel's output
-    GroupedSlot slot;
-    if (!grouped_slot(a, slot)) return;  // the whole block, before any barrier
-    w_base = slot.w;
-    w_scale = slot.w_scale;
-    y_factor = slot.y_factor;
-    order0 = slot.order0;
-    m_rows = slot.m_rows;
-  } else {
-    w_row0 += blockIdx.y * a.n;
-    x += blockIdx.y * a.x_batch_stride;
-    y_offset = blockIdx.y * a.y_batch_stride;
-  }
+  BlockRows rows;
+  if (!block_rows<kGrouped>(a, rows)) return;  // an empty slot: the whole block, before any barrier
+  const uint8_t* w_base = rows.w;
+  const uint8_t* w_scale = rows.w_scale;
+  const __nv_bfloat16* x = rows.x;
+  const float y_factor = rows.y_factor;
+  const int m_rows = rows.m_rows, order0 = rows.order0, w_row0 = rows.w_row0;
+  const int64_t y_offset = rows.y_offset;
   const uint8_t* w_tile = w_base + size_t(w_row0 + row0) * row_bytes;
   // FP4: the tile's first scale row; FP8: the scale row of its 128-row block (a tile lies in one: w_row0 % 16 == 0).
   const uint8_t* s_tile = w_scale + (kFp8 ? size_t((w_row0 + row0) / 128) * scale_ld * (F == Fmt::FP8_F32 ? 4 : 1)
@@ -189,37 +177,7 @@ __global__ void __launch_bounds__(kThreads, kTilesN <= 2 ? 2 : 1) gemv_bulk_kern
         decode_piece<F>(raw_lo, sc_lo, w_lo_bf);
         decode_piece<F>(raw_hi, sc_hi, w_hi_bf);
         const int kk = (s_begin + i) * kStageK + c * kChunkK + t * kElems;
-        float chunk_acc[kTilesN][4];  // FP8 with f32 scales: the scale multiplies each chunk's partial sum
-        if constexpr (F == Fmt::FP8_F32) {
-#pragma unroll
-          for (int j = 0; j < kTilesN; ++j) chunk_acc[j][0] = chunk_acc[j][1] = chunk_acc[j][2] = chunk_acc[j][3] = 0.0f;
-        }
-#pragma unroll
-        for (int j = 0; j < kTilesN; ++j) {
-          uint32_t xb[kPairs];
-          if (x_row[j]) {
-            const uint4* xp = reinterpret_cast<const uint4*>(x_row[j] + kk);
-#pragma unroll
-            for (int v = 0; v < kPairs / 4; ++v) {
-              const uint4 u = xp[v];
-              xb[4 * v + 0] = u.x, xb[4 * v + 1] = u.y, xb[4 * v + 2] = u.z, xb[4 * v + 3] = u.w;
-            }
-          } else {
-#pragma unroll
-            for (int e = 0; e < kPairs; ++e) xb[e] = 0;
-          }
-#pragma unroll
-          for (int e = 0; e < kPairs / 2; ++e)
-            mma_bf16(F == Fmt::FP8_F32 ? chunk_acc[j] : acc[j], w_lo_bf[2 * e], w_hi_bf[2 * e], w_lo_bf[2 * e + 1],
-                     w_hi_bf[2 * e + 1], xb[2 * e], xb[2 * e + 1]);
-        }
-        if constexpr (F == Fmt::FP8_F32) {
-          const float sf = __uint_as_float(sc_lo);
-#pragma unroll
-          for (int j = 0; j < kTilesN; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) acc[j][e] = fmaf(chunk_acc[j][e], sf, acc[j][e]);
-        }
+        mma_chunk<F, kTilesN>(acc, w_lo_bf, w_hi_bf, x_row, kk, true, sc_lo);
       }
       __syncwarp();  // every lane's reads of this slot are done before it is refilled
       if (i + kStages < my_stages) issue(i + kStages, q + kStages);

@@ -56,6 +56,46 @@ __device__ __forceinline__ void decode_piece(const uint4& raw, uint32_t scale, u
   }
 }
 
+// The products of one chunk: the decoded pieces of rows g and g + 8 (w_lo, w_hi) times every n-tile's activations
+// at k offset kk (x_row[j] nullptr past the rows, or !in_k past k: zeros), added to acc[j]. FP8 blocks with f32
+// scales sum the chunk apart and add it times its scale (the f32 bits in `scale`).
+template <Fmt F, int kTilesN>
+__device__ __forceinline__ void mma_chunk(float acc[kTilesN][4], const uint32_t* w_lo, const uint32_t* w_hi,
+                                          const __nv_bfloat16* const* x_row, int kk, bool in_k, uint32_t scale) {
+  constexpr int kPairs = elems_per_16b<F>() / 2;
+  float chunk_acc[kTilesN][4];
+  if constexpr (F == Fmt::FP8_F32) {
+#pragma unroll
+    for (int j = 0; j < kTilesN; ++j) chunk_acc[j][0] = chunk_acc[j][1] = chunk_acc[j][2] = chunk_acc[j][3] = 0.0f;
+  }
+#pragma unroll
+  for (int j = 0; j < kTilesN; ++j) {
+    uint32_t xb[kPairs];
+    if (x_row[j] && in_k) {
+      const uint4* xp = reinterpret_cast<const uint4*>(x_row[j] + kk);
+#pragma unroll
+      for (int v = 0; v < kPairs / 4; ++v) {
+        const uint4 q = xp[v];
+        xb[4 * v + 0] = q.x, xb[4 * v + 1] = q.y, xb[4 * v + 2] = q.z, xb[4 * v + 3] = q.w;
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < kPairs; ++i) xb[i] = 0;
+    }
+#pragma unroll
+    for (int i = 0; i < kPairs / 2; ++i)
+      mma_bf16(F == Fmt::FP8_F32 ? chunk_acc[j] : acc[j], w_lo[2 * i], w_hi[2 * i], w_lo[2 * i + 1], w_hi[2 * i + 1],
+               xb[2 * i], xb[2 * i + 1]);
+  }
+  if constexpr (F == Fmt::FP8_F32) {
+    const float s = __uint_as_float(scale);
+#pragma unroll
+    for (int j = 0; j < kTilesN; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[j][e] = fmaf(chunk_acc[j][e], s, acc[j][e]);
+  }
+}
+
 // Where a block's sums go: the rows it covers and how its activation rows map to rows of y.
 struct TileOutput {
   int tiles_per_block, split;  // 16-row tiles per block, warps per tile

@@ -1,8 +1,14 @@
 // SPDX-License-Identifier: MIT
-// Shared by the grouped launches of both gemv kernels (gemv.cu, gemv_w4a8.cu): which expert's weights and which
-// routed pairs one block works on.
+// Shared by the gemv kernels: which weights, activation rows and outputs one block of a plain, batched or grouped
+// launch works on (block_rows: gemv.cu, gemv_bulk.cu, gemv_tiled.cu; gemv_w4a8.cu, which has no batched form and
+// waits for the previous kernel at its start, calls grouped_slot itself: through block_rows its grouped kernels
+// spilled 4 bytes).
 #pragma once
+#include <cuda_bf16.h>
+
 #include <cstdint>
+
+#include "cuda/launch.cuh"
 
 #include "cuda/gemv_launch.h"
 
@@ -28,6 +34,40 @@ __device__ __forceinline__ bool grouped_slot(const KernelArgs& a, GroupedSlot& s
   slot.w = (second ? a.w_second : a.w) + size_t(e) * a.w_stride;
   slot.w_scale = (second ? a.w_scale_second : a.w_scale) + size_t(e) * a.scale_stride;
   slot.y_factor = scale_2 ? __ldg(scale_2 + e) * a.nvfp4_factor : a.y_factor;
+  return true;
+}
+
+// One block's share of a launch: the weights (row 0 of its matrix; the block adds w_row0 rows), x, the output
+// factor, its activation rows (grouped: row_order[order0 .. order0 + m_rows)) and its offset into y.
+struct BlockRows {
+  const uint8_t* w;
+  const uint8_t* w_scale;
+  const __nv_bfloat16* x;
+  float y_factor;
+  int m_rows, order0, w_row0;
+  int64_t y_offset;
+};
+
+// Plain launches: all m rows. Batched (blockIdx.y = batch): that batch's next n weight rows, x rows and y offset.
+// Grouped: waits for the previous kernel (the slots are its output), then the slot's expert and pairs; false when the
+// slot holds no expert this step, and then the whole block must return (before any barrier).
+template <bool kGrouped>
+__device__ __forceinline__ bool block_rows(const KernelArgs& a, BlockRows& b) {
+  b = {a.w, a.w_scale, reinterpret_cast<const __nv_bfloat16*>(a.x), a.y_factor, a.m, 0, a.w_row0, 0};
+  if constexpr (kGrouped) {
+    gpu::dependent_wait();
+    GroupedSlot slot;
+    if (!grouped_slot(a, slot)) return false;
+    b.w = slot.w;
+    b.w_scale = slot.w_scale;
+    b.y_factor = slot.y_factor;
+    b.order0 = slot.order0;
+    b.m_rows = slot.m_rows;
+  } else {
+    b.w_row0 += blockIdx.y * a.n;
+    b.x += blockIdx.y * a.x_batch_stride;
+    b.y_offset = blockIdx.y * a.y_batch_stride;
+  }
   return true;
 }
 

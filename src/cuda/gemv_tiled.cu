@@ -122,26 +122,14 @@ __global__ void __launch_bounds__(kThreads, kWeightTiles == 1 ? 2 : 1) gemv_tile
   const int row_block0 = int(blockIdx.x) / token_blocks * kBlockRows;
   const size_t row_bytes = F == Fmt::BF16 ? size_t(a.k) * 2 : F == Fmt::FP8 ? size_t(a.k) : size_t(a.k) / 2;
 
-  const uint8_t* w_base = a.w;
-  const uint8_t* w_scale = a.w_scale;
-  const __nv_bfloat16* x = reinterpret_cast<const __nv_bfloat16*>(a.x);
-  float y_factor = a.y_factor;
-  int m_rows = a.m, order0 = 0, w_row0 = a.w_row0;
-  int64_t y_offset = 0;
-  if constexpr (kGrouped) {
-    gpu::dependent_wait();  // the slots are the previous kernel's output
-    GroupedSlot slot;
-    if (!grouped_slot(a, slot)) return;
-    w_base = slot.w;
-    w_scale = slot.w_scale;
-    y_factor = slot.y_factor;
-    order0 = slot.order0;
-    m_rows = slot.m_rows;
-  } else {
-    w_row0 += blockIdx.y * a.n;
-    x += blockIdx.y * a.x_batch_stride;
-    y_offset = blockIdx.y * a.y_batch_stride;
-  }
+  BlockRows rows;
+  if (!block_rows<kGrouped>(a, rows)) return;  // an empty slot: the whole block, before any barrier
+  const uint8_t* w_base = rows.w;
+  const uint8_t* w_scale = rows.w_scale;
+  const __nv_bfloat16* x = rows.x;
+  const float y_factor = rows.y_factor;
+  const int m_rows = rows.m_rows, order0 = rows.order0, w_row0 = rows.w_row0;
+  const int64_t y_offset = rows.y_offset;
   auto pair_of = [&](int row) { return kGrouped ? a.row_order[order0 + row] : row; };
 
   w_base += size_t(w_row0) * row_bytes;

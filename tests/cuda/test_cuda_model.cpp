@@ -878,6 +878,29 @@ TEST(CudaModel, FusedMhcMixMatchesSeparateMix) {
   check_fused_mhc("tiny-pro", kF32);
 }
 
+// A prefill of `prompt`, then graph-replayed decode of `fed` one token at a time on sequence 0, then the same
+// tokens at batch B (sequences 1.. copied from 0): every row's logits, and the batch-1 graph's kernel count.
+struct DecodeRun {
+  std::vector<float> logits;
+  int64_t graph_kernels = 0;
+};
+DecodeRun prefill_and_decode(SequenceRunner& r, const std::vector<int32_t>& prompt, const std::vector<int32_t>& fed,
+                             int B) {
+  DecodeRun run;
+  run.logits = r.forward(prompt, false);
+  for (const int32_t token : fed) {
+    const std::vector<float> row = r.forward(std::span<const int32_t>(&token, 1), true);
+    run.logits.insert(run.logits.end(), row.begin(), row.end());
+  }
+  run.graph_kernels = cuda_runner_stats(r).graph_kernels;
+  for (int b = 1; b < B; ++b) cuda_runner_copy_sequence(r, 0, b);
+  for (const int32_t token : fed) {
+    const std::vector<float> rows = cuda_runner_decode_batch(r, std::vector<int32_t>(size_t(B), token));
+    run.logits.insert(run.logits.end(), rows.begin(), rows.end());
+  }
+  return run;
+}
+
 // CudaRunnerOptions::fuse_moe_routing runs the same router and slot placement code in one launch: the logits of a
 // prefill and of graph-replayed decode steps (batch 1 and 5) are the same bits, with one kernel fewer per layer.
 TEST(CudaModel, FusedRoutingChangesNoBits) {
@@ -896,18 +919,8 @@ TEST(CudaModel, FusedRoutingChangesNoBits) {
       options.fuse_moe_routing = fused;
       options.sequences = B;
       std::unique_ptr<SequenceRunner> r = make_cuda_runner(model, n + 2 * steps + 1, options);
-      std::vector<float> logits = r->forward(prompt, false);
-      for (int i = 0; i < steps; ++i) {
-        const std::vector<float> row = r->forward(std::span<const int32_t>(&fed[size_t(i)], 1), true);
-        logits.insert(logits.end(), row.begin(), row.end());
-      }
-      const int64_t kernels = cuda_runner_stats(*r).graph_kernels;
-      for (int b = 1; b < B; ++b) cuda_runner_copy_sequence(*r, 0, b);
-      for (int i = 0; i < steps; ++i) {
-        const std::vector<float> rows = cuda_runner_decode_batch(*r, std::vector<int32_t>(B, fed[size_t(i)]));
-        logits.insert(logits.end(), rows.begin(), rows.end());
-      }
-      return std::pair{logits, kernels};
+      const DecodeRun run = prefill_and_decode(*r, prompt, fed, B);
+      return std::pair{run.logits, run.graph_kernels};
     };
     const auto [fused, fused_kernels] = run(true);
     const auto [plain, plain_kernels] = run(false);
@@ -942,19 +955,9 @@ TEST(CudaModel, BulkGemvMatchesRegisterGemv) {
       options.sequences = B;
       options.prefill_chunk = 64;
       std::unique_ptr<SequenceRunner> r = make_cuda_runner(model, n + 2 * steps + 1, options);
-      std::vector<float> logits = r->forward(prompt, false);
-      for (int i = 0; i < steps; ++i) {
-        const std::vector<float> row = r->forward(std::span<const int32_t>(&fed[size_t(i)], 1), true);
-        logits.insert(logits.end(), row.begin(), row.end());
-      }
-      const int64_t kernels = cuda_runner_stats(*r).graph_kernels;
-      for (int b = 1; b < B; ++b) cuda_runner_copy_sequence(*r, 0, b);
-      for (int i = 0; i < steps; ++i) {
-        const std::vector<float> rows = cuda_runner_decode_batch(*r, std::vector<int32_t>(B, fed[size_t(i)]));
-        logits.insert(logits.end(), rows.begin(), rows.end());
-      }
+      const DecodeRun run = prefill_and_decode(*r, prompt, fed, B);
       set_gemv_bulk(false);
-      return std::pair{logits, kernels};
+      return std::pair{run.logits, run.graph_kernels};
     };
     const auto [bulk, bulk_kernels] = run(true);
     const auto [plain, plain_kernels] = run(false);
@@ -993,19 +996,9 @@ TEST(CudaModel, OverlappedBranchesChangeNoBits) {
         options.sequences = B;
         options.prefill_chunk = 64;
         std::unique_ptr<SequenceRunner> r = make_cuda_runner(model, n + 2 * steps + 1, options);
-        std::vector<float> logits = r->forward(prompt, false);
-        for (int i = 0; i < steps; ++i) {
-          const std::vector<float> row = r->forward(std::span<const int32_t>(&fed[size_t(i)], 1), true);
-          logits.insert(logits.end(), row.begin(), row.end());
-        }
-        const int64_t kernels = cuda_runner_stats(*r).graph_kernels;
-        for (int b = 1; b < B; ++b) cuda_runner_copy_sequence(*r, 0, b);
-        for (int i = 0; i < steps; ++i) {
-          const std::vector<float> rows = cuda_runner_decode_batch(*r, std::vector<int32_t>(B, fed[size_t(i)]));
-          logits.insert(logits.end(), rows.begin(), rows.end());
-        }
+        const DecodeRun run = prefill_and_decode(*r, prompt, fed, B);
         EXPECT_EQ(cuda_runner_stats(*r).side_stream_kernels > 0, overlap) << name;
-        return std::pair{logits, kernels};
+        return std::pair{run.logits, run.graph_kernels};
       };
       const auto [overlapped, overlapped_kernels] = run(true);
       const auto [serial, serial_kernels] = run(false);
