@@ -557,7 +557,7 @@ CudaRunner::CudaRunner(const Model& model, int max_context, CudaRunnerOptions op
         v.push_back(&m);
         return v;
       };
-      d.shared_grouped = uploader.groupable(with_shared(w1, M.shared->w1)) &&
+      d.shared_grouped = options.group_shared_expert && uploader.groupable(with_shared(w1, M.shared->w1)) &&
                          uploader.groupable(with_shared(w3, M.shared->w3)) &&
                          uploader.groupable(with_shared(w2, M.shared->w2));
       if (d.shared_grouped) {
@@ -579,6 +579,9 @@ CudaRunner::CudaRunner(const Model& model, int max_context, CudaRunnerOptions op
   if (shared_grouped_layers)
     spdlog::info("cuda runner: the shared expert runs as one more grouped expert in {} of {} layers (same shape and "
                  "encoding as the routed ones)", shared_grouped_layers, c.n_layers);
+  else if (!options.group_shared_expert)
+    spdlog::info("cuda runner: the shared expert runs through its own gemvs (group_shared_expert off){}",
+                 options.overlap_branches ? ", beside the routing on a second stream" : "");
   stats_.weight_bytes += embed_.bytes() + head_.bytes();
   for (const LayerDevice& d : layers_) {
     stats_.weight_bytes += d.w_x.bytes() + d.w_q.bytes() + d.wo_a.bytes() + d.wo_b.bytes() + d.w1.bytes() +
@@ -1273,6 +1276,34 @@ void CudaRunner::ffn_block(int l, int n) {
 
   mhc_pre(Sublayer::Ffn, d.hc_ffn, d.ffn_norm, n, fused_mix(n));
 
+  // The shared expert apart from the grouped launches (group_shared_expert off, or another shape or encoding): its
+  // own gemvs, which need only the normed input. With overlap_branches they run on the second stream beside the
+  // router, whose few small kernels leave the GPU mostly idle (under act fp8 both sides would quantise into the one
+  // act_scratch, so there it stays on the main stream, after the routed experts).
+  const bool shared = d.shared_inter > 0 && !d.shared_grouped;
+  const bool side = shared && overlapping() && act_ == GemvAct::BF16;
+  auto shared_expert = [&] {
+    const int si = d.shared_inter;
+    linear("ffn: gemv shared [w1|w3]", d.shared_w13, normed_bf16_.data(), shared_y13_.as<float>(), n,
+           d.shared_w13.n);
+    gpu::SwigluParams ss;
+    ss.gate = shared_y13_.as<float>();
+    ss.up = shared_y13_.as<float>() + si;
+    ss.ld = 2 * si;
+    ss.rows = n;
+    ss.inter = si;
+    ss.limit = c.swiglu_limit;
+    ss.h = h_shared_.as<uint16_t>();
+    gpu::swiglu(ss, cur_);
+    launched("ffn: shared swiglu");
+    linear("ffn: gemv shared w2", d.shared_w2, h_shared_.data(), shared_out_.data(), n, GemvOut::F32, true);
+  };
+  if (side) {
+    fork_side();
+    shared_expert();
+    to_main();
+  }
+
   // 4.1 router (fp32)
   linear_f32("ffn: router gate", normed_.as<float>(), d.gate, router_logits_.as<float>(), n, E, D);
   gpu::RouterParams rp;
@@ -1330,23 +1361,8 @@ void CudaRunner::ffn_block(int l, int n) {
   launched("ffn: swiglu");
   linear_grouped("ffn: grouped gemv w2", d.w2, h_.data(), 1, n * pairs, y_pairs_.data(), n, n * pairs, GemvOut::F32);
 
-  const bool shared = d.shared_inter > 0 && !d.shared_grouped;
-  if (shared) {
-    const int si = d.shared_inter;
-    linear("ffn: gemv shared [w1|w3]", d.shared_w13, normed_bf16_.data(), shared_y13_.as<float>(), n,
-           d.shared_w13.n);
-    gpu::SwigluParams ss;
-    ss.gate = shared_y13_.as<float>();
-    ss.up = shared_y13_.as<float>() + si;
-    ss.ld = 2 * si;
-    ss.rows = n;
-    ss.inter = si;
-    ss.limit = c.swiglu_limit;
-    ss.h = h_shared_.as<uint16_t>();
-    gpu::swiglu(ss, cur_);
-    launched("ffn: shared swiglu");
-    linear("ffn: gemv shared w2", d.shared_w2, h_shared_.data(), shared_out_.data(), n, GemvOut::F32, true);
-  }
+  if (shared && !side) shared_expert();
+  if (side) join_side();
   mhc_post(Sublayer::Ffn, y_pairs_.as<float>(), pairs, shared ? shared_out_.as<float>() : nullptr, n,
            l + 1 < c.n_layers ? &layers_[size_t(l + 1)].hc_attn : nullptr);  // the next layer's mix, when fused
 }
@@ -1454,6 +1470,8 @@ std::unique_ptr<SequenceRunner> make_cuda_runner(const Model& model, int max_con
     options.fuse_moe_routing = std::string(env) == "1";
   if (const char* env = std::getenv("DSV4_OVERLAP"); env && (std::string(env) == "0" || std::string(env) == "1"))
     options.overlap_branches = std::string(env) == "1";
+  if (const char* env = std::getenv("DSV4_GROUP_SHARED"); env && (std::string(env) == "0" || std::string(env) == "1"))
+    options.group_shared_expert = std::string(env) == "1";
   return std::make_unique<CudaRunner>(model, max_context, options);
 }
 

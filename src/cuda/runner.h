@@ -61,11 +61,17 @@ struct CudaRunnerOptions {
   // Decode-sized chunks: the router and moe_slots in one launch (moe_route_and_slots; experts <= 512), 43 launches
   // fewer per Flash step. Off until measured; DSV4_FUSED_ROUTING=1 / 0 sets it.
   bool fuse_moe_routing = false;
-  // Attention blocks with compressors: the compressors, their entry finishing and the indexer's weights_proj run on
-  // a second stream (a parallel branch of the captured graph) while the q-side projection and the q norms run on
-  // the main one; they meet before the indexer scores. Same kernels, same results. Off until measured;
-  // DSV4_OVERLAP=1 / 0 in the environment sets it. Profiled steps run everything on one stream.
+  // Independent chains on a second stream (parallel branches of the captured graph), same kernels and results:
+  // in attention blocks with compressors, the compressors, their entry finishing and the indexer's weights_proj
+  // beside the q-side projection and the q norms (they meet before the indexer scores); in every FFN whose shared
+  // expert is not grouped (group_shared_expert below), the shared expert beside the router and the routed experts
+  // (not under act fp8). Off until measured; DSV4_OVERLAP=1 / 0 in the environment sets it. Profiled steps run
+  // everything on one stream.
   bool overlap_branches = false;
+  // Decided at construction: the shared expert as one more expert of the grouped launches when its shape and
+  // encoding match the routed ones' (the default: one launch fewer per projection), or apart, through its own
+  // gemvs (which overlap_branches can run beside the routing). DSV4_GROUP_SHARED=0 / 1 sets it.
+  bool group_shared_expert = true;
 };
 
 // The prefill chunk a runner settles on (host arithmetic, no GPU needed): `requested` (a multiple of 64 in
