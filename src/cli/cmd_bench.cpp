@@ -80,14 +80,14 @@ struct BenchArgs {
   std::vector<std::string> draws = {"none"};
   // Decode is also timed once per set of step switches: "default" (as the runner was built, environment included),
   // or '+'-joined names turned on: bulk (fp4 / fp8 GEMVs through the copy engine, set_gemv_bulk), overlap
-  // (CudaRunnerOptions::overlap_branches), mhc (fuse_mhc_mix), routing (fuse_moe_routing). Prefill and --profile
-  // use the first.
+  // (CudaRunnerOptions::overlap_branches), mhc (fuse_mhc_mix), routing (fuse_moe_routing), qnorm (fuse_q_norm_rope).
+  // Prefill and --profile use the first.
   std::vector<std::string> switches = {"default"};
 };
 
 // One entry of --switches.
 struct StepSwitches {
-  bool bulk = false, overlap = false, mhc = false, routing = false;
+  bool bulk = false, overlap = false, mhc = false, routing = false, qnorm = false;
 };
 
 StepSwitches parse_switches(const std::string& spec) {
@@ -101,8 +101,9 @@ StepSwitches parse_switches(const std::string& spec) {
     else if (name == "overlap") s.overlap = true;
     else if (name == "mhc") s.mhc = true;
     else if (name == "routing") s.routing = true;
-    else DSV4_FAIL("dsv4 bench: --switches entry '{}' has '{}' (expected default, or bulk, overlap, mhc and "
-                   "routing joined by '+')", spec, name);
+    else if (name == "qnorm") s.qnorm = true;
+    else DSV4_FAIL("dsv4 bench: --switches entry '{}' has '{}' (expected default, or bulk, overlap, mhc, "
+                   "routing and qnorm joined by '+')", spec, name);
     from = to + 1;
   }
   return s;
@@ -449,6 +450,7 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
     o.overlap_branches = o.overlap_branches || s.overlap;
     o.fuse_mhc_mix = o.fuse_mhc_mix || s.mhc;
     o.fuse_moe_routing = o.fuse_moe_routing || s.routing;
+    o.fuse_q_norm_rope = o.fuse_q_norm_rope || s.qnorm;
     cuda_runner_set_step_switches(*runner, o);
     set_gemv_bulk(built_bulk || s.bulk);
   };
@@ -547,8 +549,8 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
           mode == a.launch_modes.front() && draw == a.draws.front() && switches == a.switches.front();
       if (B == a.decode_batch.front() && first_run) print_cost_table(lines, f, pos, B);
       if (first_run) first_mode_ms = 1e3 * seconds / a.decode_steps;
-      fmt::print("\ndecode batch {} at context {} [{}, draw {}, switches {}]: {:.1f} tok/s ({:.3f} ms/step), {} kernels "
-                 "per step{}; roofline {:.1f} tok/s ({:.2f} GB/step at {:.0f} GB/s) -> {:.3f} of roofline\n",
+      fmt::print("\ndecode batch {} at context {} [{}, draw {}, switches {}]: {:.1f} tok/s ({:.3f} ms/step), {} "
+                 "kernels per step{}; roofline {:.1f} tok/s ({:.2f} GB/step at {:.0f} GB/s) -> {:.3f} of roofline\n",
                  B, pos, mode, draw, switches, tok_s, 1e3 * seconds / a.decode_steps, kernels,
                  stats.last_forward_replayed_graph ? " (graph replay)" : "", roofline, bytes / 1e9, bandwidth_gbs,
                  tok_s / roofline);
@@ -648,8 +650,8 @@ void add_bench_command(CLI::App& app, Handler& handler) {
   cmd->add_option("--switches", args->switches,
                   "Decode also timed with each set of step switches: default (as built), or names joined by '+': "
                   "bulk (fp4 / fp8 GEMVs through the copy engine), overlap (the attention state side on a second "
-                  "stream), mhc (hc_post with the next mix), routing (router + slots in one launch), e.g. "
-                  "default,bulk,overlap,mhc+routing,bulk+overlap+mhc+routing")
+                  "stream), mhc (hc_post with the next mix), routing (router + slots in one launch), qnorm (q norm + "
+                  "RoPE inside attention), e.g. default,bulk,overlap,mhc+routing+qnorm,bulk+overlap+mhc+routing+qnorm")
       ->delimiter(',')->capture_default_str();
   cmd->add_flag("--profile", args->profile,
                 "After the timed decode steps, time every launch site of one more step (events, no graph)");

@@ -530,6 +530,64 @@ __device__ void cluster_merge(const AttentionParams& p, const float (&o)[4][kDim
   cluster.sync();  // the partials must outlive the other blocks' reads
 }
 
+// p.q_norm_rope: Q as the q-side projection left it. Warp w takes heads 8w .. 8w + 7 whole (lane: elements
+// 4·(lane + 32u)), and does what the q row op would (row_op_block in ops_rows.cu, norm without weight, then RoPE at
+// the query position): x · (mean(x²) + eps)^-½ with the sum of squares in fp64, the rotation of each pair of the
+// last rope_dim elements by the fp32 angle position · inv_freq (cos / sin through double); then bf16 into shared
+// memory.
+// All loads (8 heads x kDim / 128 float4 per lane) are issued before the first use, like the plain Q load.
+template <int kDim>
+__device__ void load_q_normed(const AttentionParams& p, int t, int h0, int64_t pos, uint16_t* q_s) {
+  constexpr int kStride = MmaLayout<kDim>::kStride, kPerLane = kDim / 128, kWarpHeads = kMmaHeads / kMmaWarps;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nope = kDim - p.rope_dim;
+  float4 v[kWarpHeads][kPerLane];
+#pragma unroll
+  for (int hh = 0; hh < kWarpHeads; ++hh) {
+    const int h = h0 + warp * kWarpHeads + hh;
+#pragma unroll
+    for (int u = 0; u < kPerLane; ++u)
+      v[hh][u] = h < p.heads ? *reinterpret_cast<const float4*>(p.q + t * p.q_token_stride + int64_t(h) * kDim +
+                                                                 4 * (lane + 32 * u))
+                             : make_float4(0, 0, 0, 0);
+  }
+  // The angles do not depend on the head: the lane's pairs (4·(lane + 32u) + 2k, + 1) once, while the loads fly.
+  float cos_a[kPerLane][2], sin_a[kPerLane][2];
+#pragma unroll
+  for (int u = 0; u < kPerLane; ++u)
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      const int d = 4 * (lane + 32 * u) + 2 * k;
+      cos_a[u][k] = 1.0f, sin_a[u][k] = 0.0f;
+      if (d >= nope) {
+        double sn, c;
+        sincos(double(__fmul_rn(float(pos), p.inv_freq[(d - nope) / 2])), &sn, &c);
+        cos_a[u][k] = float(c), sin_a[u][k] = float(sn);
+      }
+    }
+#pragma unroll
+  for (int hh = 0; hh < kWarpHeads; ++hh) {
+    double ss = 0;
+#pragma unroll
+    for (int u = 0; u < kPerLane; ++u) {
+      const float4 q = v[hh][u];
+      ss += double(q.x) * q.x + double(q.y) * q.y + double(q.z) * q.z + double(q.w) * q.w;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    const float inv_rms = 1.0f / sqrtf(float(ss / kDim) + p.q_eps);
+#pragma unroll
+    for (int u = 0; u < kPerLane; ++u) {
+      float e[4] = {__fmul_rn(v[hh][u].x, inv_rms), __fmul_rn(v[hh][u].y, inv_rms), __fmul_rn(v[hh][u].z, inv_rms),
+                    __fmul_rn(v[hh][u].w, inv_rms)};
+      const int d = 4 * (lane + 32 * u);
+      if (d >= nope) rotate_pair(e[0], e[1], cos_a[u][0], sin_a[u][0]);
+      if (d + 2 >= nope) rotate_pair(e[2], e[3], cos_a[u][1], sin_a[u][1]);
+      *reinterpret_cast<uint2*>(q_s + (warp * kWarpHeads + hh) * kStride + d) =
+          make_uint2(pack_bf16(e[0], e[1]), pack_bf16(e[2], e[3]));
+    }
+  }
+}
+
 template <int kDim>
 __global__ void __launch_bounds__(kMmaWarps * 32, 1) attention_mma_kernel(AttentionParams p, int splits) {
   gpu::dependent_enter();
@@ -554,11 +612,12 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 1) attention_mma_kernel(Attent
   const int n_keys = r.n_window + r.n_comp;
   const bool has_keys = split * kMmaKeys < n_keys;
 
+  if (has_keys && p.q_norm_rope) load_q_normed<kDim>(p, t, h0, r.pos, q_s);
   // Q rows (heads past p.heads are zero) as bf16. Loads are issued 32 at a time before their stores: the global
   // pointers could alias shared memory as far as the compiler knows, so it would not hoist them itself.
   constexpr int kQLoads = kMmaHeads * kDim / 4 / (kMmaWarps * 32), kQBatch = kQLoads < 32 ? kQLoads : 32;
   static_assert(kQLoads % kQBatch == 0);
-  for (int i0 = 0; has_keys && i0 < kQLoads; i0 += kQBatch) {
+  for (int i0 = 0; has_keys && !p.q_norm_rope && i0 < kQLoads; i0 += kQBatch) {
     float4 v[kQBatch];
 #pragma unroll
     for (int i = 0; i < kQBatch; ++i) {
@@ -752,6 +811,11 @@ bool attention_uses_tensor_cores(const AttentionParams& p) {
   return (p.dim == 512 || p.dim == 128) && p.rope_dim % 2 == 0;
 }
 
+bool attention_can_norm_q(int dim, int rope_dim) {
+  return (dim == 512 || dim == 128) && rope_dim >= 0 && rope_dim <= dim && (dim - rope_dim) % 4 == 0 &&
+         rope_dim % 2 == 0;
+}
+
 namespace {
 
 template <int kDim>
@@ -811,6 +875,9 @@ void attention(const AttentionParams& p, cudaStream_t stream) {
             "attention: store_window is for decode (one row or batched rows), got %d rows", p.n);
   OPS_CHECK(p.ratio == 0 || p.selected || p.max_entries >= 0,
             "attention: max_entries must be set when all compressed entries are attended (ratio %d)", p.ratio);
+  OPS_CHECK(!p.q_norm_rope || attention_can_norm_q(p.dim, p.rope_dim),
+            "attention: q_norm_rope needs the tensor-core kernel (head dim 512 or 128, got %d) and rope_dim %d with "
+            "head_dim - rope_dim a multiple of 4", p.dim, p.rope_dim);
   const int splits = attention_splits(p);
   OPS_CHECK(splits == 1 || p.scratch || attention_uses_tensor_cores(p),
             "attention: %d key splits need scratch (attention_scratch_floats)", splits);

@@ -238,6 +238,12 @@ struct AttentionParams {
   // pos % window_slots, like window_store, in the same launch. The slot holds a position the window no longer
   // covers (window_slots >= window, or the position is below window_slots), so no query of the launch reads it.
   bool store_window = false;
+  // q as the q-side projection left it: the tensor-core kernel applies the per-head norm (no weight, q_eps, sum of
+  // squares in fp64) and RoPE (rope_dim, inv_freq, the row's position) itself, as the q row op would, before the bf16
+  // rounding: one launch fewer per layer. Tensor-core kernel only (attention_uses_tensor_cores), and
+  // (dim - rope_dim) % 4 == 0.
+  bool q_norm_rope = false;
+  float q_eps = 1e-6f;
 };
 // Numerics: the CUDA-core kernels use fp32 q, keys and weights. Dim 512 or 128 (attention_uses_tensor_cores: the
 // models' head dims, decode and prefill) runs a tensor-core kernel with the reference's precisions (spec 8.1): logits from
@@ -245,6 +251,8 @@ struct AttentionParams {
 // the softmax max, sums and normalisation stay fp32.
 void attention(const AttentionParams& p, cudaStream_t stream);
 bool attention_uses_tensor_cores(const AttentionParams& p);
+// Whether AttentionParams::q_norm_rope is available for this head dim and rope_dim.
+bool attention_can_norm_q(int dim, int rope_dim);
 int attention_splits(const AttentionParams& p);
 size_t attention_scratch_floats(const AttentionParams& p);
 

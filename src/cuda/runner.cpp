@@ -163,6 +163,7 @@ class CudaRunner final : public SequenceRunner {
     options_.fuse_mhc_mix = o.fuse_mhc_mix;
     options_.fuse_moe_routing = o.fuse_moe_routing;
     options_.overlap_branches = o.overlap_branches;
+    options_.fuse_q_norm_rope = o.fuse_q_norm_rope;
     if (o.overlap_branches) make_side_stream();
   }
   std::vector<LaunchTiming> profile_step(std::span<const int32_t> tokens, bool prefill = false);
@@ -1154,19 +1155,23 @@ void CudaRunner::attention_block(int l, int n) {
 
   linear("attn: gemv q-side [wq_b|indexer wq_b]", d.w_q, qr_bf16_.data(), y_q, n, d.n_q);
 
-  RowOpParams q;  // per-head norm (no weight) + RoPE, in place
-  q.x = q.y = y_q;
-  q.x_token_stride = q.y_token_stride = d.n_q;
-  q.x_head_stride = q.y_head_stride = hd;
-  q.tokens = n;
-  q.heads = H;
-  q.dim = hd;
-  q.norm = true;
-  q.eps = c.rms_norm_eps;
-  q.rope_dim = rd;
-  q.inv_freq = d.inv_freq;
-  set_positions(q);
-  row_op("attn: q norm + rope", q);
+  // Per-head norm (no weight) + RoPE of q: in place, or (fuse_q_norm_rope) inside the attention kernel.
+  const bool q_in_attention = options_.fuse_q_norm_rope && gpu::attention_can_norm_q(hd, rd);
+  if (!q_in_attention) {
+    RowOpParams q;
+    q.x = q.y = y_q;
+    q.x_token_stride = q.y_token_stride = d.n_q;
+    q.x_head_stride = q.y_head_stride = hd;
+    q.tokens = n;
+    q.heads = H;
+    q.dim = hd;
+    q.norm = true;
+    q.eps = c.rms_norm_eps;
+    q.rope_dim = rd;
+    q.inv_freq = d.inv_freq;
+    set_positions(q);
+    row_op("attn: q norm + rope", q);
+  }
   if (d.indexer) {
     RowOpParams qi;  // RoPE + rounding, no norm
     qi.x = qi.y = y_q + d.off_iq;
@@ -1237,6 +1242,8 @@ void CudaRunner::attention_block(int l, int n) {
   ap.pos_device = part.pos_device;
   ap.max_entries = r ? max_context_ / r : 0;
   ap.scratch = attention_scratch_.as<float>();
+  ap.q_norm_rope = q_in_attention;
+  ap.q_eps = c.rms_norm_eps;
   if (batched) {
     ap.pos_rows = pos_.as<int64_t>();
     ap.window_rings = window_rings(l);
@@ -1470,6 +1477,8 @@ std::unique_ptr<SequenceRunner> make_cuda_runner(const Model& model, int max_con
     options.fuse_moe_routing = std::string(env) == "1";
   if (const char* env = std::getenv("DSV4_OVERLAP"); env && (std::string(env) == "0" || std::string(env) == "1"))
     options.overlap_branches = std::string(env) == "1";
+  if (const char* env = std::getenv("DSV4_FUSED_QNORM"); env && (std::string(env) == "0" || std::string(env) == "1"))
+    options.fuse_q_norm_rope = std::string(env) == "1";
   if (const char* env = std::getenv("DSV4_GROUP_SHARED"); env && (std::string(env) == "0" || std::string(env) == "1"))
     options.group_shared_expert = std::string(env) == "1";
   return std::make_unique<CudaRunner>(model, max_context, options);

@@ -68,6 +68,10 @@ struct CudaRunnerOptions {
   // (not under act fp8). Off until measured; DSV4_OVERLAP=1 / 0 in the environment sets it. Profiled steps run
   // everything on one stream.
   bool overlap_branches = false;
+  // The attention kernel applies q's per-head norm and RoPE while it loads q (AttentionParams::q_norm_rope; head
+  // dims 512 and 128), so the q row op no longer runs on its own: one launch fewer per layer. Same arithmetic as the
+  // row op. Off until measured; DSV4_FUSED_QNORM=1 / 0 sets it.
+  bool fuse_q_norm_rope = false;
   // Decided at construction: the shared expert as one more expert of the grouped launches when its shape and
   // encoding match the routed ones' (the default: one launch fewer per projection), or apart, through its own
   // gemvs (which overlap_branches can run beside the routing). DSV4_GROUP_SHARED=0 / 1 sets it.
@@ -125,8 +129,8 @@ std::vector<int32_t> cuda_runner_decode_batch_draw(SequenceRunner& runner, std::
 bool cuda_runner_draws_on_device(const SequenceRunner& runner);
 void cuda_runner_set_draw_on_device(SequenceRunner& runner, bool on);
 // The options the runner holds (after the environment's overrides), and a change of the ones it reads at every
-// step: draw_on_device, fuse_mhc_mix, fuse_moe_routing and overlap_branches (the others of `switches` are
-// ignored). Drops the captured decode graphs. For A/B timing in one process (dsv4 bench --switches).
+// step: draw_on_device, fuse_mhc_mix, fuse_moe_routing, overlap_branches and fuse_q_norm_rope (the others of
+// `switches` are ignored). Drops the captured decode graphs. For A/B timing in one process (dsv4 bench --switches).
 CudaRunnerOptions cuda_runner_options(const SequenceRunner& runner);
 void cuda_runner_set_step_switches(SequenceRunner& runner, const CudaRunnerOptions& switches);
 // Sequence `to` becomes a copy of sequence `from` (state and length), on the device (benchmarks: B sequences at

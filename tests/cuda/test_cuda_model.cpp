@@ -1022,6 +1022,46 @@ TEST(CudaModel, OverlappedBranchesChangeNoBits) {
   }
 }
 
+// CudaRunnerOptions::fuse_q_norm_rope: the attention kernel normalises and rotates q while loading it, with the q
+// row op's arithmetic, so the q row op no longer runs (one kernel fewer per layer). Prefill chunks (64 rows and one
+// chunk of 100) and graph-replayed decode at batch 1 and 5; the sum of squares is reduced in another order (fp64),
+// so bits may differ in rare rows: the median row must match to 1e-6 of the largest logit.
+TEST(CudaModel, FusedQNormMatchesRowOp) {
+  DSV4_REQUIRE_CUDA();
+  for (const char* name : {"tiny-flash", "tiny-pro"}) {
+    std::string source;
+    const Model model = tiny_model(name, kDefault, &source);
+    const ModelConfig& c = model.config();
+    ASSERT_TRUE(gpu::attention_can_norm_q(c.head_dim, c.rope_dim)) << name;
+    const int V = c.vocab_size, n = 100, steps = 8, B = 5;
+    std::mt19937 rng(37);
+    std::uniform_int_distribution<int32_t> token(2, V - 1);
+    std::vector<int32_t> prompt(n), fed(steps);
+    for (int32_t& t : prompt) t = token(rng);
+    for (int32_t& t : fed) t = token(rng);
+    for (const int chunk : {64, 512}) {
+      auto run = [&](bool fused) {
+        CudaRunnerOptions options;
+        options.fuse_q_norm_rope = fused;
+        options.sequences = B;
+        options.prefill_chunk = chunk;
+        std::unique_ptr<SequenceRunner> r = make_cuda_runner(model, n + 2 * steps + 1, options);
+        return prefill_and_decode(*r, prompt, fed, B);
+      };
+      const DecodeRun fused = run(true), plain = run(false);
+      EXPECT_EQ(plain.graph_kernels - fused.graph_kernels, c.n_layers) << name;
+      Diff diff;
+      diff.add(fused.logits, plain.logits, V);
+      const bool same = fused.logits == plain.logits;
+      std::printf("[cuda-fused-qnorm] %s, chunks of %d: %zu rows, per-row max |fused - row op| median %.3g, max "
+                  "%.3g of max|logit| %.3g%s\n", name, chunk, diff.row_max.size(), diff.quantile(0.5), diff.max_abs,
+                  diff.max_ref, same ? " (bit-identical)" : "");
+      EXPECT_LE(diff.quantile(0.5), 1e-6 * diff.max_ref) << name;
+      EXPECT_LE(diff.max_abs, 1e-2 * diff.max_ref) << name;
+    }
+  }
+}
+
 TEST(CudaModel, DependentLaunchChangesNoBits) {
   DSV4_REQUIRE_CUDA();
   std::string source;
