@@ -91,6 +91,10 @@ void embed_tokens(const uint16_t* embed, const int32_t* tokens, int n, int D, in
 // the reference.
 // mix_partials (instead of mix): the mix as hc_post_mix leaves it, [n, (2+hc)·hc, mix_blocks] partial sums that
 // hc_pre adds in block order (hc <= 4).
+// parts: both halves (one launch, the default), or only the collapse + norm (normed outputs; post and comb untouched)
+// or only post + comb (the Sinkhorn; normed untouched). The sublayer needs only the collapse; post and comb are read
+// by hc_post at its end, so a runner can launch the two halves on different streams (the same arithmetic).
+enum class HcPreParts { Both, Collapse, PostComb };
 struct HcPreParams {
   const float* streams = nullptr;
   const float* mix = nullptr;
@@ -105,6 +109,7 @@ struct HcPreParams {
   uint16_t* normed_bf16 = nullptr;
   const float* mix_partials = nullptr;
   int mix_blocks = 0;
+  HcPreParts parts = HcPreParts::Both;
 };
 void hc_pre(const HcPreParams& p, cudaStream_t stream);
 

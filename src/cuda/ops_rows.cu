@@ -659,7 +659,8 @@ __device__ void post_and_comb_fixed(const HcPreParams& p, int t, float rs, float
 }
 
 // Grid (n, 2): block (t, 0) collapses and normalises token t, block (t, 1) computes its post and comb (the
-// Sinkhorn iterations, ~40 dependent steps on one warp) at the same time. Both compute rs from the streams.
+// Sinkhorn iterations, ~40 dependent steps on one warp) at the same time. Both compute rs from the streams. With
+// p.parts Collapse or PostComb the grid is (n, 1) and every block does that half.
 template <int kHc>
 __global__ void __launch_bounds__(hc_max_threads(kHc)) hc_pre_kernel(HcPreParams p) {
   gpu::dependent_enter();
@@ -678,7 +679,8 @@ __global__ void __launch_bounds__(hc_max_threads(kHc)) hc_pre_kernel(HcPreParams
     __syncthreads();
     m = mix_sum;
   }
-  if (blockIdx.y == 0) {
+  const bool collapse = p.parts == HcPreParts::Both ? blockIdx.y == 0 : p.parts == HcPreParts::Collapse;
+  if (collapse) {
     collapse_and_norm<kHc>(xs, hc, D, m, p.base, p.scale, p.hc_eps, p.norm_weight, p.eps,
                            p.normed ? p.normed + int64_t(t) * D : nullptr,
                            p.normed_bf16 ? p.normed_bf16 + int64_t(t) * D : nullptr, reinterpret_cast<float*>(hc_smem));
@@ -966,8 +968,9 @@ void hc_pre(const HcPreParams& p, cudaStream_t stream) {
   OPS_CHECK(p.hc > 0 && p.hc <= kMaxHc, "hc_pre: hc_mult %d outside [1, %d]", p.hc, kMaxHc);
   OPS_CHECK(!p.mix_partials || (p.hc <= 4 && p.mix_blocks > 0), "hc_pre: mix partials need hc <= 4 and blocks > 0");
   OPS_CHECK(p.D > 0 && p.D <= kHcMaxD, "hc_pre: hidden size %d outside (0, %d]", p.D, kHcMaxD);
+  OPS_CHECK(p.parts == HcPreParts::Collapse || (p.post && p.comb), "hc_pre: post and comb are required");
   if (p.n == 0) return;
-  const dim3 grid(unsigned(p.n), 2);
+  const dim3 grid(unsigned(p.n), p.parts == HcPreParts::Both ? 2 : 1);
   const size_t smem = size_t((p.D + 3) / 4) * sizeof(float4);
   // A decode step's few tokens spread each row over up to 1024 threads (latency); a prefill chunk's rows fill the
   // GPU anyway, so 256 threads per row let 8 rows share an SM instead of 2 (measured 72 -> see docs/perf.md).

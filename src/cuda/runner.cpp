@@ -235,6 +235,7 @@ class CudaRunner final : public SequenceRunner {
     DSV4_CUDA_CHECK(cudaEventRecord(fork_event_, stream_));
     DSV4_CUDA_CHECK(cudaStreamWaitEvent(side_, fork_event_, 0));
     cur_ = side_;
+    side_pending_ = true;
   }
   void to_main() { cur_ = stream_; }
   void make_side_stream() {
@@ -247,6 +248,7 @@ class CudaRunner final : public SequenceRunner {
     DSV4_CUDA_CHECK(cudaEventRecord(join_event_, side_));
     DSV4_CUDA_CHECK(cudaStreamWaitEvent(stream_, join_event_, 0));
     cur_ = stream_;
+    side_pending_ = false;
   }
   void row_op(const char* site, const RowOpParams& p) {
     gpu::row_op(p, cur_);
@@ -360,14 +362,28 @@ class CudaRunner final : public SequenceRunner {
       p.mix_partials = mix_partials_.as<float>();
       p.mix_blocks = gpu::hc_post_mix_blocks(D);
     }
+    if (!overlapping()) {
+      gpu::hc_pre(p, cur_);
+      launched(attn ? "attn: hc_pre + norm" : "ffn: hc_pre + norm");
+      return;
+    }
+    // overlap_branches: the sublayer needs only the collapse; post and comb (the Sinkhorn, hc_pre's longer half) are
+    // read by mhc_post at its end, so they run on the second stream meanwhile (joined in mhc_post at the latest).
+    p.parts = gpu::HcPreParts::Collapse;
     gpu::hc_pre(p, cur_);
-    launched(attn ? "attn: hc_pre + norm" : "ffn: hc_pre + norm");
+    launched(attn ? "attn: hc_pre collapse + norm" : "ffn: hc_pre collapse + norm");
+    fork_side();
+    p.parts = gpu::HcPreParts::PostComb;
+    gpu::hc_pre(p, cur_);
+    launched(attn ? "attn: hc_pre post + comb" : "ffn: hc_pre post + comb");
+    to_main();
   }
   // 2.4 mHC post of the sublayer output (out [n, out_k, D] summed in order, + out2); `next`: the mHC whose mix the
   // fused kernel computes on the way (none after the last layer, or when not fused).
   void mhc_post(Sublayer sublayer, const float* out, int out_k, const float* out2, int n, const HcDevice* next) {
     const int D = c_.hidden_size, hc = c_.hc_mult;
     const bool attn = sublayer == Sublayer::Attention;
+    if (side_pending_) join_side();  // post and comb, when mhc_pre left them to the second stream
     if (next && fused_mix(n)) {
       gpu::hc_post_mix({out, out_k, out2, post_.as<float>(), comb_.as<float>(), n, hc, D, streams_.as<float>(),
                         next->fn.as<float>(), (2 + hc) * hc, mix_partials_.as<float>()},
@@ -402,6 +418,7 @@ class CudaRunner final : public SequenceRunner {
   cudaStream_t cur_ = nullptr;
   cudaStream_t side_ = nullptr;  // CudaRunnerOptions::overlap_branches
   cudaEvent_t fork_event_ = nullptr, join_event_ = nullptr;
+  bool side_pending_ = false;  // launches on side_ that the main stream has not joined yet
   CudaRunnerOptions options_;
   std::map<std::tuple<int, int, bool>, DecodeGraph> decode_graphs_;  // by (first sequence, count, drawn)
   cudaEvent_t tokens_uploaded_ = nullptr;  // host_tokens_ may be rewritten once this has completed
@@ -945,6 +962,7 @@ void CudaRunner::enqueue_chunk(int n, Rows wanted, bool drawn) {
   DSV4_CHECK(!drawn || wanted == Rows::Last || (wanted == Rows::All && n <= kCudaMaxChunk),
              "cuda runner: a drawn chunk draws its last row or up to {} rows", kCudaMaxChunk);
   cur_ = stream_;  // also after a chunk that threw between fork_side() and join_side()
+  side_pending_ = false;
   DSV4_CUDA_CHECK(cudaMemcpyAsync(tokens_.data(), host_tokens_, n * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
   if (drawn)
     DSV4_CUDA_CHECK(cudaMemcpyAsync(draws_.data(), host_draws_, (wanted == Rows::All ? n : 1) * sizeof(TokenDraw),

@@ -61,7 +61,8 @@ struct CudaRunnerOptions {
   // Decode-sized chunks: the router and moe_slots in one launch (moe_route_and_slots; experts <= 512), 43 launches
   // fewer per Flash step. Off until measured; DSV4_FUSED_ROUTING=1 / 0 sets it.
   bool fuse_moe_routing = false;
-  // Independent chains on a second stream (parallel branches of the captured graph), same kernels and results:
+  // Independent chains on a second stream (parallel branches of the captured graph), same arithmetic and results:
+  // hc_pre's post + comb (the Sinkhorn) beside each sublayer (hc_pre then runs as two launches: 2 per layer more);
   // in attention blocks with compressors, the compressors, their entry finishing and the indexer's weights_proj
   // beside the q-side projection and the q norms (they meet before the indexer scores); in every FFN whose shared
   // expert is not grouped (group_shared_expert below), the shared expert beside the router and the routed experts

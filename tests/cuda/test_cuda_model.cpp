@@ -973,10 +973,10 @@ TEST(CudaModel, BulkGemvMatchesRegisterGemv) {
   }
 }
 
-// CudaRunnerOptions::overlap_branches runs the same kernels, independent chains on a second stream (the state side
-// of each compressed attention block; the shared expert when it is kept apart from the grouped launches): prefill
-// chunks (eager, 64 rows) and graph-replayed decode at batch 1 and 5 give the same bits, with the same kernel
-// count, with dependent launches on and off. Keeping the shared expert apart changes only the split-k order of its
+// CudaRunnerOptions::overlap_branches runs the same arithmetic, independent chains on a second stream (hc_pre's
+// Sinkhorn half; the state side of each compressed attention block; the shared expert when it is kept apart from
+// the grouped launches): prefill chunks (eager, 64 rows) and graph-replayed decode at batch 1 and 5 give the same
+// bits, with dependent launches on and off. Keeping the shared expert apart changes only the split-k order of its
 // sums (logits within fp32 rounding of the grouped runner's).
 TEST(CudaModel, OverlappedBranchesChangeNoBits) {
   DSV4_REQUIRE_CUDA();
@@ -1011,7 +1011,8 @@ TEST(CudaModel, OverlappedBranchesChangeNoBits) {
         ASSERT_EQ(overlapped.size(), serial.size());
         EXPECT_EQ(std::memcmp(overlapped.data(), serial.data(), serial.size() * sizeof(float)), 0)
             << name << (grouped ? "" : " (shared expert apart)") << (pdl ? " (dependent launches)" : "");
-        EXPECT_EQ(overlapped_kernels, serial_kernels) << name;
+        // hc_pre runs as two launches (collapse on the main stream, post + comb beside the sublayer).
+        EXPECT_EQ(overlapped_kernels - serial_kernels, 2 * model.config().n_layers) << name;
         if (pdl) by_grouping.push_back(serial);
       }
     Diff diff;

@@ -210,6 +210,30 @@ void check_hc_pre(const HcPreCase& c, uint32_t seed) {
   p.normed_bf16 = normed_bf16.as<uint16_t>();
   gpu::hc_pre(p, nullptr);
   sync();
+  {  // The two halves as separate launches write the same bits (the runner's overlap_branches).
+    DeviceBuffer post2 = nan_buffer(want.post.size()), comb2 = nan_buffer(want.comb.size()),
+                 normed2 = nan_buffer(want.normed.size()), normed_bf16_2 = bf16_nan_buffer(want.normed.size());
+    gpu::HcPreParams q = p;
+    q.post = post2.as<float>(), q.comb = comb2.as<float>();
+    q.normed = c.fp32_out ? normed2.as<float>() : nullptr, q.normed_bf16 = normed_bf16_2.as<uint16_t>();
+    q.parts = gpu::HcPreParts::PostComb;
+    gpu::hc_pre(q, nullptr);
+    sync();
+    const std::vector<uint16_t> untouched = to_host<uint16_t>(normed_bf16_2, want.normed.size());
+    EXPECT_EQ(std::count(untouched.begin(), untouched.end(), uint16_t(0xffff)), std::ptrdiff_t(untouched.size()))
+        << "post + comb alone must not write normed";
+    q.parts = gpu::HcPreParts::Collapse;
+    q.post = q.comb = nullptr;
+    gpu::hc_pre(q, nullptr);
+    sync();
+    EXPECT_EQ(bits_differ(to_host<float>(post2, want.post.size()), to_host<float>(post, want.post.size())), 0);
+    EXPECT_EQ(bits_differ(to_host<float>(comb2, want.comb.size()), to_host<float>(comb, want.comb.size())), 0);
+    EXPECT_EQ(to_host<uint16_t>(normed_bf16_2, want.normed.size()), to_host<uint16_t>(normed_bf16, want.normed.size()));
+    if (c.fp32_out) {
+      EXPECT_EQ(bits_differ(to_host<float>(normed2, want.normed.size()), to_host<float>(normed, want.normed.size())),
+                0);
+    }
+  }
 
   double post_rel = 0, comb_rel = 0;
   EXPECT_EQ(count_relative(to_host<float>(post, want.post.size()), want.post, 1e-6, &post_rel), 0);
