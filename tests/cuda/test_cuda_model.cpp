@@ -1063,6 +1063,61 @@ TEST(CudaModel, FusedQNormMatchesRowOp) {
   }
 }
 
+// Every staged switch at once (what a device session will turn on together): the copy-engine GEMV, the second
+// stream (hc_pre's Sinkhorn, the attention state side, the shared expert kept apart), the fused mHC mix, the fused
+// routing, q's norm inside attention, tokens drawn on the device; on a model whose every k is a multiple of 512
+// (synthetic NVFP4 weights) so that the copy-engine kernel runs too. Logits within fp32 rounding of the defaults
+// (split-k orders differ), and the same tokens drawn for the same draws as the host draws them from those logits.
+TEST(CudaModel, AllStagedSwitchesTogether) {
+  DSV4_REQUIRE_CUDA();
+  ModelConfig c = small_synthetic_config();
+  c.hidden_size = 512, c.q_lora_rank = 512, c.o_groups = 1, c.o_lora_rank = 512, c.moe_inter = 512;
+  c.index_head_dim = 128;
+  c.validate();
+  const Model model(c, synthetic_weights(c, 5), Numerics{});
+  const int V = c.vocab_size, n = 40, steps = 6, B = 5;
+  std::mt19937 rng(41);
+  std::uniform_int_distribution<int32_t> token(2, V - 1);
+  std::vector<int32_t> prompt(n), fed(steps);
+  for (int32_t& t : prompt) t = token(rng);
+  for (int32_t& t : fed) t = token(rng);
+  auto options = [&](bool staged) {
+    CudaRunnerOptions o;
+    o.synthetic_format = GemvWeight::NVFP4;
+    o.sequences = B;
+    o.prefill_chunk = 64;
+    o.fuse_mhc_mix = o.fuse_moe_routing = o.overlap_branches = o.fuse_q_norm_rope = staged;
+    o.group_shared_expert = !staged;
+    return o;
+  };
+  set_gemv_bulk(true);
+  std::unique_ptr<SequenceRunner> staged = make_cuda_runner(model, n + 2 * steps + 2, options(true));
+  const DecodeRun on = prefill_and_decode(*staged, prompt, fed, B);
+  set_gemv_bulk(false);
+  std::unique_ptr<SequenceRunner> plain = make_cuda_runner(model, n + 2 * steps + 2, options(false));
+  const DecodeRun off = prefill_and_decode(*plain, prompt, fed, B);
+  Diff diff;
+  diff.add(on.logits, off.logits, V);
+  std::printf("[cuda-staged] all staged switches vs defaults: %zu rows, per-row max |diff| median %.3g, max %.3g of "
+              "max|logit| %.3g; kernels per decode step %lld vs %lld\n", diff.row_max.size(), diff.quantile(0.5),
+              diff.max_abs, diff.max_ref, (long long)on.graph_kernels, (long long)off.graph_kernels);
+  EXPECT_GT(diff.max_ref, 0.0);
+  EXPECT_LE(diff.quantile(0.5), 1e-4 * diff.max_ref);
+  EXPECT_LT(on.graph_kernels, off.graph_kernels);
+
+  // One more step on each with the next tokens drawn: on the device (staged) and on the host (defaults) from
+  // logits that agree to fp32 rounding, so the ids agree unless a draw falls within that distance of a cut.
+  set_gemv_bulk(true);
+  cuda_runner_set_draw_on_device(*staged, true);
+  std::vector<TokenDraw> draws;
+  for (int b = 0; b < B; ++b) draws.push_back(TokenDraw{1.0f, 1.0f, 0, 0, (b + 0.5) / B});
+  const std::vector<int32_t> next(size_t(B), fed.back());
+  const std::vector<int32_t> device_ids = cuda_runner_decode_batch_draw(*staged, next, draws);
+  set_gemv_bulk(false);
+  const std::vector<int32_t> host_ids = cuda_runner_decode_batch_draw(*plain, next, draws);
+  EXPECT_EQ(device_ids, host_ids);
+}
+
 TEST(CudaModel, DependentLaunchChangesNoBits) {
   DSV4_REQUIRE_CUDA();
   std::string source;
