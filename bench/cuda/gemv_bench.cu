@@ -3,8 +3,8 @@
 // m in {1, 8, 32} and every split_k, against that copy bandwidth. Weight sets rotate through >= 256 MB so no
 // launch reads from L2 (60 MB); each timing is the median of 15 graph replays measured with events.
 // Usage: dsv4_gemv_bench [--md FILE] [--pdl] [--quick]   (FILE gets the markdown table for docs/perf.md)
-// FP4 rows with bf16 activations are also timed with the weights through the copy engine (set_gemv_bulk): "bulk"
-// gives its time at the heuristic's split and its best split, next to the register kernel's in the same run.
+// FP4 / FP8 rows with bf16 activations are also timed with the weights through the copy engine (set_gemv_bulk):
+// "bulk" gives its time at the heuristic's split and its best split, next to the register kernel's in the same run.
 #include <cuda_runtime.h>
 
 #include <algorithm>

@@ -51,7 +51,7 @@ if [ -n "${GEMV:-}" ]; then
   T0=$(date +%s)
   timeout ${GEMV_TIMEOUT:-200} "$B/dsv4_gemv_bench" --quick --pdl > "$OUT/gemv.log" 2>&1
   echo "gemv bench exit code: $? ($(( $(date +%s) - T0 )) s)"
-  grep -E "^(copy|fixed)|mxfp4|nvfp4" "$OUT/gemv.log" | head -40
+  grep -E "^(copy|fixed)|mxfp4|nvfp4|fp8_e8m0|fp8_f32s" "$OUT/gemv.log" | head -60
 fi
 if [ -z "${NO_BENCH:-}" ]; then
   T0=$(date +%s)
