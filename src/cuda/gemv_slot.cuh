@@ -8,9 +8,8 @@
 
 #include <cstdint>
 
-#include "cuda/launch.cuh"
-
 #include "cuda/gemv_launch.h"
+#include "cuda/launch.cuh"
 
 namespace dsv4::detail {
 
