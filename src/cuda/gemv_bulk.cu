@@ -11,6 +11,9 @@
 // per row, the ring keeps kStages - 1 stages in flight while the warp decodes one, and a plain launch issues its
 // first stages before griddepcontrol.wait (weights never depend on the previous kernel), so they overlap its tail.
 // FP8 block scales (one per 128 rows x 128 k, uniform over a tile) come through the read-only cache, a stage ahead.
+// (bench/cuda/gemv_stream_proto.cu, a block-level version with one producer warp and whole-tile stages shared by a
+// block, measured slower than the register kernel: docs/perf.md, fifth round. Here the stages are per warp, small
+// and many, and no block barrier runs before the final split-k sum.)
 //
 // Stage layout (bytes): even rows 2j at 256 j, odd rows 2j + 1 at 2112 + 256 j, so the rows g and g + 1 that one
 // quarter warp reads together are 64 bytes apart mod 128 (different bank halves), then each row's FP4 scale bytes
