@@ -3,7 +3,7 @@
 // m in {1, 8, 32} and every split_k, against that copy bandwidth. Weight sets rotate through >= 256 MB so no
 // launch reads from L2 (60 MB); each timing is the median of 15 graph replays measured with events.
 // Usage: dsv4_gemv_bench [--md FILE] [--pdl] [--quick]   (FILE gets the markdown table for docs/perf.md)
-// FP4 / FP8 rows with bf16 activations are also timed with the weights through the copy engine (set_gemv_bulk):
+// FP4 / FP8 rows (and the W4A8 rows) are also timed with the weights through the copy engine (set_gemv_bulk):
 // "bulk" gives its time at the heuristic's split and its best split, next to the register kernel's in the same run.
 #include <cuda_runtime.h>
 
@@ -241,7 +241,7 @@ int main(int argc, char** argv) {
           GemvParams probe = p;
           probe.w = sets.data(), probe.w_scale = sb ? sets.as<char>() + round_up(wb, 256) : nullptr;
           set_gemv_bulk(true);
-          if (detail::gemv_bulk_supported(probe)) {
+          if (detail::gemv_bulk_supported(probe) || detail::gemv_w4a8_bulk_supported(probe)) {
             double tb_auto = 0, tb_best = 1e30;
             int tb_split = 0;
             for (int split : {1, 2, 4, 8}) {
@@ -300,7 +300,7 @@ int main(int argc, char** argv) {
         const double bytes = double(wb + sb) * picks * (second ? 2 : 1);
         const bool fp4 = f.w == GemvWeight::MXFP4 || f.w == GemvWeight::NVFP4;
         for (const bool bulk : {false, true}) {
-        if (bulk && (!fp4 || act != GemvAct::BF16)) continue;
+        if (bulk && !fp4) continue;
         set_gemv_bulk(bulk);
         std::printf("  %-9s %-4s %-16s%s", f.name, act == GemvAct::FP8 ? "a8" : "a16", name, bulk ? " bulk" : "     ");
         for (int split : {0, 1, 2, 4, 8}) {  // 0: the heuristic (7 active slots)

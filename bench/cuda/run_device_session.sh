@@ -2,9 +2,9 @@
 # One device call for the CUDA backend (the device tool runs it in a copy of the repository):
 #   (FIRST_FILTER) new kernels' tests alone -> GPU tests -> compute-sanitizer memcheck on a short run -> (SERVE=1)
 #   the server's curl test on the GPU, with tokens drawn on the host and on the device -> (GEMV=1) dsv4_gemv_bench
-#   --quick (fp4 rows also with the copy-engine kernel) -> dsv4 bench (Flash-shaped, NVFP4 + BF16) ->
-#   (BENCH_ENV="A=1 B=1") the bench again with those variables set (same arguments), an A/B of switches that are off
-#   by default.
+#   (GEMV_ARGS, default --quick --pdl; fp4 / fp8 rows also with the copy-engine kernels) -> dsv4 bench (Flash-shaped,
+#   NVFP4 + BF16) -> (BENCH_ENV="A=1 B=1") the bench again with those variables set (same arguments), an A/B of
+#   switches that are off by default.
 # Expects devrun/build.tar.xz made on the CPU machine by bench/cuda/pack_device_build.sh (binaries + the
 # non-system shared libraries they need). Test binaries have the source path compiled in: /work/main is linked
 # to this copy when it does not exist.
@@ -49,7 +49,7 @@ if [ -n "${SERVE:-}" ]; then
 fi
 if [ -n "${GEMV:-}" ]; then
   T0=$(date +%s)
-  timeout ${GEMV_TIMEOUT:-200} "$B/dsv4_gemv_bench" --quick --pdl > "$OUT/gemv.log" 2>&1
+  timeout ${GEMV_TIMEOUT:-200} "$B/dsv4_gemv_bench" ${GEMV_ARGS:---quick --pdl} > "$OUT/gemv.log" 2>&1
   echo "gemv bench exit code: $? ($(( $(date +%s) - T0 )) s)"
   grep -E "^(copy|fixed)|mxfp4|nvfp4|fp8_e8m0|fp8_f32s" "$OUT/gemv.log" | head -60
 fi

@@ -52,8 +52,8 @@ int bulk_mode = -1;
 // Says once which kernel streams fp4 / fp8 weights, and once when the copy-engine kernel was asked for but cannot
 // take a call (the register kernel runs it and every later call like it).
 void note_bulk_choice(const GemvParams& p, bool taken) {
-  if (p.weight == GemvWeight::BF16 || p.m > kGemvMaxM || !gemv_bulk_enabled() || detail::gemv_w4a8_supported(p))
-    return;
+  if (p.weight == GemvWeight::BF16 || p.m > kGemvMaxM || !gemv_bulk_enabled()) return;
+  if (detail::gemv_w4a8_supported(p)) taken = detail::gemv_w4a8_bulk_supported(p);  // the W4A8 kernel's own variant
   static bool said_taken = false, said_not = false;
   if (taken && !said_taken) {
     said_taken = true;

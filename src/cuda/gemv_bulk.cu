@@ -14,17 +14,14 @@
 // (bench/cuda/gemv_stream_proto.cu, a block-level version with one producer warp and whole-tile stages shared by a
 // block, measured slower than the register kernel: docs/perf.md, fifth round. Here the stages are per warp, small
 // and many, and no block barrier runs before the final split-k sum.)
-//
-// Stage layout (bytes): even rows 2j at 256 j, odd rows 2j + 1 at 2112 + 256 j, so the rows g and g + 1 that one
-// quarter warp reads together are 64 bytes apart mod 128 (different bank halves), then each row's FP4 scale bytes
-// at 4160 + 32 r (NVFP4: 32 bytes = 32 e4m3 scales; MXFP4: 16 e8m0 bytes).
+// The ring and its stage layout: gemv_ring.cuh.
 #include <cuda_bf16.h>
 
 #include <cstdint>
 
-#include "cuda/bulk_copy.cuh"
 #include "cuda/gemv_launch.h"
 #include "cuda/gemv_piece.cuh"
+#include "cuda/gemv_ring.cuh"
 #include "cuda/gemv_slot.cuh"
 #include "cuda/launch.cuh"
 
@@ -32,27 +29,16 @@ namespace dsv4::detail {
 namespace {
 
 constexpr int kThreads = kGemvWarps * 32;
-constexpr int kStageChunks = 4;                                 // 64-byte chunks of a row per stage
-constexpr int kStageRowBytes = kStageChunks * kChunkBytes;      // 256
 template <Fmt F>
 constexpr int stage_k() { return kStageChunks * 4 * elems_per_16b<F>(); }  // weights of a row per stage
 template <Fmt F>
 constexpr int stage_scale_bytes() { return F == Fmt::NVFP4 ? 32 : F == Fmt::MXFP4 ? 16 : 0; }  // per row
-constexpr int kOddRowsAt = 8 * kStageRowBytes + 64;             // 2112
-constexpr int kScalesAt = 16 * kStageRowBytes + 64;             // 4160
-constexpr int kScaleRowBytes = 32;
-constexpr int kStageBytes = kScalesAt + 16 * kScaleRowBytes;    // 4672
 constexpr int kStages = 3;
-constexpr int kWarpRingBytes = kStages * kStageBytes;
-constexpr int kRingBytes = kGemvWarps * kWarpRingBytes;
+using Ring = WarpRing<kStages>;
+constexpr int kRingBytes = kGemvWarps * Ring::kBytes;
 constexpr int kSmemBytes = kRingBytes + kGemvWarps * kStages * int(sizeof(uint64_t));
-static_assert(kStageBytes % 16 == 0 && kWarpRingBytes % 16 == 0 && kRingBytes % 8 == 0, "copy alignment");
+static_assert(kRingBytes % 16 == 0, "copy alignment");
 static_assert(kGemvWarps * 16 * (8 * 8 + 1) * 4 <= kRingBytes, "the split-k sums reuse the ring");
-
-__device__ __forceinline__ int stage_row_at(int r) { return r & 1 ? kOddRowsAt + (r >> 1) * kStageRowBytes
-                                                                   : (r >> 1) * kStageRowBytes; }
-
-__device__ __forceinline__ uint4 lds128(const uint8_t* p) { return *reinterpret_cast<const uint4*>(p); }
 
 template <Fmt F, int kTilesN, bool kGrouped>
 __global__ void __launch_bounds__(kThreads, kTilesN <= 2 ? 2 : 1) gemv_bulk_kernel(const KernelArgs a) {
@@ -78,11 +64,7 @@ __global__ void __launch_bounds__(kThreads, kTilesN <= 2 ? 2 : 1) gemv_bulk_kern
   const int s_begin = part * n_stages / split;  // this warp's stages of the tile's rows: [s_begin, s_end)
   const int my_stages = rows_valid > 0 ? (part + 1) * n_stages / split - s_begin : 0;
 
-  uint8_t* ring = smem + warp * kWarpRingBytes;
-  uint64_t* bar = reinterpret_cast<uint64_t*>(smem + kRingBytes) + warp * kStages;
-  if (lane < kStages) barrier_init(bar + lane);
-  barrier_init_fence();
-  __syncwarp();
+  uint64_t* bars = reinterpret_cast<uint64_t*>(smem + kRingBytes) + warp * kStages;
 
   BlockRows rows;
   if (!block_rows<kGrouped>(a, rows)) return;  // an empty slot: the whole block, before any barrier
@@ -102,24 +84,10 @@ __global__ void __launch_bounds__(kThreads, kTilesN <= 2 ? 2 : 1) gemv_bulk_kern
     else return __ldg(reinterpret_cast<const uint32_t*>(s_tile) + kb);
   };
 
-  // Stage i of this warp's range into ring slot q % kStages (q counts the warp's stages over all row passes, so
-  // the slot's barrier has completed q / kStages phases before).
-  auto issue = [&](int i, int q) {
-    uint8_t* stage = ring + (q % kStages) * kStageBytes;
-    uint64_t* b = bar + q % kStages;
-    fence_proxy_async();  // this lane's reads of the slot's previous stage come before the copy engine's writes
-    if (lane == 0) expect_bytes(b, uint32_t(rows_valid) * (kStageRowBytes + kScaleBytes));
-    __syncwarp();
-    const int r = lane & 15, s = s_begin + i;
-    if (r < rows_valid) {
-      if (lane < 16)
-        bulk_copy(stage + stage_row_at(r), w_tile + size_t(r) * row_bytes + size_t(s) * kStageRowBytes,
-                  kStageRowBytes, b);
-      else if constexpr (kScaleBytes > 0)
-        bulk_copy(stage + kScalesAt + r * kScaleRowBytes, s_tile + size_t(r) * scale_ld + size_t(s) * kScaleBytes,
-                  kScaleBytes, b);
-    }
-  };
+  const Ring ring{smem + warp * Ring::kBytes, bars, w_tile, s_tile, row_bytes, scale_ld, rows_valid, s_begin,
+                  kScaleBytes};
+  ring.init(lane);
+  auto issue = [&](int i, int q) { ring.issue(i, q, lane); };
 
   int q0 = 0;  // stages this warp has consumed in earlier row passes
   if constexpr (!kGrouped) {
@@ -151,7 +119,6 @@ __global__ void __launch_bounds__(kThreads, kTilesN <= 2 ? 2 : 1) gemv_bulk_kern
     }
     for (int i = 0; i < my_stages; ++i) {
       const int q = q0 + i;
-      const uint8_t* stage = ring + (q % kStages) * kStageBytes;
       if constexpr (kFp8) {
         fp8_now[0] = fp8_next[0], fp8_now[1] = fp8_next[1];
         if (i + 1 < my_stages) {
@@ -159,7 +126,7 @@ __global__ void __launch_bounds__(kThreads, kTilesN <= 2 ? 2 : 1) gemv_bulk_kern
           fp8_next[0] = fp8_scale(kb), fp8_next[1] = fp8_scale(kb + 1);
         }
       }
-      wait_phase(bar + q % kStages, uint32_t(q / kStages) & 1u);
+      const uint8_t* stage = ring.wait(q);
 #pragma unroll
       for (int c = 0; c < kStageChunks; ++c) {
         const uint4 zero = make_uint4(0, 0, 0, 0);

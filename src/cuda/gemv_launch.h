@@ -51,6 +51,9 @@ cudaError_t moe_route_and_slots_launch(const gpu::RouterParams& router, const Mo
 // slot), k <= kW4a8MaxK.
 constexpr int kW4a8MaxK = 16384;
 bool gemv_w4a8_supported(const GemvParams& p);
+// With set_gemv_bulk on, the W4A8 kernel streams its weights through the copy engine when k % 512 == 0 and w,
+// w_scale are 16-byte aligned (grouped: expert strides too, checked at launch).
+bool gemv_w4a8_bulk_supported(const GemvParams& p);
 cudaError_t gemv_w4a8_launch(const KernelArgs& a, const GemvParams& p, dim3 grid, bool grouped);
 
 // FP4 / FP8 weights through the copy engine (gemv_bulk.cu), when switched on (gemv_bulk_enabled in gemv.h): MXFP4

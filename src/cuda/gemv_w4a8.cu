@@ -23,6 +23,7 @@
 
 #include "cuda/dequant.cuh"
 #include "cuda/gemv_launch.h"
+#include "cuda/gemv_ring.cuh"
 #include "cuda/gemv_slot.cuh"
 #include "cuda/launch.cuh"
 #include "formats/fp8.h"
@@ -100,6 +101,46 @@ __device__ void quantise_row(const uint16_t* x, int k, int n_chunks, uint8_t* xq
     }
     *reinterpret_cast<uint4*>(xq + e0) = make_uint4(q[0], q[1], q[2], q[3]);
   }
+}
+
+// Chunk c (128 weights of rows g and g + 8 = activation block c) of the quad's pieces: raw codes, the scale bits of
+// quad threads 2t and 2t + 1 (threads 0, 1; NVFP4: 4 e4m3 bytes, MXFP4: 2 e8m0 bytes), x in e4m3 in shared memory
+// (xq, groups permuted, and its block scales xs). Adds the chunk's partial sums to acc_lo / acc_hi.
+// B: column g carries x only on the slots of quad thread g (this thread's own slots when g == t).
+template <bool kNv>
+__device__ __forceinline__ void w4a8_chunk(const uint4& raw_lo, const uint4& raw_hi, uint32_t sc_lo, uint32_t sc_hi,
+                                           const uint8_t* xq, const float* xs, int c, float& acc_lo, float& acc_hi) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+  uint4 xv[2] = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
+  if (g == t) {
+    const uint4* xp = reinterpret_cast<const uint4*>(xq + c * kChunkK + 32 * t);
+    xv[0] = xp[0], xv[1] = xp[1];
+  }
+  const uint32_t xb[8] = {xv[0].x, xv[0].y, xv[0].z, xv[0].w, xv[1].x, xv[1].y, xv[1].z, xv[1].w};
+  const uint32_t wl[4] = {raw_lo.x, raw_lo.y, raw_lo.z, raw_lo.w};
+  const uint32_t wh[4] = {raw_hi.x, raw_hi.y, raw_hi.z, raw_hi.w};
+  float ca[4] = {0.0f, 0.0f, 0.0f, 0.0f}, cb[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    uint32_t el, ol, eh, oh;
+    e2m1x8_to_e4m3(wl[i], el, ol);
+    e2m1x8_to_e4m3(wh[i], eh, oh);
+    mma_e4m3(kNv && i >= 2 ? cb : ca, el, eh, ol, oh, xb[2 * i], xb[2 * i + 1]);
+  }
+  // ca / cb [0], [1]: row lo, threads 2t / 2t+1; [2], [3]: row hi. Zero for t >= 2 (idle columns).
+  float part_lo, part_hi;
+  if constexpr (kNv) {  // bytes: 2t block A, 2t block B, 2t+1 block A, 2t+1 block B
+    part_lo = ca[0] * e4m3_byte_to_f32(sc_lo) + cb[0] * e4m3_byte_to_f32(sc_lo >> 8) +
+              ca[1] * e4m3_byte_to_f32(sc_lo >> 16) + cb[1] * e4m3_byte_to_f32(sc_lo >> 24);
+    part_hi = ca[2] * e4m3_byte_to_f32(sc_hi) + cb[2] * e4m3_byte_to_f32(sc_hi >> 8) +
+              ca[3] * e4m3_byte_to_f32(sc_hi >> 16) + cb[3] * e4m3_byte_to_f32(sc_hi >> 24);
+  } else {  // bytes: the e8m0 scales of threads 2t, 2t+1
+    part_lo = ca[0] * e8m0_to_f32(uint8_t(sc_lo)) + ca[1] * e8m0_to_f32(uint8_t(sc_lo >> 8));
+    part_hi = ca[2] * e8m0_to_f32(uint8_t(sc_hi)) + ca[3] * e8m0_to_f32(uint8_t(sc_hi >> 8));
+  }
+  const float sx = xs[c];
+  acc_lo = fmaf(part_lo, sx, acc_lo);
+  acc_hi = fmaf(part_hi, sx, acc_hi);
 }
 
 template <bool kNv, bool kGrouped>
@@ -185,37 +226,7 @@ __global__ void __launch_bounds__(kThreads, 2) gemv_w4a8_kernel(const KernelArgs
     for (int u = 0; u < kUnroll; ++u) {
       const int c = c0 + u * split;
       if (c >= n_chunks) break;  // warp-uniform: every lane joins each mma.sync
-      // B: column g carries x only on the slots of quad thread g (this thread's own slots when g == t).
-      uint4 xv[2] = {make_uint4(0, 0, 0, 0), make_uint4(0, 0, 0, 0)};
-      if (g == t) {
-        const uint4* xp = reinterpret_cast<const uint4*>(xq + c * kChunkK + 32 * t);
-        xv[0] = xp[0], xv[1] = xp[1];
-      }
-      const uint32_t xb[8] = {xv[0].x, xv[0].y, xv[0].z, xv[0].w, xv[1].x, xv[1].y, xv[1].z, xv[1].w};
-      const uint32_t wl[4] = {raw_lo[u].x, raw_lo[u].y, raw_lo[u].z, raw_lo[u].w};
-      const uint32_t wh[4] = {raw_hi[u].x, raw_hi[u].y, raw_hi[u].z, raw_hi[u].w};
-      float ca[4] = {0.0f, 0.0f, 0.0f, 0.0f}, cb[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        uint32_t el, ol, eh, oh;
-        e2m1x8_to_e4m3(wl[i], el, ol);
-        e2m1x8_to_e4m3(wh[i], eh, oh);
-        mma_e4m3(kNv && i >= 2 ? cb : ca, el, eh, ol, oh, xb[2 * i], xb[2 * i + 1]);
-      }
-      // ca / cb [0], [1]: row lo, threads 2t / 2t+1; [2], [3]: row hi. Zero for t >= 2 (idle columns).
-      float part_lo, part_hi;
-      if constexpr (kNv) {  // bytes: 2t block A, 2t block B, 2t+1 block A, 2t+1 block B
-        part_lo = ca[0] * e4m3_byte_to_f32(sc_lo[u]) + cb[0] * e4m3_byte_to_f32(sc_lo[u] >> 8) +
-                  ca[1] * e4m3_byte_to_f32(sc_lo[u] >> 16) + cb[1] * e4m3_byte_to_f32(sc_lo[u] >> 24);
-        part_hi = ca[2] * e4m3_byte_to_f32(sc_hi[u]) + cb[2] * e4m3_byte_to_f32(sc_hi[u] >> 8) +
-                  ca[3] * e4m3_byte_to_f32(sc_hi[u] >> 16) + cb[3] * e4m3_byte_to_f32(sc_hi[u] >> 24);
-      } else {  // bytes: the e8m0 scales of threads 2t, 2t+1
-        part_lo = ca[0] * e8m0_to_f32(uint8_t(sc_lo[u])) + ca[1] * e8m0_to_f32(uint8_t(sc_lo[u] >> 8));
-        part_hi = ca[2] * e8m0_to_f32(uint8_t(sc_hi[u])) + ca[3] * e8m0_to_f32(uint8_t(sc_hi[u] >> 8));
-      }
-      const float sx = xs[c];
-      acc_lo = fmaf(part_lo, sx, acc_lo);
-      acc_hi = fmaf(part_hi, sx, acc_hi);
+      w4a8_chunk<kNv>(raw_lo[u], raw_hi[u], sc_lo[u], sc_hi[u], xq, xs, c, acc_lo, acc_hi);
     }
   };
 
@@ -258,6 +269,115 @@ __global__ void __launch_bounds__(kThreads, 2) gemv_w4a8_kernel(const KernelArgs
   }
 }
 
+// The same products with the weights through the copy engine (set_gemv_bulk; gemv_ring.cuh): each warp streams
+// its tile's k range through a ring of 2 stages (4 chunks = 4 activation blocks each; 2 stages so that two blocks
+// fit an SM next to x), issuing the first before x is quantised (a plain launch: before griddepcontrol.wait).
+// Dynamic shared memory: the rings, their barriers, then xq [k] and xs [k / 128].
+constexpr int kBulkStages = 2;
+using BulkRing = WarpRing<kBulkStages>;
+constexpr int kBulkRingBytes = kGemvWarps * BulkRing::kBytes;
+constexpr int kBulkXAt = kBulkRingBytes + kGemvWarps * kBulkStages * int(sizeof(uint64_t));
+constexpr int kBulkMaxSmem = kBulkXAt + kW4a8MaxK + kW4a8MaxK / kChunkK * int(sizeof(float));
+static_assert(kBulkRingBytes % 16 == 0 && kBulkXAt % 16 == 0, "alignment");
+
+template <bool kNv, bool kGrouped>
+__global__ void __launch_bounds__(kThreads, 2) gemv_w4a8_bulk_kernel(const KernelArgs a) {
+  gpu::allow_dependents();
+  extern __shared__ __align__(128) uint8_t smem[];
+  __shared__ float red[kGemvWarps][16];
+  uint8_t* xq = smem + kBulkXAt;
+  float* xs = reinterpret_cast<float*>(xq + a.k);
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int split = a.split, tiles_per_block = kGemvWarps / split;
+  const int tile = warp / split, part = warp % split;
+  const int row0 = (blockIdx.x * tiles_per_block + tile) * 16;
+  const int rows_valid = min(16, a.n - row0);  // <= 0 for a tile past n
+  const bool ok_lo = g < rows_valid, ok_hi = g + 8 < rows_valid;
+  const int n_chunks = a.k / kChunkK, n_stages = n_chunks / kStageChunks;
+  const int s_begin = part * n_stages / split;
+  const int my_stages = rows_valid > 0 ? (part + 1) * n_stages / split - s_begin : 0;
+  const size_t row_bytes = size_t(a.k) / 2, scale_ld = size_t(a.k) / (kNv ? 16 : 32);
+
+  BlockRows rows;
+  if (!block_rows<kGrouped>(a, rows)) return;  // an empty slot: the whole block, before any barrier
+  const BulkRing ring{smem + warp * BulkRing::kBytes,
+                      reinterpret_cast<uint64_t*>(smem + kBulkRingBytes) + warp * kBulkStages,
+                      rows.w + size_t(rows.w_row0 + row0) * row_bytes,
+                      rows.w_scale + size_t(rows.w_row0 + row0) * scale_ld,
+                      row_bytes, scale_ld, rows_valid, s_begin, kNv ? 32 : 16};
+  ring.init(lane);
+  auto prologue = [&](int q0) {
+    for (int i = 0; i < min(kBulkStages, my_stages); ++i) ring.issue(i, q0 + i, lane);
+  };
+  if constexpr (!kGrouped) {
+    prologue(0);
+    gpu::dependent_wait();  // x and y belong to the step
+  }
+
+  int q0 = 0;  // stages this warp has used in earlier rows
+  for (int rb = 0; rb < rows.m_rows; ++rb) {  // one row per plain call; a grouped slot may hold several
+    if (rb > 0) {
+      __syncthreads();  // the previous row's reads of xq, xs and red are done
+      prologue(q0);
+    } else if constexpr (kGrouped) {
+      prologue(0);
+    }
+    const int x_row = kGrouped ? a.row_order[rows.order0 + rb] / a.x_row_div : rb;
+    quantise_row(a.x + size_t(x_row) * a.k, a.k, n_chunks, xq, xs);
+    __syncthreads();
+    float acc_lo = 0.0f, acc_hi = 0.0f;
+    for (int i = 0; i < my_stages; ++i) {
+      const int q = q0 + i;
+      const uint8_t* stage = ring.wait(q);
+      const uint8_t* sc = stage + kScalesAt + g * kScaleRowBytes;
+#pragma unroll
+      for (int c = 0; c < kStageChunks; ++c) {
+        const uint4 zero = make_uint4(0, 0, 0, 0);
+        const uint4 raw_lo = ok_lo ? lds128(stage + stage_row_at(g) + c * 64 + t * 16) : zero;
+        const uint4 raw_hi = ok_hi ? lds128(stage + stage_row_at(g + 8) + c * 64 + t * 16) : zero;
+        // Threads 0 and 1 of a quad: the scale bytes of quad threads 2t and 2t + 1 of chunk c.
+        uint32_t sc_lo = 0, sc_hi = 0;
+        if (t < 2) {
+          if constexpr (kNv) {
+            if (ok_lo) sc_lo = *reinterpret_cast<const uint32_t*>(sc + c * 8 + 4 * t);
+            if (ok_hi) sc_hi = *reinterpret_cast<const uint32_t*>(sc + 8 * kScaleRowBytes + c * 8 + 4 * t);
+          } else {
+            if (ok_lo) sc_lo = *reinterpret_cast<const uint16_t*>(sc + c * 4 + 2 * t);
+            if (ok_hi) sc_hi = *reinterpret_cast<const uint16_t*>(sc + 8 * kScaleRowBytes + c * 4 + 2 * t);
+          }
+        }
+        w4a8_chunk<kNv>(raw_lo, raw_hi, sc_lo, sc_hi, xq, xs, (s_begin + i) * kStageChunks + c, acc_lo, acc_hi);
+      }
+      __syncwarp();  // every lane's reads of this slot are done before it is refilled
+      if (i + kBulkStages < my_stages) ring.issue(i + kBulkStages, q + kBulkStages, lane);
+    }
+    q0 += my_stages;
+    acc_lo += __shfl_xor_sync(0xffffffffu, acc_lo, 1);  // threads 0 + 1 of the quad (2 and 3 hold zeros)
+    acc_hi += __shfl_xor_sync(0xffffffffu, acc_hi, 1);
+    if (t == 0) {
+      red[warp][g] = acc_lo;
+      red[warp][g + 8] = acc_hi;
+    }
+    __syncthreads();
+    const int rows_in_block = tiles_per_block * 16;
+    const int r = threadIdx.x;
+    const int n = blockIdx.x * rows_in_block + r;
+    if (r < rows_in_block && n < a.n) {
+      float s = 0.0f;
+      for (int p = 0; p < split; ++p) s += red[(r / 16) * split + p][r % 16];
+      s *= rows.y_factor;
+      void* y = kGrouped && blockIdx.z == 1 ? a.y_second : a.y;
+      const int64_t out = int64_t(kGrouped ? a.row_order[rows.order0 + rb] : rb) * a.ldy + n;
+      if (a.out_bf16)
+        static_cast<uint16_t*>(y)[out] = f32_to_bf16(s);
+      else
+        static_cast<float*>(y)[out] = s;
+    }
+  }
+}
+
 // One warp per (row, 128-block): y = bf16(act_quant_fp8(x)), bit-identical to fp8_simulate_block on bf16 input.
 __global__ void act_quant_kernel(const uint16_t* x, uint16_t* y, int rows, int k) {
   gpu::dependent_enter();
@@ -286,6 +406,12 @@ bool gemv_w4a8_supported(const GemvParams& p) {
          p.k <= kW4a8MaxK;
 }
 
+bool gemv_w4a8_bulk_supported(const GemvParams& p) {
+  auto aligned16 = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
+  return gemv_bulk_enabled() && gemv_w4a8_supported(p) && p.k % (kStageChunks * kChunkK) == 0 && aligned16(p.w) &&
+         aligned16(p.w_scale);
+}
+
 cudaError_t gemv_w4a8_launch(const KernelArgs& args, const GemvParams& p, dim3 grid, bool grouped) {
   KernelArgs a = args;
   const bool nv = p.weight == GemvWeight::NVFP4;
@@ -293,6 +419,22 @@ cudaError_t gemv_w4a8_launch(const KernelArgs& args, const GemvParams& p, dim3 g
   a.nvfp4_factor = nv ? kBiasGap : 0.0f;
   cudaStream_t stream = p.stream;
   grid.x = (a.n + kGemvWarps / a.split * 16 - 1) / (kGemvWarps / a.split * 16);
+  auto aligned16 = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
+  const bool bulk = gemv_w4a8_bulk_supported(p) &&
+                    (!grouped || (a.w_stride % 16 == 0 && a.scale_stride % 16 == 0 &&
+                                  (!a.w_second || (aligned16(a.w_second) && aligned16(a.w_scale_second)))));
+  if (bulk) {
+    const size_t smem = size_t(kBulkXAt) + size_t(p.k) + size_t(p.k / kChunkK) * sizeof(float);
+    auto go = [&](auto kernel) {
+      static const cudaError_t attr =
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBulkMaxSmem);
+      if (attr != cudaSuccess) return attr;
+      gpu::launch(kernel, grid, kThreads, smem, stream, a);
+      return cudaGetLastError();
+    };
+    if (nv) return grouped ? go(gemv_w4a8_bulk_kernel<true, true>) : go(gemv_w4a8_bulk_kernel<true, false>);
+    return grouped ? go(gemv_w4a8_bulk_kernel<false, true>) : go(gemv_w4a8_bulk_kernel<false, false>);
+  }
   if (nv && grouped) gpu::launch(gemv_w4a8_kernel<true, true>, grid, kThreads, 0, stream, a);
   else if (nv) gpu::launch(gemv_w4a8_kernel<true, false>, grid, kThreads, 0, stream, a);
   else if (grouped) gpu::launch(gemv_w4a8_kernel<false, true>, grid, kThreads, 0, stream, a);

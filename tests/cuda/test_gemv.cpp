@@ -275,7 +275,8 @@ TEST_P(GemvTest, MatchesFp64Reference) {
   p.act = c.act, p.act_scratch = act_scratch.data();
   const BulkScope bulk(c.bulk);
   if (c.bulk) {
-    ASSERT_TRUE(detail::gemv_bulk_supported(p)) << "the case must run the copy-engine kernel";
+    ASSERT_TRUE(detail::gemv_bulk_supported(p) || detail::gemv_w4a8_bulk_supported(p))
+        << "the case must run a copy-engine kernel";
   }
   gemv(p);
   DSV4_CUDA_CHECK(cudaDeviceSynchronize());
@@ -385,6 +386,14 @@ std::vector<Case> all_cases() {
       cases.push_back({f.w, f.s, 1, 301, 8192, GemvOut::F32, 1, a, true});
       cases.push_back({f.w, f.s, 8, 45, 8192, GemvOut::F32, 2, a, true});
       cases.push_back({f.w, f.s, 3, 301, 1024, GemvOut::F32, 0, GemvAct::FP8, true});
+      if (f.w != GemvWeight::FP8_BLOCK) {  // the W4A8 kernel's copy-engine variant (act fp8, m = 1)
+        const GemvAct a8 = GemvAct::FP8;
+        cases.push_back({f.w, f.s, 1, 301, 1024, GemvOut::F32, 0, a8, true});
+        cases.push_back({f.w, f.s, 1, 301, 1024, GemvOut::BF16, 0, a8, true});
+        cases.push_back({f.w, f.s, 1, 34000, 512, GemvOut::F32, 0, a8, true});
+        cases.push_back({f.w, f.s, 1, 301, 8192, GemvOut::F32, 1, a8, true});
+        for (int split : {1, 2, 4, 8}) cases.push_back({f.w, f.s, 1, 301, 1536, GemvOut::F32, split, a8, true});
+      }
       if (f.w == GemvWeight::FP8_BLOCK) {  // one and three 256-weight stages
         cases.push_back({f.w, f.s, 1, 301, 256, GemvOut::F32, 0, a, true});
         cases.push_back({f.w, f.s, 8, 301, 768, GemvOut::F32, 2, a, true});
@@ -460,6 +469,32 @@ TEST(GemvBulk, MatchesRegisterKernelBitForBitAtSplit1) {
       }
       EXPECT_EQ(0, std::memcmp(got[0].data(), got[1].data(), got[0].size() * 4))
           << gemv_weight_name(w) << " m " << m << " n " << n << " k " << k;
+    }
+  // The W4A8 kernel (act fp8, m = 1) and its copy-engine variant, likewise.
+  for (const GemvWeight w : {GemvWeight::MXFP4, GemvWeight::NVFP4})
+    for (const auto& [n, k] : {std::pair{301, 2048}, {64, 4096}, {45, 512}}) {
+      const Case c{w, GemvScale::E8M0, 1, n, k, GemvOut::F32, 1, GemvAct::FP8};
+      const HostProblem h = make_problem(c, rng);
+      DeviceBuffer x(h.x.size() * 2), dw(h.w.size()), ds(h.scale.size()), y(size_t(n) * 4);
+      x.upload(h.x.data(), h.x.size() * 2);
+      dw.upload(h.w.data(), h.w.size());
+      ds.upload(h.scale.data(), h.scale.size());
+      GemvParams p;
+      p.m = 1, p.n = n, p.k = k, p.x = x.data(), p.w = dw.data(), p.w_scale = ds.data(), p.w_scale_2 = h.scale_2;
+      p.y = y.data(), p.weight = w, p.split_k = 1, p.act = GemvAct::FP8;
+      std::vector<std::vector<float>> got;
+      for (const bool on : {false, true}) {
+        const BulkScope bulk(on);
+        ASSERT_TRUE(gemv_uses_w4a8(p));
+        ASSERT_EQ(detail::gemv_w4a8_bulk_supported(p), on);
+        y.fill_bytes(0xff);
+        gemv(p);
+        DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+        got.emplace_back(size_t(n));
+        y.download(got.back().data(), got.back().size() * 4);
+      }
+      EXPECT_EQ(0, std::memcmp(got[0].data(), got[1].data(), got[0].size() * 4))
+          << "w4a8 " << gemv_weight_name(w) << " n " << n << " k " << k;
     }
 }
 
@@ -548,7 +583,8 @@ TEST_P(GemvGroupedTest, MatchesFp64ReferencePerPair) {
   }
   const BulkScope bulk(c.bulk);
   if (c.bulk) {
-    ASSERT_TRUE(detail::gemv_bulk_grouped_supported(g)) << "the case must run the copy-engine kernel";
+    ASSERT_TRUE(detail::gemv_bulk_grouped_supported(g) || detail::gemv_w4a8_bulk_supported(g.base))
+        << "the case must run a copy-engine kernel";
   }
   gemv_grouped(g);
   DSV4_CUDA_CHECK(cudaDeviceSynchronize());
@@ -647,6 +683,11 @@ std::vector<GroupedCase> grouped_cases() {
       cases.push_back({w, s, 40, 2, 8, 72, 512, 2, true, false, a, true});  // 80 rows on one expert: two passes
       cases.push_back({w, s, 1, 6, 16, 200, 1024, 6, false, true, a, true});
       cases.push_back({w, s, 5, 6, 16, 200, 1024, 1, false, false, GemvAct::FP8, true});
+      if (w != GemvWeight::FP8_BLOCK) {  // decode slots through the W4A8 kernel's copy-engine variant
+        cases.push_back({w, s, 1, 6, 16, 200, 1024, 6, false, true, GemvAct::FP8, true});
+        cases.push_back({w, s, 1, 6, 16, 200, 1024, 1, false, false, GemvAct::FP8, true});
+        cases.push_back({w, s, 1, 2, 8, 72, 512, 2, true, false, GemvAct::FP8, true});  // a slot with two rows
+      }
     }
   }
   return cases;
