@@ -143,6 +143,36 @@ __device__ __forceinline__ void w4a8_chunk(const uint4& raw_lo, const uint4& raw
   acc_hi = fmaf(part_hi, sx, acc_hi);
 }
 
+// The end of one activation row of a W4A8 kernel: threads 0 and 1 of each quad add their partial sums, the warps of
+// a tile are added in order through `red`, and the block's rows go to y row `out_row` (y_second for the second
+// projection of a grouped launch).
+__device__ __forceinline__ void store_w4a8_row(const KernelArgs& a, float (*red)[16], float acc_lo, float acc_hi,
+                                               int tiles_per_block, int split, float y_factor, int64_t out_row,
+                                               bool second) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t = lane & 3;
+  acc_lo += __shfl_xor_sync(0xffffffffu, acc_lo, 1);  // threads 0 + 1 of the quad (2 and 3 hold zeros)
+  acc_hi += __shfl_xor_sync(0xffffffffu, acc_hi, 1);
+  if (t == 0) {
+    red[warp][g] = acc_lo;
+    red[warp][g + 8] = acc_hi;
+  }
+  __syncthreads();
+  const int rows_in_block = tiles_per_block * 16;
+  const int r = threadIdx.x;
+  const int n = blockIdx.x * rows_in_block + r;
+  if (r < rows_in_block && n < a.n) {
+    float s = 0.0f;
+    for (int p = 0; p < split; ++p) s += red[(r / 16) * split + p][r % 16];
+    s *= y_factor;
+    void* y = second ? a.y_second : a.y;
+    const int64_t out = out_row * a.ldy + n;
+    if (a.out_bf16)
+      static_cast<uint16_t*>(y)[out] = f32_to_bf16(s);
+    else
+      static_cast<float*>(y)[out] = s;
+  }
+}
+
 template <bool kNv, bool kGrouped>
 __global__ void __launch_bounds__(kThreads, 2) gemv_w4a8_kernel(const KernelArgs a) {
   gpu::dependent_enter();
@@ -245,27 +275,7 @@ __global__ void __launch_bounds__(kThreads, 2) gemv_w4a8_kernel(const KernelArgs
         if (c0 + step < n_chunks) load_group(c0 + step);
       }
     }
-    acc_lo += __shfl_xor_sync(0xffffffffu, acc_lo, 1);  // threads 0 + 1 of the quad (2 and 3 hold zeros)
-    acc_hi += __shfl_xor_sync(0xffffffffu, acc_hi, 1);
-    if (t == 0) {
-      red[warp][g] = acc_lo;
-      red[warp][g + 8] = acc_hi;
-    }
-    __syncthreads();
-    const int rows_in_block = tiles_per_block * 16;
-    const int r = threadIdx.x;
-    const int n = blockIdx.x * rows_in_block + r;
-    if (r < rows_in_block && n < a.n) {
-      float s = 0.0f;
-      for (int p = 0; p < split; ++p) s += red[(r / 16) * split + p][r % 16];
-      s *= y_factor;
-      void* y = kGrouped && blockIdx.z == 1 ? a.y_second : a.y;
-      const int64_t out = int64_t(pair_of(rb)) * a.ldy + n;
-      if (a.out_bf16)
-        static_cast<uint16_t*>(y)[out] = f32_to_bf16(s);
-      else
-        static_cast<float*>(y)[out] = s;
-    }
+    store_w4a8_row(a, red, acc_lo, acc_hi, tiles_per_block, split, y_factor, pair_of(rb), kGrouped && blockIdx.z == 1);
   }
 }
 
@@ -354,27 +364,8 @@ __global__ void __launch_bounds__(kThreads, 2) gemv_w4a8_bulk_kernel(const Kerne
       if (i + kBulkStages < my_stages) ring.issue(i + kBulkStages, q + kBulkStages, lane);
     }
     q0 += my_stages;
-    acc_lo += __shfl_xor_sync(0xffffffffu, acc_lo, 1);  // threads 0 + 1 of the quad (2 and 3 hold zeros)
-    acc_hi += __shfl_xor_sync(0xffffffffu, acc_hi, 1);
-    if (t == 0) {
-      red[warp][g] = acc_lo;
-      red[warp][g + 8] = acc_hi;
-    }
-    __syncthreads();
-    const int rows_in_block = tiles_per_block * 16;
-    const int r = threadIdx.x;
-    const int n = blockIdx.x * rows_in_block + r;
-    if (r < rows_in_block && n < a.n) {
-      float s = 0.0f;
-      for (int p = 0; p < split; ++p) s += red[(r / 16) * split + p][r % 16];
-      s *= rows.y_factor;
-      void* y = kGrouped && blockIdx.z == 1 ? a.y_second : a.y;
-      const int64_t out = int64_t(kGrouped ? a.row_order[rows.order0 + rb] : rb) * a.ldy + n;
-      if (a.out_bf16)
-        static_cast<uint16_t*>(y)[out] = f32_to_bf16(s);
-      else
-        static_cast<float*>(y)[out] = s;
-    }
+    store_w4a8_row(a, red, acc_lo, acc_hi, tiles_per_block, split, rows.y_factor,
+                   kGrouped ? a.row_order[rows.order0 + rb] : rb, kGrouped && blockIdx.z == 1);
   }
 }
 
