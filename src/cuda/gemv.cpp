@@ -5,9 +5,8 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <string>
 
+#include "core/env.h"
 #include "cuda/cuda_check.h"
 #include "cuda/device.h"
 #include "cuda/gemv_launch.h"
@@ -72,10 +71,7 @@ void note_bulk_choice(const GemvParams& p, bool taken) {
 void set_gemv_bulk(bool on) { bulk_mode = on ? 1 : 0; }
 
 bool gemv_bulk_enabled() {
-  if (bulk_mode < 0) {
-    const char* env = std::getenv("DSV4_GEMV_BULK");
-    bulk_mode = env && std::string(env) == "1" ? 1 : 0;
-  }
+  if (bulk_mode < 0) bulk_mode = env_switch("DSV4_GEMV_BULK").value_or(false) ? 1 : 0;
   return bulk_mode == 1;
 }
 

@@ -32,6 +32,7 @@
 #include "cuda/device.h"
 #include "cuda/device_weights.h"
 #include "cuda/gemm.h"
+#include "core/env.h"
 #include "cuda/gemv.h"
 #include "cuda/ops.h"
 #include "model/model.h"
@@ -1487,18 +1488,13 @@ int cuda_prefill_chunk(int requested, int pairs_per_token, int max_entries, int 
 
 std::unique_ptr<SequenceRunner> make_cuda_runner(const Model& model, int max_context, CudaRunnerOptions options) {
   if (const char* env = std::getenv("DSV4_CUDA_GRAPH"); env && std::string(env) == "0") options.graph_decode = false;
-  if (const char* env = std::getenv("DSV4_DEVICE_DRAW"); env && (std::string(env) == "0" || std::string(env) == "1"))
-    options.draw_on_device = std::string(env) == "1";
-  if (const char* env = std::getenv("DSV4_FUSED_MHC"); env && (std::string(env) == "0" || std::string(env) == "1"))
-    options.fuse_mhc_mix = std::string(env) == "1";
-  if (const char* env = std::getenv("DSV4_FUSED_ROUTING"); env && (std::string(env) == "0" || std::string(env) == "1"))
-    options.fuse_moe_routing = std::string(env) == "1";
-  if (const char* env = std::getenv("DSV4_OVERLAP"); env && (std::string(env) == "0" || std::string(env) == "1"))
-    options.overlap_branches = std::string(env) == "1";
-  if (const char* env = std::getenv("DSV4_FUSED_QNORM"); env && (std::string(env) == "0" || std::string(env) == "1"))
-    options.fuse_q_norm_rope = std::string(env) == "1";
-  if (const char* env = std::getenv("DSV4_GROUP_SHARED"); env && (std::string(env) == "0" || std::string(env) == "1"))
-    options.group_shared_expert = std::string(env) == "1";
+  for (const auto& [name, on] : {std::pair{"DSV4_DEVICE_DRAW", &options.draw_on_device},
+                                 {"DSV4_FUSED_MHC", &options.fuse_mhc_mix},
+                                 {"DSV4_FUSED_ROUTING", &options.fuse_moe_routing},
+                                 {"DSV4_OVERLAP", &options.overlap_branches},
+                                 {"DSV4_FUSED_QNORM", &options.fuse_q_norm_rope},
+                                 {"DSV4_GROUP_SHARED", &options.group_shared_expert}})
+    if (const std::optional<bool> env = env_switch(name)) *on = *env;
   return std::make_unique<CudaRunner>(model, max_context, options);
 }
 
