@@ -45,27 +45,22 @@ __global__ void __launch_bounds__(kThreads, kTilesN <= 2 ? 2 : 1) gemv_kernel(co
   // slot's routed pairs (grouped).
   BlockRows rows;
   if (!block_rows<kGrouped>(a, rows)) return;  // an empty slot: the whole block, before any barrier
-  const uint8_t* w_base = rows.w;
+  const uint8_t* w_base = rows.w + size_t(rows.w_row0) * row_bytes;
   const uint8_t* w_scale = rows.w_scale;
-  const __nv_bfloat16* x = rows.x;
-  const float y_factor = rows.y_factor;
-  const int m_rows = rows.m_rows, order0 = rows.order0, w_row0 = rows.w_row0;
-  const int64_t y_offset = rows.y_offset;
-  w_base += size_t(w_row0) * row_bytes;
-  if constexpr (F == Fmt::MXFP4) w_scale += size_t(w_row0) * (a.k / 32);
-  if constexpr (F == Fmt::NVFP4) w_scale += size_t(w_row0) * (a.k / 16);
+  if constexpr (F == Fmt::MXFP4) w_scale += size_t(rows.w_row0) * (a.k / 32);
+  if constexpr (F == Fmt::NVFP4) w_scale += size_t(rows.w_row0) * (a.k / 16);
   const uint8_t* w_lo = w_base + size_t(r_lo) * row_bytes + t * 16;
   const uint8_t* w_hi = w_lo + 8 * row_bytes;
-  auto pair_of = [&](int row) { return kGrouped ? a.row_order[order0 + row] : row; };
+  auto pair_of = [&](int row) { return kGrouped ? a.row_order[rows.order0 + row] : row; };
   if constexpr (!kGrouped) gpu::dependent_wait();  // x and y belong to the step
 
   // More rows than the tile holds (a grouped slot above base.m) are covered by further passes over W.
-  for (int rb = 0; rb < m_rows; rb += kTilesN * 8) {
+  for (int rb = 0; rb < rows.m_rows; rb += kTilesN * 8) {
   const __nv_bfloat16* x_row[kTilesN];  // this thread's batch row of each n-tile, nullptr past the slot's rows
 #pragma unroll
   for (int j = 0; j < kTilesN; ++j) {
     const int row = rb + j * 8 + g;
-    x_row[j] = row < m_rows ? x + size_t(kGrouped ? pair_of(row) / a.x_row_div : row) * a.k : nullptr;
+    x_row[j] = row < rows.m_rows ? rows.x + size_t(kGrouped ? pair_of(row) / a.x_row_div : row) * a.k : nullptr;
   }
 
   float acc[kTilesN][4];
@@ -88,7 +83,7 @@ __global__ void __launch_bounds__(kThreads, kTilesN <= 2 ? 2 : 1) gemv_kernel(co
         sc_lo[u] = sc_hi[u] = 0;
         if constexpr (kFp8) {  // one scale per (128-row block, 128-k block): uniform over the warp's chunk
           if (c < n_chunks) {
-            const size_t idx = size_t((w_row0 + row0) / 128) * size_t((a.k + 127) / 128) + size_t(c / 2);
+            const size_t idx = size_t((rows.w_row0 + row0) / 128) * size_t((a.k + 127) / 128) + size_t(c / 2);
             sc_lo[u] = F == Fmt::FP8_E8M0 ? uint32_t(__ldg(w_scale + idx))
                                           : __ldg(reinterpret_cast<const uint32_t*>(w_scale) + idx);
           }
@@ -121,7 +116,7 @@ __global__ void __launch_bounds__(kThreads, kTilesN <= 2 ? 2 : 1) gemv_kernel(co
   // Split-k sum through shared memory.
   __shared__ float red[kGemvWarps * 16 * (kTilesN * 8 + 1)];
   if (rb > 0) __syncthreads();  // the previous pass's reads of red are done
-  store_tile_sums<kTilesN, kGrouped>(a, {tiles_per_block, split, m_rows, rb, order0, y_factor, y_offset}, acc, red);
+  store_tile_sums<kTilesN, kGrouped>(a, rows, tiles_per_block, split, rb, acc, red);
   }  // row passes
 }
 

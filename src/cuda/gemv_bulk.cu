@@ -53,60 +53,51 @@ __global__ void __launch_bounds__(kThreads, kTilesN <= 2 ? 2 : 1) gemv_bulk_kern
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int split = a.split, tiles_per_block = kGemvWarps / split;
-  const int tile = warp / split, part = warp % split;
-  const int row0 = (blockIdx.x * tiles_per_block + tile) * 16;
-  const int rows_valid = min(16, a.n - row0);  // <= 0 for a tile past n
-  const bool ok_lo = g < rows_valid, ok_hi = g + 8 < rows_valid;
+  const WarpTile wt = warp_tile(a, a.k / kStageK);
+  const int s_begin = wt.s_begin, my_stages = wt.stages;
+  const bool ok_lo = g < wt.rows_valid, ok_hi = g + 8 < wt.rows_valid;
   const size_t row_bytes = kFp8 ? size_t(a.k) : size_t(a.k) / 2;
   const size_t scale_ld = kFp8 ? size_t(a.k + 127) / 128 : size_t(a.k) / (F == Fmt::NVFP4 ? 16 : 32);
-  const int n_stages = a.k / kStageK;
-  const int s_begin = part * n_stages / split;  // this warp's stages of the tile's rows: [s_begin, s_end)
-  const int my_stages = rows_valid > 0 ? (part + 1) * n_stages / split - s_begin : 0;
 
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem + kRingBytes) + warp * kStages;
 
   BlockRows rows;
   if (!block_rows<kGrouped>(a, rows)) return;  // an empty slot: the whole block, before any barrier
-  const uint8_t* w_base = rows.w;
-  const uint8_t* w_scale = rows.w_scale;
-  const __nv_bfloat16* x = rows.x;
-  const float y_factor = rows.y_factor;
-  const int m_rows = rows.m_rows, order0 = rows.order0, w_row0 = rows.w_row0;
-  const int64_t y_offset = rows.y_offset;
-  const uint8_t* w_tile = w_base + size_t(w_row0 + row0) * row_bytes;
+  const int tile_row = rows.w_row0 + wt.row0;  // the tile's first row in the weight matrix
+  const uint8_t* w_tile = rows.w + size_t(tile_row) * row_bytes;
   // FP4: the tile's first scale row; FP8: the scale row of its 128-row block (a tile lies in one: w_row0 % 16 == 0).
-  const uint8_t* s_tile = w_scale + (kFp8 ? size_t((w_row0 + row0) / 128) * scale_ld * (F == Fmt::FP8_F32 ? 4 : 1)
-                                          : size_t(w_row0 + row0) * scale_ld);
+  const uint8_t* s_tile = rows.w_scale + (kFp8 ? size_t(tile_row / 128) * scale_ld * (F == Fmt::FP8_F32 ? 4 : 1)
+                                               : size_t(tile_row) * scale_ld);
   // FP8: the raw scale (e8m0 byte or f32 bits) of 128-block kb of the tile's k.
   auto fp8_scale = [&](int kb) -> uint32_t {
     if constexpr (F == Fmt::FP8_E8M0) return __ldg(s_tile + kb);
     else return __ldg(reinterpret_cast<const uint32_t*>(s_tile) + kb);
   };
 
-  const Ring ring{smem + warp * Ring::kBytes, bars, w_tile, s_tile, row_bytes, scale_ld, rows_valid, s_begin,
+  const Ring ring{smem + warp * Ring::kBytes, bars, w_tile, s_tile, row_bytes, scale_ld, wt.rows_valid, s_begin,
                   kScaleBytes};
   ring.init(lane);
-  auto issue = [&](int i, int q) { ring.issue(i, q, lane); };
 
   int q0 = 0;  // stages this warp has consumed in earlier row passes
   if constexpr (!kGrouped) {
-    for (int i = 0; i < min(kStages, my_stages); ++i) issue(i, i);
+    ring.start(0, my_stages, lane);
     gpu::dependent_wait();  // x and y belong to the step
   }
 
-  for (int rb = 0; rb < m_rows; rb += kTilesN * 8) {
+  for (int rb = 0; rb < rows.m_rows; rb += kTilesN * 8) {
     if (rb > 0) {
       __syncthreads();  // the previous pass's reads of the split-k sums (which reuse the ring) are done
-      for (int i = 0; i < min(kStages, my_stages); ++i) issue(i, q0 + i);
+      ring.start(q0, my_stages, lane);
     } else if constexpr (kGrouped) {
-      for (int i = 0; i < min(kStages, my_stages); ++i) issue(i, i);
+      ring.start(0, my_stages, lane);
     }
     const __nv_bfloat16* x_row[kTilesN];  // this thread's batch row of each n-tile, nullptr past the slot's rows
 #pragma unroll
     for (int j = 0; j < kTilesN; ++j) {
       const int row = rb + j * 8 + g;
-      x_row[j] = row < m_rows ? x + size_t(kGrouped ? a.row_order[order0 + row] / a.x_row_div : row) * a.k : nullptr;
+      x_row[j] = row < rows.m_rows
+                     ? rows.x + size_t(kGrouped ? a.row_order[rows.order0 + row] / a.x_row_div : row) * a.k
+                     : nullptr;
     }
     float acc[kTilesN][4];
 #pragma unroll
@@ -150,13 +141,12 @@ __global__ void __launch_bounds__(kThreads, kTilesN <= 2 ? 2 : 1) gemv_bulk_kern
         mma_chunk<F, kTilesN>(acc, w_lo_bf, w_hi_bf, x_row, kk, true, sc_lo);
       }
       __syncwarp();  // every lane's reads of this slot are done before it is refilled
-      if (i + kStages < my_stages) issue(i + kStages, q + kStages);
+      if (i + kStages < my_stages) ring.issue(i + kStages, q + kStages, lane);
     }
     q0 += my_stages;
 
     __syncthreads();  // every warp has left its ring (no copy in flight) before the sums reuse it
-    store_tile_sums<kTilesN, kGrouped>(a, {tiles_per_block, split, m_rows, rb, order0, y_factor, y_offset}, acc,
-                                       reinterpret_cast<float*>(smem));
+    store_tile_sums<kTilesN, kGrouped>(a, rows, wt.tiles_per_block, a.split, rb, acc, reinterpret_cast<float*>(smem));
   }
 }
 
@@ -175,6 +165,11 @@ cudaError_t launch_fmt(const KernelArgs& a, dim3 grid, cudaStream_t stream) {
   if (a.m <= 16) return go(gemv_bulk_kernel<F, 2, kGrouped>);
   if (a.m <= 32) return go(gemv_bulk_kernel<F, 4, kGrouped>);
   return go(gemv_bulk_kernel<F, 8, kGrouped>);
+}
+
+template <Fmt F>
+cudaError_t launch_any(const KernelArgs& a, dim3 grid, cudaStream_t stream, bool grouped) {
+  return grouped ? launch_fmt<F, true>(a, grid, stream) : launch_fmt<F, false>(a, grid, stream);
 }
 
 }  // namespace
@@ -196,15 +191,11 @@ bool gemv_bulk_grouped_supported(const GemvGroupedParams& g) {
 
 cudaError_t gemv_bulk_launch(const KernelArgs& a, const GemvParams& p, dim3 grid, bool grouped) {
   switch (p.weight) {
-    case GemvWeight::MXFP4:
-      return grouped ? launch_fmt<Fmt::MXFP4, true>(a, grid, p.stream) : launch_fmt<Fmt::MXFP4, false>(a, grid, p.stream);
-    case GemvWeight::NVFP4:
-      return grouped ? launch_fmt<Fmt::NVFP4, true>(a, grid, p.stream) : launch_fmt<Fmt::NVFP4, false>(a, grid, p.stream);
+    case GemvWeight::MXFP4: return launch_any<Fmt::MXFP4>(a, grid, p.stream, grouped);
+    case GemvWeight::NVFP4: return launch_any<Fmt::NVFP4>(a, grid, p.stream, grouped);
     case GemvWeight::FP8_BLOCK:
-      if (p.fp8_scale == GemvScale::E8M0)
-        return grouped ? launch_fmt<Fmt::FP8_E8M0, true>(a, grid, p.stream)
-                       : launch_fmt<Fmt::FP8_E8M0, false>(a, grid, p.stream);
-      return grouped ? launch_fmt<Fmt::FP8_F32, true>(a, grid, p.stream) : launch_fmt<Fmt::FP8_F32, false>(a, grid, p.stream);
+      return p.fp8_scale == GemvScale::E8M0 ? launch_any<Fmt::FP8_E8M0>(a, grid, p.stream, grouped)
+                                            : launch_any<Fmt::FP8_F32>(a, grid, p.stream, grouped);
     case GemvWeight::BF16: break;
   }
   return cudaErrorInvalidValue;

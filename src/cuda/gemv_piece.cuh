@@ -12,6 +12,7 @@
 
 #include "cuda/dequant.cuh"
 #include "cuda/gemv_launch.h"
+#include "cuda/gemv_slot.cuh"
 
 namespace dsv4::detail {
 
@@ -96,22 +97,14 @@ __device__ __forceinline__ void mma_chunk(float acc[kTilesN][4], const uint32_t*
   }
 }
 
-// Where a block's sums go: the rows it covers and how its activation rows map to rows of y.
-struct TileOutput {
-  int tiles_per_block, split;  // 16-row tiles per block, warps per tile
-  int m_rows, rb;              // activation rows of the launch (grouped: of the slot), first row of this pass
-  int order0;                  // grouped: the slot's first entry of row_order
-  float y_factor;
-  int64_t y_offset;            // batched: this batch's offset into y
-};
-
-// The split-k sum: every warp's accumulators (acc[j] = mma C fragment of n-tile j) go through `red`
-// ([kGemvWarps][16][kTilesN * 8 + 1] floats, the +1 against bank conflicts in the read loop), the warps of a tile
-// are added in order, and each (row, batch row) is written once. Ends with the block past a __syncthreads; the
-// caller syncs again before `red` is reused.
+// The split-k sum of the pass starting at activation row rb of the block's rows: every warp's accumulators (acc[j]
+// = mma C fragment of n-tile j) go through `red` ([kGemvWarps][16][kTilesN * 8 + 1] floats, the +1 against bank
+// conflicts in the read loop), the `split` warps of each of the block's tiles_per_block tiles are added in order,
+// and each (row, batch row) is written once. Ends with the block past a __syncthreads; the caller syncs again
+// before `red` is reused.
 template <int kTilesN, bool kGrouped>
-__device__ __forceinline__ void store_tile_sums(const KernelArgs& a, const TileOutput& o, const float acc[kTilesN][4],
-                                                float* red) {
+__device__ __forceinline__ void store_tile_sums(const KernelArgs& a, const BlockRows& o, int tiles_per_block,
+                                                int split, int rb, const float acc[kTilesN][4], float* red) {
   constexpr int kCols = kTilesN * 8 + 1;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -124,19 +117,19 @@ __device__ __forceinline__ void store_tile_sums(const KernelArgs& a, const TileO
     cell(warp, g + 8, 8 * j + 2 * t + 1) = acc[j][3];
   }
   __syncthreads();
-  const int rows_in_block = o.tiles_per_block * 16;
+  const int rows_in_block = tiles_per_block * 16;
   const int n_block0 = blockIdx.x * rows_in_block;
-  const int pass_rows = min(kTilesN * 8, o.m_rows - o.rb);
+  const int pass_rows = min(kTilesN * 8, o.m_rows - rb);
   for (int idx = threadIdx.x; idx < rows_in_block * pass_rows; idx += blockDim.x) {
     const int r = idx % rows_in_block, m = idx / rows_in_block;
     const int n = n_block0 + r;
     if (n >= a.n) continue;
     const int tl = r / 16, rr = r % 16;
     float s = 0.0f;
-    for (int p = 0; p < o.split; ++p) s += cell(tl * o.split + p, rr, m);
+    for (int p = 0; p < split; ++p) s += cell(tl * split + p, rr, m);
     s *= o.y_factor;
     void* y = kGrouped && blockIdx.z == 1 ? a.y_second : a.y;
-    const int row = o.rb + m;
+    const int row = rb + m;
     const int64_t out = o.y_offset + int64_t(kGrouped ? a.row_order[o.order0 + row] : row) * a.ldy + n;
     if (a.out_bf16)
       static_cast<__nv_bfloat16*>(y)[out] = __float2bfloat16_rn(s);

@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include "cuda/bulk_copy.cuh"
+#include "cuda/gemv_launch.h"
 
 namespace dsv4::detail {
 
@@ -27,6 +28,24 @@ __device__ __forceinline__ int stage_row_at(int r) {
 }
 
 __device__ __forceinline__ uint4 lds128(const uint8_t* p) { return *reinterpret_cast<const uint4*>(p); }
+
+// The 16-row tile that this warp streams and its share of the tile's n_stages stages, organised like the register
+// kernel: a.split warps per tile, kGemvWarps / a.split tiles per block. A tile past n has rows_valid <= 0 and no
+// stages.
+struct WarpTile {
+  int tiles_per_block, row0, rows_valid;
+  int s_begin, stages;  // stages [s_begin, s_begin + stages) of every row of the tile
+};
+__device__ __forceinline__ WarpTile warp_tile(const KernelArgs& a, int n_stages) {
+  const int warp = threadIdx.x >> 5, split = a.split, part = warp % split;
+  WarpTile w;
+  w.tiles_per_block = kGemvWarps / split;
+  w.row0 = (blockIdx.x * w.tiles_per_block + warp / split) * 16;
+  w.rows_valid = min(16, a.n - w.row0);
+  w.s_begin = part * n_stages / split;
+  w.stages = w.rows_valid > 0 ? (part + 1) * n_stages / split - w.s_begin : 0;
+  return w;
+}
 
 // Stages s_begin, s_begin + 1, .. of the tile (stage s = weight bytes [256 s, 256 s + 256) of each row, scale bytes
 // [scale_bytes · s, ..) of each scale row). q counts every stage the warp has used (over all row passes), so slot
@@ -62,6 +81,10 @@ struct WarpRing {
     else if (scale_bytes > 0)
       bulk_copy(stage + kScalesAt + r * kScaleRowBytes, s_tile + size_t(r) * scale_ld + size_t(s) * scale_bytes,
                 uint32_t(scale_bytes), b);
+  }
+  // The first stages of a pass over the warp's `count` stages: up to kStages of them, the first being q0.
+  __device__ void start(int q0, int count, int lane) const {
+    for (int i = 0; i < count && i < kStages; ++i) issue(i, q0 + i, lane);
   }
   __device__ const uint8_t* wait(int q) const {
     wait_phase(bar + q % kStages, uint32_t(q / kStages) & 1u);

@@ -124,17 +124,12 @@ __global__ void __launch_bounds__(kThreads, kWeightTiles == 1 ? 2 : 1) gemv_tile
 
   BlockRows rows;
   if (!block_rows<kGrouped>(a, rows)) return;  // an empty slot: the whole block, before any barrier
-  const uint8_t* w_base = rows.w;
-  const uint8_t* w_scale = rows.w_scale;
-  const __nv_bfloat16* x = rows.x;
-  const float y_factor = rows.y_factor;
-  const int m_rows = rows.m_rows, order0 = rows.order0, w_row0 = rows.w_row0;
-  const int64_t y_offset = rows.y_offset;
-  auto pair_of = [&](int row) { return kGrouped ? a.row_order[order0 + row] : row; };
+  auto pair_of = [&](int row) { return kGrouped ? a.row_order[rows.order0 + row] : row; };
 
-  w_base += size_t(w_row0) * row_bytes;
-  if constexpr (F == Fmt::MXFP4) w_scale += size_t(w_row0) * (a.k / 32);
-  if constexpr (F == Fmt::NVFP4) w_scale += size_t(w_row0) * (a.k / 16);
+  const uint8_t* w_base = rows.w + size_t(rows.w_row0) * row_bytes;
+  const uint8_t* w_scale = rows.w_scale;
+  if constexpr (F == Fmt::MXFP4) w_scale += size_t(rows.w_row0) * (a.k / 32);
+  if constexpr (F == Fmt::NVFP4) w_scale += size_t(rows.w_row0) * (a.k / 16);
   const int n_chunks = (a.k + kChunkK - 1) / kChunkK;
   // This thread's weight rows in the block's tile: (warp·2 + wt)·16 + g (+ 8 for hi); its piece is bytes t·16.
   int local[kWeightTiles][2];
@@ -154,7 +149,7 @@ __global__ void __launch_bounds__(kThreads, kWeightTiles == 1 ? 2 : 1) gemv_tile
         const bool ok = c < n_chunks && kk < a.k && r < a.n;
         uint32_t v = 0;
         if constexpr (F == Fmt::FP8) {  // [ceil(n/128), ceil(k/128)] e8m0, one per 128 x 128 block
-          if (ok) v = __ldg(w_scale + size_t((w_row0 + r) / 128) * size_t((a.k + 127) / 128) + size_t(kk / 128));
+          if (ok) v = __ldg(w_scale + size_t((rows.w_row0 + r) / 128) * size_t((a.k + 127) / 128) + size_t(kk / 128));
         } else if constexpr (F == Fmt::MXFP4) {
           if (ok) v = __ldg(w_scale + size_t(r) * (a.k / 32) + kk / 32);
         } else if constexpr (F == Fmt::NVFP4) {
@@ -176,8 +171,8 @@ __global__ void __launch_bounds__(kThreads, kWeightTiles == 1 ? 2 : 1) gemv_tile
 
   if constexpr (!kGrouped) gpu::dependent_wait();  // x and y belong to the step
   // Activation rows tok0 .. tok0 + 63 (more rows than the grid's row tiles cover take further passes).
-  for (int tok0 = tok_first; tok0 < m_rows; tok0 += token_blocks * kBlockTokens) {
-  const int tokens = min(kBlockTokens, m_rows - tok0);
+  for (int tok0 = tok_first; tok0 < rows.m_rows; tok0 += token_blocks * kBlockTokens) {
+  const int tokens = min(kBlockTokens, rows.m_rows - tok0);
   // The activation rows this thread copies into every stage (fixed token and 16-byte unit per copy).
   const __nv_bfloat16* x_src[kXCopies];
   int x_dst[kXCopies], x_unit[kXCopies];
@@ -186,7 +181,8 @@ __global__ void __launch_bounds__(kThreads, kWeightTiles == 1 ? 2 : 1) gemv_tile
     const int idx = threadIdx.x + i * kThreads, tok = idx / kRowChunks, c = idx % kRowChunks;
     x_unit[i] = c;
     x_dst[i] = tok * kRowChunks + swizzle<F>(c, tok);
-    x_src[i] = tok < tokens ? x + size_t(kGrouped ? pair_of(tok0 + tok) / a.x_row_div : tok0 + tok) * a.k : nullptr;
+    x_src[i] =
+        tok < tokens ? rows.x + size_t(kGrouped ? pair_of(tok0 + tok) / a.x_row_div : tok0 + tok) * a.k : nullptr;
   }
   auto copy_stage = [&](int c) {
     if (c < n_chunks) {
@@ -195,7 +191,7 @@ __global__ void __launch_bounds__(kThreads, kWeightTiles == 1 ? 2 : 1) gemv_tile
       for (int i = 0; i < kXCopies; ++i) {
         const int kk = c * kChunkK + x_unit[i] * 8;
         const bool valid = x_src[i] && kk < a.k;
-        cp_async_16(xs + x_dst[i], valid ? x_src[i] + kk : x, valid);
+        cp_async_16(xs + x_dst[i], valid ? x_src[i] + kk : rows.x, valid);
       }
       uint4* ws = w_stage(c);
 #pragma unroll
@@ -272,12 +268,12 @@ __global__ void __launch_bounds__(kThreads, kWeightTiles == 1 ? 2 : 1) gemv_tile
     for (int j = 0; j < kTokenTiles; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e)
-        tile[(j * 8 + 2 * t + (e & 1)) * S::kOutStride + local[wt][e >> 1]] = acc[wt][j][e] * y_factor;
+        tile[(j * 8 + 2 * t + (e & 1)) * S::kOutStride + local[wt][e >> 1]] = acc[wt][j][e] * rows.y_factor;
   __syncthreads();
   void* y = kGrouped && blockIdx.z == 1 ? a.y_second : a.y;
   const int cols = min(kBlockRows, a.n - row_block0);
   for (int tok = warp; tok < tokens; tok += kWarps) {
-    const int64_t out_row = y_offset + int64_t(pair_of(tok0 + tok)) * a.ldy + row_block0;
+    const int64_t out_row = rows.y_offset + int64_t(pair_of(tok0 + tok)) * a.ldy + row_block0;
     for (int col = lane; col < cols; col += 32) {
       const float v = tile[tok * S::kOutStride + col];
       if (a.out_bf16)

@@ -300,29 +300,22 @@ __global__ void __launch_bounds__(kThreads, 2) gemv_w4a8_bulk_kernel(const Kerne
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int split = a.split, tiles_per_block = kGemvWarps / split;
-  const int tile = warp / split, part = warp % split;
-  const int row0 = (blockIdx.x * tiles_per_block + tile) * 16;
-  const int rows_valid = min(16, a.n - row0);  // <= 0 for a tile past n
-  const bool ok_lo = g < rows_valid, ok_hi = g + 8 < rows_valid;
-  const int n_chunks = a.k / kChunkK, n_stages = n_chunks / kStageChunks;
-  const int s_begin = part * n_stages / split;
-  const int my_stages = rows_valid > 0 ? (part + 1) * n_stages / split - s_begin : 0;
+  const int n_chunks = a.k / kChunkK;
+  const WarpTile wt = warp_tile(a, n_chunks / kStageChunks);
+  const int s_begin = wt.s_begin, my_stages = wt.stages;
+  const bool ok_lo = g < wt.rows_valid, ok_hi = g + 8 < wt.rows_valid;
   const size_t row_bytes = size_t(a.k) / 2, scale_ld = size_t(a.k) / (kNv ? 16 : 32);
 
   BlockRows rows;
   if (!block_rows<kGrouped>(a, rows)) return;  // an empty slot: the whole block, before any barrier
   const BulkRing ring{smem + warp * BulkRing::kBytes,
                       reinterpret_cast<uint64_t*>(smem + kBulkRingBytes) + warp * kBulkStages,
-                      rows.w + size_t(rows.w_row0 + row0) * row_bytes,
-                      rows.w_scale + size_t(rows.w_row0 + row0) * scale_ld,
-                      row_bytes, scale_ld, rows_valid, s_begin, kNv ? 32 : 16};
+                      rows.w + size_t(rows.w_row0 + wt.row0) * row_bytes,
+                      rows.w_scale + size_t(rows.w_row0 + wt.row0) * scale_ld,
+                      row_bytes, scale_ld, wt.rows_valid, s_begin, kNv ? 32 : 16};
   ring.init(lane);
-  auto prologue = [&](int q0) {
-    for (int i = 0; i < min(kBulkStages, my_stages); ++i) ring.issue(i, q0 + i, lane);
-  };
   if constexpr (!kGrouped) {
-    prologue(0);
+    ring.start(0, my_stages, lane);
     gpu::dependent_wait();  // x and y belong to the step
   }
 
@@ -330,9 +323,9 @@ __global__ void __launch_bounds__(kThreads, 2) gemv_w4a8_bulk_kernel(const Kerne
   for (int rb = 0; rb < rows.m_rows; ++rb) {  // one row per plain call; a grouped slot may hold several
     if (rb > 0) {
       __syncthreads();  // the previous row's reads of xq, xs and red are done
-      prologue(q0);
+      ring.start(q0, my_stages, lane);
     } else if constexpr (kGrouped) {
-      prologue(0);
+      ring.start(0, my_stages, lane);
     }
     const int x_row = kGrouped ? a.row_order[rows.order0 + rb] / a.x_row_div : rb;
     quantise_row(a.x + size_t(x_row) * a.k, a.k, n_chunks, xq, xs);
@@ -364,7 +357,7 @@ __global__ void __launch_bounds__(kThreads, 2) gemv_w4a8_bulk_kernel(const Kerne
       if (i + kBulkStages < my_stages) ring.issue(i + kBulkStages, q + kBulkStages, lane);
     }
     q0 += my_stages;
-    store_w4a8_row(a, red, acc_lo, acc_hi, tiles_per_block, split, rows.y_factor,
+    store_w4a8_row(a, red, acc_lo, acc_hi, wt.tiles_per_block, a.split, rows.y_factor,
                    kGrouped ? a.row_order[rows.order0 + rb] : rb, kGrouped && blockIdx.z == 1);
   }
 }
