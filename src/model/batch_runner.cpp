@@ -10,9 +10,17 @@
 
 namespace dsv4 {
 
+namespace {
+
+void check_draws(std::span<const int> seqs, std::span<const TokenDraw> draws) {
+  DSV4_CHECK(draws.size() == seqs.size(), "decode_draw: {} draws for {} sequences", draws.size(), seqs.size());
+}
+
+}  // namespace
+
 std::vector<int32_t> BatchRunner::decode_draw(std::span<const int> seqs, std::span<const int32_t> tokens,
                                               std::span<const TokenDraw> draws) {
-  DSV4_CHECK(draws.size() == seqs.size(), "decode_draw: {} draws for {} sequences", draws.size(), seqs.size());
+  check_draws(seqs, draws);
   return draw_rows(decode(seqs, tokens), draws);
 }
 
@@ -62,7 +70,7 @@ class LoopedBatchRunner final : public BatchRunner {
   std::vector<int32_t> decode_draw(std::span<const int> seqs, std::span<const int32_t> tokens,
                                    std::span<const TokenDraw> draws) override {
     check_decode_args(seqs, tokens, sequences());
-    DSV4_CHECK(draws.size() == seqs.size(), "decode_draw: {} draws for {} sequences", draws.size(), seqs.size());
+    check_draws(seqs, draws);
     std::vector<int32_t> ids;
     for (size_t i = 0; i < seqs.size(); ++i) ids.push_back(at(seqs[i]).forward_draw(tokens.subspan(i, 1), draws[i]));
     return ids;
@@ -130,7 +138,7 @@ class PackedBatchRunner final : public BatchRunner {
                                    std::span<const TokenDraw> draws) override {
     if (!b_.decode_first_draw) return BatchRunner::decode_draw(seqs, tokens, draws);
     check_decode_args(seqs, tokens, slots_);
-    DSV4_CHECK(draws.size() == seqs.size(), "decode_draw: {} draws for {} sequences", draws.size(), seqs.size());
+    check_draws(seqs, draws);
     const std::vector<int32_t> by_place = place(seqs, tokens);
     std::vector<TokenDraw> draws_by_place(draws.size());
     for (size_t i = 0; i < seqs.size(); ++i) draws_by_place[size_t(place_[size_t(seqs[i])])] = draws[i];
