@@ -56,11 +56,6 @@ __device__ __forceinline__ void for_each_logit(const float* row, int n, F&& f) {
   }
 }
 
-__device__ __forceinline__ unsigned long long warp_sum_u64(unsigned long long v) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
-  return v;
-}
-
 template <class T>
 __device__ __forceinline__ T warp_exclusive_scan(T v, int lane) {
   T inclusive = v;
@@ -193,7 +188,7 @@ __global__ void __launch_bounds__(kThreads, 1) draw_tokens_kernel(DrawTokensPara
         if (shift == 24) {  // the whole cut is in this first histogram: its total sets the target
           unsigned long long total = 0;
           for (int j = 0; j < 8; ++j) total += s.mass[8 * lane + j];
-          total = warp_sum_u64(total);
+          total = detail::warp_sum(total);
           if (lane == 0) s.target = nucleus_target(d.top_p, total);
           __syncwarp();
         }
@@ -236,7 +231,7 @@ __global__ void __launch_bounds__(kThreads, 1) draw_tokens_kernel(DrawTokensPara
         else if (key == cut.tau) ++ties;
       }
     }
-    sum = warp_sum_u64(sum);
+    sum = detail::warp_sum(sum);
     ties = __reduce_add_sync(kFull, ties);
     if (lane == 0) s.seg_mass[warp] = sum, s.seg_ties[warp] = ties;
   }
@@ -245,7 +240,7 @@ __global__ void __launch_bounds__(kThreads, 1) draw_tokens_kernel(DrawTokensPara
     const uint32_t ties = s.seg_ties[lane], ties_before = warp_exclusive_scan(ties, lane);
     const uint32_t kept_ties = ties_before >= cut.ties ? 0 : min(cut.ties - ties_before, ties);
     const unsigned long long mass = s.seg_mass[lane] + (unsigned long long)kept_ties * tie_weight;
-    const unsigned long long before = warp_exclusive_scan(mass, lane), total = warp_sum_u64(mass);
+    const unsigned long long before = warp_exclusive_scan(mass, lane), total = detail::warp_sum(mass);
     const unsigned long long point = draw_point(d.u, total);
     const unsigned holds = __ballot_sync(kFull, before + mass > point);
     const int first = holds ? __ffs(int(holds)) - 1 : 0;
