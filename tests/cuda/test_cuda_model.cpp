@@ -878,6 +878,16 @@ TEST(CudaModel, FusedMhcMixMatchesSeparateMix) {
   check_fused_mhc("tiny-pro", kF32);
 }
 
+// A prompt of n token ids and `steps` more to feed one at a time, uniform over [2, V), from one generator.
+std::pair<std::vector<int32_t>, std::vector<int32_t>> random_prompt_and_fed(int V, int n, int steps, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int32_t> token(2, V - 1);
+  std::vector<int32_t> prompt(n), fed(steps);
+  for (int32_t& t : prompt) t = token(rng);
+  for (int32_t& t : fed) t = token(rng);
+  return {prompt, fed};
+}
+
 // A prefill of `prompt`, then graph-replayed decode of `fed` one token at a time on sequence 0, then the same
 // tokens at batch B (sequences 1.. copied from 0): every row's logits, and the batch-1 graph's kernel count.
 struct DecodeRun {
@@ -909,11 +919,7 @@ TEST(CudaModel, FusedRoutingChangesNoBits) {
     std::string source;
     const Model model = tiny_model(name, kDefault, &source);
     const int V = model.config().vocab_size, n = 40, steps = 8, B = 5;
-    std::mt19937 rng(23);
-    std::uniform_int_distribution<int32_t> token(2, V - 1);
-    std::vector<int32_t> prompt(n), fed(steps);
-    for (int32_t& t : prompt) t = token(rng);
-    for (int32_t& t : fed) t = token(rng);
+    const auto [prompt, fed] = random_prompt_and_fed(V, n, steps, 23);
     auto run = [&](bool fused) {
       CudaRunnerOptions options;
       options.fuse_moe_routing = fused;
@@ -942,11 +948,7 @@ TEST(CudaModel, BulkGemvMatchesRegisterGemv) {
   c.validate();
   const Model model(c, synthetic_weights(c, 3), Numerics{});
   const int V = c.vocab_size, n = 40, steps = 6, B = 5;
-  std::mt19937 rng(31);
-  std::uniform_int_distribution<int32_t> token(2, V - 1);
-  std::vector<int32_t> prompt(n), fed(steps);
-  for (int32_t& t : prompt) t = token(rng);
-  for (int32_t& t : fed) t = token(rng);
+  const auto [prompt, fed] = random_prompt_and_fed(V, n, steps, 31);
   for (const GemvWeight format : {GemvWeight::NVFP4, GemvWeight::MXFP4, GemvWeight::FP8_BLOCK}) {
     auto run = [&](bool bulk) {
       set_gemv_bulk(bulk);
@@ -984,11 +986,7 @@ TEST(CudaModel, OverlappedBranchesChangeNoBits) {
     std::string source;
     const Model model = tiny_model(name, kDefault, &source);
     const int V = model.config().vocab_size, n = 100, steps = 8, B = 5;
-    std::mt19937 rng(29);
-    std::uniform_int_distribution<int32_t> token(2, V - 1);
-    std::vector<int32_t> prompt(n), fed(steps);
-    for (int32_t& t : prompt) t = token(rng);
-    for (int32_t& t : fed) t = token(rng);
+    const auto [prompt, fed] = random_prompt_and_fed(V, n, steps, 29);
     std::vector<std::vector<float>> by_grouping;
     for (const bool grouped : {true, false})
       for (const bool pdl : {true, false}) {
@@ -1035,11 +1033,7 @@ TEST(CudaModel, FusedQNormMatchesRowOp) {
     const ModelConfig& c = model.config();
     ASSERT_TRUE(gpu::attention_can_norm_q(c.head_dim, c.rope_dim)) << name;
     const int V = c.vocab_size, n = 100, steps = 8, B = 5;
-    std::mt19937 rng(37);
-    std::uniform_int_distribution<int32_t> token(2, V - 1);
-    std::vector<int32_t> prompt(n), fed(steps);
-    for (int32_t& t : prompt) t = token(rng);
-    for (int32_t& t : fed) t = token(rng);
+    const auto [prompt, fed] = random_prompt_and_fed(V, n, steps, 37);
     for (const int chunk : {64, 512}) {
       auto run = [&](bool fused) {
         CudaRunnerOptions options;
@@ -1076,11 +1070,7 @@ TEST(CudaModel, AllStagedSwitchesTogether) {
   c.validate();
   const Model model(c, synthetic_weights(c, 5), Numerics{});
   const int V = c.vocab_size, n = 40, steps = 6, B = 5;
-  std::mt19937 rng(41);
-  std::uniform_int_distribution<int32_t> token(2, V - 1);
-  std::vector<int32_t> prompt(n), fed(steps);
-  for (int32_t& t : prompt) t = token(rng);
-  for (int32_t& t : fed) t = token(rng);
+  const auto [prompt, fed] = random_prompt_and_fed(V, n, steps, 41);
   auto options = [&](bool staged) {
     CudaRunnerOptions o;
     o.synthetic_format = GemvWeight::NVFP4;
