@@ -185,6 +185,7 @@ class CudaRunner final : public SequenceRunner {
     int64_t kernels = 0;
   };
   void check_tokens(std::span<const int32_t> tokens) const;
+  void check_draw(const TokenDraw& d, const char* what) const;  // its vocab is within the model's
   // The selected sequence consumes tokens in chunks; rows: the logits wanted (All, or Last of the last chunk), or
   // with `drawn` the last row's token drawn by host_draws_[0] into host_drawn_[0].
   std::vector<float> run_sequence(std::span<const int32_t> tokens, Rows rows, bool drawn);
@@ -809,6 +810,10 @@ void CudaRunner::copy_sequence(int from, int to) {
   seqs_[to].n_tokens = seqs_[from].n_tokens;
 }
 
+void CudaRunner::check_draw(const TokenDraw& d, const char* what) const {
+  DSV4_CHECK(d.vocab >= 0 && d.vocab <= c_.vocab_size, "{}: vocab {} outside [0, {}]", what, d.vocab, c_.vocab_size);
+}
+
 void CudaRunner::check_tokens(std::span<const int32_t> tokens) const {
   const SequenceDevice& seq = seqs_[current_seq_];
   DSV4_CHECK(!tokens.empty(), "forward: no tokens");
@@ -825,8 +830,7 @@ std::vector<float> CudaRunner::forward(std::span<const int32_t> tokens, bool las
 
 int32_t CudaRunner::forward_draw(std::span<const int32_t> tokens, const TokenDraw& draw) {
   if (!options_.draw_on_device) return SequenceRunner::forward_draw(tokens, draw);
-  DSV4_CHECK(draw.vocab >= 0 && draw.vocab <= c_.vocab_size, "forward_draw: vocab {} outside [0, {}]", draw.vocab,
-             c_.vocab_size);
+  check_draw(draw, "forward_draw");
   host_draws_[0] = draw;  // free: the last drawn chunk waited for its ids
   run_sequence(tokens, Rows::Last, true);
   return host_drawn_[0];
@@ -854,9 +858,7 @@ std::vector<float> CudaRunner::decode_batch(std::span<const int32_t> tokens) { r
 
 std::vector<int32_t> CudaRunner::decode_batch_draw(std::span<const int32_t> tokens, std::span<const TokenDraw> draws) {
   DSV4_CHECK(draws.size() == tokens.size(), "decode_batch_draw: {} draws for {} tokens", draws.size(), tokens.size());
-  for (const TokenDraw& d : draws)
-    DSV4_CHECK(d.vocab >= 0 && d.vocab <= c_.vocab_size, "decode_batch_draw: vocab {} outside [0, {}]", d.vocab,
-               c_.vocab_size);
+  for (const TokenDraw& d : draws) check_draw(d, "decode_batch_draw");
   if (!options_.draw_on_device) return draw_rows(decode_rows(tokens, {}), draws);  // logits back, host draws
   decode_rows(tokens, draws);
   return std::vector<int32_t>(host_drawn_, host_drawn_ + tokens.size());
