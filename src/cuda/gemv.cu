@@ -206,11 +206,8 @@ cudaError_t launch_route_and_slots(const gpu::RouterParams& r, const MoeSlotsPar
 }  // namespace
 
 cudaError_t moe_route_and_slots_launch(const gpu::RouterParams& r, const MoeSlotsParams& p) {
-  // Experts per lane rounded up to a register-array size, as gpu::router picks them.
-  if (r.experts <= 128) return launch_route_and_slots<4>(r, p);
-  if (r.experts <= 256) return launch_route_and_slots<8>(r, p);
-  if (r.experts <= 384) return launch_route_and_slots<12>(r, p);
-  return launch_route_and_slots<16>(r, p);  // <= 512 (the launcher's check)
+  // As gpu::router picks them, up to 16 (<= 512 experts, the launcher's check: 32 per lane would spill here).
+  return with_experts_per_lane<16>(r.experts, [&](auto per_lane) { return launch_route_and_slots<per_lane>(r, p); });
 }
 
 cudaError_t gemv_launch(const GemvParams& p, int split_k) {

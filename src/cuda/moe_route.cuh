@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/gemv.h"
 #include "cuda/ops.h"
@@ -13,6 +14,19 @@
 #include "formats/float_key.h"
 
 namespace dsv4::detail {
+
+// The router's experts per lane, rounded up to a register-array size (V4: 256 -> 8, 384 -> 12): returns
+// f(std::integral_constant<int, K>{}). Sizes above kMaxPerLane are not instantiated (experts must not need them).
+template <int kMaxPerLane, class F>
+decltype(auto) with_experts_per_lane(int experts, F&& f) {
+  if (experts <= 128) return f(std::integral_constant<int, 4>{});
+  if (experts <= 256) return f(std::integral_constant<int, 8>{});
+  if (experts <= 384) return f(std::integral_constant<int, 12>{});
+  if constexpr (kMaxPerLane > 16) {
+    if (experts > 512) return f(std::integral_constant<int, 32>{});
+  }
+  return f(std::integral_constant<int, 16>{});
+}
 
 // One warp per token. Lane l owns experts l + 32·i (i < kPerLane): s in shared memory (the weights' source), the
 // selection keys of s + bias in registers. Each pick is a warp argmax: the lane's best (strictly greater, so the

@@ -470,12 +470,8 @@ void router(const RouterParams& p, cudaStream_t stream) {
             p.k, kMaxTopK, p.experts);
   OPS_CHECK(p.experts <= 1024, "router: %d experts exceed 1024", p.experts);
   const size_t smem = p.experts * sizeof(float);
-  // Experts per lane rounded up to a register-array size (V4: 256 -> 8, 384 -> 12).
-  if (p.experts <= 128) gpu::launch(router_kernel<4>, p.n, 32, smem, stream, p);
-  else if (p.experts <= 256) gpu::launch(router_kernel<8>, p.n, 32, smem, stream, p);
-  else if (p.experts <= 384) gpu::launch(router_kernel<12>, p.n, 32, smem, stream, p);
-  else if (p.experts <= 512) gpu::launch(router_kernel<16>, p.n, 32, smem, stream, p);
-  else gpu::launch(router_kernel<32>, p.n, 32, smem, stream, p);
+  ::dsv4::detail::with_experts_per_lane<32>(
+      p.experts, [&](auto per_lane) { gpu::launch(router_kernel<per_lane>, p.n, 32, smem, stream, p); });
   DSV4_CUDA_LAUNCHED();
 }
 
