@@ -216,8 +216,6 @@ int main(int argc, char** argv) {
           p.m = m, p.n = sh.n, p.k = sh.k, p.x = x.data(), p.y = y.data();
           p.weight = f.w, p.fp8_scale = f.s, p.w_scale_2 = 0.5f, p.out = GemvOut::BF16, p.act = act;
           const int auto_split = gemv_default_split_k(p, info.sm_count);
-          double t_auto = 0, t_best = 1e30;
-          int best_split = 0;
           auto time_split = [&](int split) {
             return time_steps(
                 [&](cudaStream_t s, int step) {
@@ -232,26 +230,31 @@ int main(int argc, char** argv) {
                 },
                 steps);
           };
-          for (int split : {1, 2, 4, 8}) {
-            const double t = time_split(split);
-            if (split == auto_split) t_auto = t;
-            if (t < t_best) t_best = t, best_split = split;
-          }
+          // Every split: the heuristic's time, the best time and its split.
+          struct Sweep {
+            double t_auto = 0, t_best = 1e30;
+            int best_split = 0;
+          };
+          auto sweep = [&] {
+            Sweep w;
+            for (int split : {1, 2, 4, 8}) {
+              const double t = time_split(split);
+              if (split == auto_split) w.t_auto = t;
+              if (t < w.t_best) w.t_best = t, w.best_split = split;
+            }
+            return w;
+          };
+          const auto [t_auto, t_best, best_split] = sweep();
           std::string bulk_note;
           GemvParams probe = p;
           probe.w = sets.data(), probe.w_scale = sb ? sets.as<char>() + round_up(wb, 256) : nullptr;
           set_gemv_bulk(true);
           if (detail::gemv_bulk_supported(probe) || detail::gemv_w4a8_bulk_supported(probe)) {
-            double tb_auto = 0, tb_best = 1e30;
-            int tb_split = 0;
-            for (int split : {1, 2, 4, 8}) {
-              const double t = time_split(split);
-              if (split == auto_split) tb_auto = t;
-              if (t < tb_best) tb_best = t, tb_split = split;
-            }
+            const Sweep b = sweep();
             char buf[160];
-            std::snprintf(buf, sizeof buf, "  bulk %.2f us %.3f, best %d (%.3f)", tb_auto * 1e6,
-                          double(step_bytes) / tb_auto / copy_bw, tb_split, double(step_bytes) / tb_best / copy_bw);
+            std::snprintf(buf, sizeof buf, "  bulk %.2f us %.3f, best %d (%.3f)", b.t_auto * 1e6,
+                          double(step_bytes) / b.t_auto / copy_bw, b.best_split,
+                          double(step_bytes) / b.t_best / copy_bw);
             bulk_note = buf;
           }
           set_gemv_bulk(false);
