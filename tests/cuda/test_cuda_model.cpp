@@ -878,6 +878,16 @@ TEST(CudaModel, FusedMhcMixMatchesSeparateMix) {
   check_fused_mhc("tiny-pro", kF32);
 }
 
+// The small synthetic structure with every linear's k a multiple of 512 (hidden, q_lora, o_lora, moe_inter 512; one
+// o group; indexer heads of 128), so that the copy-engine GEMV kernels take every fp4 / fp8 linear.
+ModelConfig k512_synthetic_config() {
+  ModelConfig c = small_synthetic_config();
+  c.hidden_size = 512, c.q_lora_rank = 512, c.o_groups = 1, c.o_lora_rank = 512, c.moe_inter = 512;
+  c.index_head_dim = 128;
+  c.validate();
+  return c;
+}
+
 // A prompt of n token ids and `steps` more to feed one at a time, uniform over [2, V), from one generator.
 std::pair<std::vector<int32_t>, std::vector<int32_t>> random_prompt_and_fed(int V, int n, int steps, uint32_t seed) {
   std::mt19937 rng(seed);
@@ -936,16 +946,13 @@ TEST(CudaModel, FusedRoutingChangesNoBits) {
   }
 }
 
-// set_gemv_bulk: the fp4 / fp8 linears of a model whose every k is a multiple of 512 (the small synthetic structure
-// at hidden 512, synthetic NVFP4 / MXFP4 / FP8 block weights) run the copy-engine kernel in prefill chunks of up to 64 rows and in
+// set_gemv_bulk: the fp4 / fp8 linears of a model whose every k is a multiple of 512 (k512_synthetic_config, synthetic
+// NVFP4 / MXFP4 / FP8 block weights) run the copy-engine kernel in prefill chunks of up to 64 rows and in
 // graph-replayed decode at batch 1 and 5 (its first copies are issued before griddepcontrol.wait). The logits must
 // match the register kernel's to fp32 rounding (only the split-k partition differs), with the same kernel count.
 TEST(CudaModel, BulkGemvMatchesRegisterGemv) {
   DSV4_REQUIRE_CUDA();
-  ModelConfig c = small_synthetic_config();
-  c.hidden_size = 512, c.q_lora_rank = 512, c.o_groups = 1, c.o_lora_rank = 512, c.moe_inter = 512;
-  c.index_head_dim = 128;
-  c.validate();
+  const ModelConfig c = k512_synthetic_config();
   const Model model(c, synthetic_weights(c, 3), Numerics{});
   const int V = c.vocab_size, n = 40, steps = 6, B = 5;
   const auto [prompt, fed] = random_prompt_and_fed(V, n, steps, 31);
@@ -1064,10 +1071,7 @@ TEST(CudaModel, FusedQNormMatchesRowOp) {
 // (split-k orders differ), and the same tokens drawn for the same draws as the host draws them from those logits.
 TEST(CudaModel, AllStagedSwitchesTogether) {
   DSV4_REQUIRE_CUDA();
-  ModelConfig c = small_synthetic_config();
-  c.hidden_size = 512, c.q_lora_rank = 512, c.o_groups = 1, c.o_lora_rank = 512, c.moe_inter = 512;
-  c.index_head_dim = 128;
-  c.validate();
+  const ModelConfig c = k512_synthetic_config();
   const Model model(c, synthetic_weights(c, 5), Numerics{});
   const int V = c.vocab_size, n = 40, steps = 6, B = 5;
   const auto [prompt, fed] = random_prompt_and_fed(V, n, steps, 41);
