@@ -203,10 +203,12 @@ void advance_compressor(CompressorState& st, const CompressorWeights& w, const f
   std::vector<float> u(size_t(n) * width), g(size_t(n) * width);
   gemm_nt(x, w.wkv.data.data(), u.data(), n, width, D);
   gemm_nt(x, w.wgate.data.data(), g.data(), n, width, D);
-  std::vector<float> weights(2 * r);
+  st.undo.clear();
   for (int t = 0; t < n; ++t) {
     const int64_t p = pos0 + t;
     const int i = int(p % r), row = st.overlap ? r + i : i;
+    const bool undoable = t >= n - kMaxRollback;
+    if (undoable) st.remember(p, row, 1);
     for (int j = 0; j < width; ++j) {
       st.kv[size_t(row) * width + j] = u[size_t(t) * width + j];
       st.score[size_t(row) * width + j] = g[size_t(t) * width + j] + w.ape.row(i)[j];
@@ -232,6 +234,7 @@ void advance_compressor(CompressorState& st, const CompressorWeights& w, const f
     finish(entry, b);
     n_entries = b + 1;
     if (st.overlap) {
+      if (undoable) st.remember(p, 0, r);
       std::copy(st.kv.begin() + size_t(r) * width, st.kv.end(), st.kv.begin());
       std::copy(st.score.begin() + size_t(r) * width, st.score.end(), st.score.begin());
     }
@@ -503,6 +506,7 @@ std::vector<float> Model::forward(SequenceState& state, std::span<const int32_t>
     hc_post(c, out.data(), post.data(), comb.data(), n, streams.data());
     trace("streams", l, streams.data(), n, hc * D);
   }
+  state.rollback_floor = std::max(state.n_tokens, state.n_tokens + n - kMaxRollback);
   state.n_tokens += n;
 
   // 5 final collapse, norm, head (only the rows asked for)

@@ -25,6 +25,13 @@ class SequenceRunner {
   // (the contract of formats/token_draw.h). The default draws on the host from forward()'s logits; a backend may
   // draw on the device and bring back only the id.
   virtual int32_t forward_draw(std::span<const int32_t> tokens, const TokenDraw& draw);
+  // Consumes tokens like forward(tokens, false) and returns one token per row: row i drawn by draws[i]
+  // (draws.size() == tokens.size()). Speculative decoding verifies its drafts with this.
+  virtual std::vector<int32_t> forward_draw_rows(std::span<const int32_t> tokens, std::span<const TokenDraw> draws);
+  // Forgets the tokens at positions >= n_tokens (speculative decoding's rejected drafts): they must be among the
+  // last forward call's final max_rollback() tokens. A backend that cannot roll back returns 0 and throws.
+  virtual int max_rollback() const { return 0; }
+  virtual void rollback(int64_t n_tokens);
   virtual int64_t n_tokens() const = 0;
   virtual int max_context() const = 0;
   virtual void reset() = 0;              // start a new sequence

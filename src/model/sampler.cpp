@@ -31,8 +31,19 @@ int32_t argmax(std::span<const float> logits) {
 
 TokenDraw Sampler::next_draw(int vocab) {
   TokenDraw d = without_u(vocab);
-  if (params_.temperature > 0.0f) d.u = double(rng_() >> 11) * 0x1.0p-53;  // 53 random bits: [0, 1)
+  if (params_.temperature <= 0.0f) return d;
+  if (!given_back_.empty()) {
+    d.u = given_back_.front();
+    given_back_.pop_front();
+  } else {
+    d.u = double(rng_() >> 11) * 0x1.0p-53;  // 53 random bits: [0, 1)
+  }
   return d;
+}
+
+void Sampler::give_back(std::span<const TokenDraw> unused) {
+  if (params_.temperature <= 0.0f) return;
+  for (auto d = unused.rbegin(); d != unused.rend(); ++d) given_back_.push_front(d->u);
 }
 
 TokenDraw Sampler::without_u(int vocab) const {

@@ -5,6 +5,7 @@
 // the same id the host would.
 #pragma once
 #include <cstdint>
+#include <deque>
 #include <random>
 #include <span>
 #include <vector>
@@ -28,6 +29,10 @@ class Sampler {
   // The next draw among ids [0, vocab): the parameters and a fresh uniform (none for greedy), consuming the
   // randomness one sample() would.
   TokenDraw next_draw(int vocab);
+  // Draws taken by next_draw but not used (speculative decoding draws a row per draft and uses those up to the
+  // first rejection): their uniforms come back, in order, from the following next_draw calls, so a seed gives
+  // the same tokens with and without speculation.
+  void give_back(std::span<const TokenDraw> unused);
   // The token the contract gives for `logits` (a row of at least d.vocab values) and `d`.
   int32_t draw(std::span<const float> logits, const TokenDraw& d);
   // The ids a draw from these logits can come from, in id order: the cut (every id without one), the argmax when
@@ -45,6 +50,7 @@ class Sampler {
 
   SamplingParams params_;
   std::mt19937_64 rng_;
+  std::deque<double> given_back_;  // uniforms of unused draws, next_draw's before the generator's
   std::vector<int> order_;         // scratch: ids, a sorted prefix first
   std::vector<uint64_t> weight_;   // scratch: ids' weights
   std::vector<float> value_;       // scratch: the same as floats (the vectorised loop)

@@ -17,6 +17,18 @@ int32_t SequenceRunner::forward_draw(std::span<const int32_t> tokens, const Toke
   return draw_token(logits, draw);
 }
 
+std::vector<int32_t> SequenceRunner::forward_draw_rows(std::span<const int32_t> tokens,
+                                                      std::span<const TokenDraw> draws) {
+  DSV4_CHECK(draws.size() == tokens.size(), "forward_draw_rows: {} draws for {} tokens", draws.size(),
+             tokens.size());
+  const std::vector<float> logits = forward(tokens, false);
+  return draw_rows(logits, draws);
+}
+
+void SequenceRunner::rollback(int64_t n_tokens) {
+  throw Error(fmt::format("this backend cannot roll back a sequence (asked to go back to {} tokens)", n_tokens));
+}
+
 namespace {
 
 class CpuRunner final : public SequenceRunner {
@@ -28,6 +40,8 @@ class CpuRunner final : public SequenceRunner {
   }
   int64_t n_tokens() const override { return state_.n_tokens; }
   int max_context() const override { return state_.max_context; }
+  int max_rollback() const override { return kMaxRollback; }
+  void rollback(int64_t n_tokens) override { state_.rollback(n_tokens); }
   void reset() override { state_.reset(); }
   size_t state_bytes() const override { return state_.bytes(); }
 
@@ -50,13 +64,23 @@ GenerateResult Session::generate(std::span<const int32_t> prompt, const Generate
   DSV4_CHECK(runner_.n_tokens() + int64_t(prompt.size()) <= runner_.max_context(),
              "the prompt ({} tokens, {} already in the sequence) is longer than the context of {} tokens "
              "(--max-context)", prompt.size(), runner_.n_tokens(), runner_.max_context());
+  const SpeculateOptions& spec = options.speculate;
+  DSV4_CHECK(spec.method == DraftMethod::None || spec.max_draft >= 1, "draft tokens must be >= 1, got {}",
+             spec.max_draft);
+  int max_draft = 0;
+  if (spec.method != DraftMethod::None) {
+    max_draft = std::min(spec.max_draft, runner_.max_rollback());
+    if (max_draft == 0) spdlog::warn("speculative decoding is off: this backend cannot roll back rejected drafts");
+    else if (max_draft < spec.max_draft) spdlog::warn("drafts limited to {} tokens by the backend", max_draft);
+  }
+  if (runner_.n_tokens() != int64_t(history_.size())) history_.clear();  // the runner was used without this session
   GenerateResult result;
   Sampler sampler(options.sampling);
   const auto& eos = runner_.config().eos_token_ids;
 
   auto keep = [&](std::span<const float> rows, int n_rows) {
     if (!options.keep_logits) return;
-    result.logits.insert(result.logits.end(), rows.begin(), rows.end());
+    result.logits.insert(result.logits.end(), rows.begin(), rows.begin() + size_t(n_rows) * V);
     result.logit_rows += n_rows;
   };
   // Without kept logits the runner draws each token itself (a backend may do it on the device and bring back only
@@ -70,27 +94,62 @@ GenerateResult Session::generate(std::span<const int32_t> prompt, const Generate
   } else {
     logits = runner_.forward(prompt, !options.keep_logits);
     keep(logits, int(logits.size() / V));
+    if (options.max_new_tokens > 0) next = sampler.sample(std::span<const float>(logits.data() + logits.size() - V, V));
   }
+  history_.insert(history_.end(), prompt.begin(), prompt.end());
   result.prefill_seconds = std::chrono::duration<double>(Clock::now() - t0).count();
 
+  // Each step feeds `next` (chosen, not yet fed) and its drafts, then emits the drawn tokens up to the first one
+  // that differs from the draft fed after it; that one becomes `next` and the drafts after it are rolled back.
+  auto emit = [&](int32_t id) {  // false once generation ends
+    result.output_ids.push_back(id);
+    if (options.on_token) options.on_token(id);
+    const bool is_eos = std::find(eos.begin(), eos.end(), id) != eos.end();
+    return int(result.output_ids.size()) < options.max_new_tokens && !(options.stop_at_eos && is_eos);
+  };
   auto t1 = Clock::now();
-  for (int i = 0; i < options.max_new_tokens; ++i) {
-    if (!runner_draws) next = sampler.sample(std::span<const float>(logits.data() + logits.size() - V, V));
-    result.output_ids.push_back(next);
-    if (options.on_token) options.on_token(next);
-    const bool is_eos = std::find(eos.begin(), eos.end(), next) != eos.end();
-    if (i + 1 == options.max_new_tokens || (options.stop_at_eos && is_eos)) break;
+  bool more = options.max_new_tokens > 0 && emit(next);
+  std::vector<int32_t> fed, ids;
+  std::vector<TokenDraw> draws;
+  while (more) {
     if (runner_.n_tokens() >= runner_.max_context()) {
-      spdlog::warn("context of {} tokens is full; stopping after {} new tokens", runner_.max_context(), i + 1);
+      spdlog::warn("context of {} tokens is full; stopping after {} new tokens", runner_.max_context(),
+                   result.output_ids.size());
       break;
     }
-    const int32_t fed = next;
-    if (runner_draws) {
-      next = runner_.forward_draw(std::span<const int32_t>(&fed, 1), sampler.next_draw(V));
-    } else {
-      logits = runner_.forward(std::span<const int32_t>(&fed, 1), true);
-      keep(logits, 1);
+    fed.assign(1, next);
+    if (max_draft > 0) {
+      const int64_t room = runner_.max_context() - runner_.n_tokens() - 1;
+      const int wanted = options.max_new_tokens - int(result.output_ids.size()) - 1;  // the last comes undrafted
+      history_.push_back(next);
+      const std::vector<int32_t> drafts =
+          ngram_draft(history_, int(std::min<int64_t>({max_draft, wanted, room})), spec.ngram_min, spec.ngram_max);
+      history_.pop_back();
+      fed.insert(fed.end(), drafts.begin(), drafts.end());
     }
+    draws.clear();
+    for (size_t i = 0; i < fed.size(); ++i) draws.push_back(sampler.next_draw(V));
+    if (runner_draws) {
+      ids = fed.size() == 1 ? std::vector<int32_t>{runner_.forward_draw(fed, draws[0])}
+                            : runner_.forward_draw_rows(fed, draws);
+    } else {
+      logits = runner_.forward(fed, false);
+      ids.clear();
+      for (size_t i = 0; i < fed.size(); ++i) ids.push_back(sampler.draw({logits.data() + i * V, size_t(V)}, draws[i]));
+    }
+    size_t used = 0;  // rows whose token is emitted = fed tokens that stay
+    while (used < ids.size()) {
+      more = emit(ids[used]);
+      ++used;
+      if (!more || used == fed.size() || ids[used - 1] != fed[used]) break;
+    }
+    if (!runner_draws) keep(logits, int(used));
+    sampler.give_back(std::span<const TokenDraw>(draws).subspan(used));
+    if (used < fed.size()) runner_.rollback(runner_.n_tokens() - int64_t(fed.size() - used));
+    history_.insert(history_.end(), fed.begin(), fed.begin() + used);
+    next = ids[used - 1];
+    result.drafted += int(fed.size()) - 1;
+    result.accepted += int(used) - 1;
     ++result.decode_steps;
   }
   result.decode_seconds = std::chrono::duration<double>(Clock::now() - t1).count();

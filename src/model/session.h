@@ -10,6 +10,7 @@
 #include "model/model.h"
 #include "model/runner.h"
 #include "model/sampler.h"
+#include "model/speculate.h"
 
 namespace dsv4 {
 
@@ -18,6 +19,7 @@ struct GenerateOptions {
   bool stop_at_eos = true;
   bool keep_logits = false;  // collect the next-token logits of every consumed position
   SamplingParams sampling;
+  SpeculateOptions speculate;  // drafts verified in one forward (same tokens as without; model/speculate.h)
   std::function<void(int32_t)> on_token;  // called as each token is chosen (streaming)
 };
 
@@ -26,7 +28,8 @@ struct GenerateResult {
   std::vector<float> logits;  // [rows, vocab] when keep_logits: row i = logits after the i-th consumed token
   int logit_rows = 0;
   double prefill_seconds = 0, decode_seconds = 0;
-  int decode_steps = 0;
+  int decode_steps = 0;         // decode forwards
+  int drafted = 0, accepted = 0;  // speculative decoding: drafts verified, drafts kept
 };
 
 class Session {
@@ -37,11 +40,15 @@ class Session {
   // fed back, so the next call must pass it at the start of its prompt if the conversation continues.
   GenerateResult generate(std::span<const int32_t> prompt, const GenerateOptions& options);
 
-  void reset() { runner_.reset(); }
+  void reset() {
+    runner_.reset();
+    history_.clear();
+  }
   const SequenceRunner& runner() const { return runner_; }
 
  private:
   SequenceRunner& runner_;
+  std::vector<int32_t> history_;  // the tokens this session fed (n-gram drafts look them up)
 };
 
 }  // namespace dsv4

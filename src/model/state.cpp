@@ -11,6 +11,22 @@ namespace dsv4 {
 void CompressorState::reset() {
   std::fill(kv.begin(), kv.end(), 0.0f);
   std::fill(score.begin(), score.end(), -std::numeric_limits<float>::infinity());
+  undo.clear();
+}
+
+void CompressorState::remember(int64_t pos, int first_row, int n_rows) {
+  const auto begin = size_t(first_row) * width, end = begin + size_t(n_rows) * width;
+  undo.push_back({pos, first_row, n_rows, std::vector<float>(kv.begin() + begin, kv.begin() + end),
+                  std::vector<float>(score.begin() + begin, score.begin() + end)});
+}
+
+void CompressorState::undo_from(int64_t pos) {
+  while (!undo.empty() && undo.back().pos >= pos) {
+    const Overwritten& o = undo.back();
+    std::copy(o.kv.begin(), o.kv.end(), kv.begin() + size_t(o.first_row) * width);
+    std::copy(o.score.begin(), o.score.end(), score.begin() + size_t(o.first_row) * width);
+    undo.pop_back();
+  }
 }
 
 static CompressorState make_compressor(int ratio, int dim, bool overlap) {
@@ -30,7 +46,7 @@ SequenceState SequenceState::create(const ModelConfig& c, int max_context) {
   DSV4_CHECK(max_context > 0, "--max-context must be positive, got {}", max_context);
   SequenceState s;
   s.max_context = max_context;
-  s.window_slots = std::min(c.window, max_context);
+  s.window_slots = std::min(c.window + kMaxRollback, max_context);
   s.layers.resize(c.n_layers);
   for (int l = 0; l < c.n_layers; ++l) {
     LayerState& L = s.layers[l];
@@ -49,12 +65,29 @@ SequenceState SequenceState::create(const ModelConfig& c, int max_context) {
 
 void SequenceState::reset() {
   n_tokens = 0;
+  rollback_floor = 0;
   for (LayerState& L : layers) {
     L.n_compressed = 0;
     L.n_index_keys = 0;
     if (L.compressor) L.compressor->reset();
     if (L.index_compressor) L.index_compressor->reset();
   }
+}
+
+void SequenceState::rollback(int64_t n) {
+  DSV4_CHECK(n >= rollback_floor && n <= n_tokens,
+             "rollback to {} tokens: only the last forward's tokens can be forgotten ({} .. {})", n, rollback_floor,
+             n_tokens);
+  for (LayerState& L : layers) {
+    if (!L.compressor) continue;
+    L.compressor->undo_from(n);
+    L.n_compressed = int(n / L.compressor->ratio);  // entry b is complete once position b·r + r - 1 is consumed
+    if (L.index_compressor) {
+      L.index_compressor->undo_from(n);
+      L.n_index_keys = L.n_compressed;
+    }
+  }
+  n_tokens = n;
 }
 
 size_t SequenceState::bytes() const {

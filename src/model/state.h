@@ -11,6 +11,10 @@
 
 namespace dsv4 {
 
+// Speculative decoding verifies drafted tokens in one forward and then forgets the rejected ones
+// (SequenceState::rollback): at most this many of the last forward's tokens.
+constexpr int kMaxRollback = 16;
+
 // Partial block of one compressor: `rows` = c·r token rows of `width` = c·d_c channels (c = 2 if overlapped).
 // Overlapped: rows 0..r-1 hold the previous complete block (only its first d_c channels are read), rows
 // r..2r-1 the current block. Plain: rows 0..r-1 the current block.
@@ -19,6 +23,20 @@ struct CompressorState {
   bool overlap = false;
   std::vector<float> kv;     // [rows, width], 0 at sequence start
   std::vector<float> score;  // [rows, width] gate logits incl. ape, -inf at sequence start
+
+  // Rows as they were before position `pos` overwrote them (its own row, or the previous block's rows when it
+  // completed an overlapped block), for the last forward's final kMaxRollback positions: undone newest first,
+  // they give back the state before any of those positions. The window ring and the entries need no undo (the
+  // ring has kMaxRollback slots more than the window, so a forgotten position's slot held a key outside the window
+  // of every query still to come; entries past the kept count are never read).
+  struct Overwritten {
+    int64_t pos;
+    int first_row, n_rows;
+    std::vector<float> kv, score;
+  };
+  std::vector<Overwritten> undo;
+  void remember(int64_t pos, int first_row, int n_rows);  // call before the rows change
+  void undo_from(int64_t pos);                            // puts back what positions >= pos overwrote
   void reset();
 };
 
@@ -33,12 +51,17 @@ struct LayerState {
 
 struct SequenceState {
   int max_context = 0;
-  int window_slots = 0;
+  int window_slots = 0;  // the window + kMaxRollback (or max_context when smaller)
   int64_t n_tokens = 0;  // tokens consumed so far = position of the next token
   std::vector<LayerState> layers;
 
+  int64_t rollback_floor = 0;  // rollback() can go back to any position from here to n_tokens
+
   static SequenceState create(const ModelConfig& config, int max_context);
   void reset();          // start a new sequence (compressor scores back to -inf: spec 3.5)
+  // Forgets the tokens at positions >= n: only tokens of the last forward, at most kMaxRollback of them
+  // (rollback_floor <= n <= n_tokens). The state is then what a forward over the first n tokens left.
+  void rollback(int64_t n);
   size_t bytes() const;  // bytes held by the state
 };
 

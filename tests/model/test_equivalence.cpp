@@ -65,6 +65,66 @@ TEST(Equivalence, TinyProF32) {
   check_equivalence("tiny-pro", 120, {cpu::KvStorage::F32, cpu::IndexerStorage::F32}, 1e-4);
 }
 
+namespace {
+
+// Speculative decoding's verify-then-forget: each step feeds `kept` tokens of the sequence followed by `junk`
+// random ones (rejected drafts) and rolls the junk back. The kept rows must equal one prefill of the sequence:
+// junk that completed a compressor block, wrapped the window ring or shifted an overlapped compressor's halves
+// leaves no trace. 300 tokens cross both HCA blocks and 75 CSA blocks with junk on every kind of boundary.
+void check_rollback(const std::string& name, int length, Numerics numerics, double tol) {
+  const Model model = Model::load(model_dir(name), numerics);
+  std::mt19937 rng(11);
+  std::uniform_int_distribution<int32_t> token(0, model.config().vocab_size - 1);
+  std::vector<int32_t> ids(length);
+  for (auto& id : ids) id = token(rng);
+  const std::vector<float> full = run_chunked(model, ids, {length});
+
+  const std::vector<std::pair<int, int>> steps{{1, 4}, {2, 3}, {1, 1}, {3, 5}, {1, kMaxRollback}, {5, 2}, {1, 0}, {7, 6}};
+  SequenceState state = model.new_sequence(length + kMaxRollback);
+  std::vector<float> kept;
+  const int V = model.config().vocab_size;
+  size_t rolled_back = 0;
+  for (size_t at = 0, s = 0; at < ids.size(); ++s) {
+    const auto [want, junk] = steps[s % steps.size()];
+    const size_t n = std::min<size_t>(want, ids.size() - at);
+    std::vector<int32_t> fed(ids.begin() + at, ids.begin() + at + n);
+    for (int j = 0; j < junk; ++j) fed.push_back(token(rng));
+    const std::vector<float> rows = model.forward(state, fed, false);
+    kept.insert(kept.end(), rows.begin(), rows.begin() + n * V);
+    state.rollback(int64_t(at + n));
+    rolled_back += junk;
+    at += n;
+    ASSERT_EQ(state.n_tokens, int64_t(at));
+  }
+  const double d = max_diff(full, kept);
+  std::printf("[rollback] %s len=%d: %zu junk tokens rolled back; kept rows vs prefill %.3g (tol %.0e)\n",
+              name.c_str(), length, rolled_back, d, tol);
+  EXPECT_LE(d, tol);
+}
+
+}  // namespace
+
+TEST(Equivalence, RollbackLeavesNoTraceTiny) {
+  check_rollback("tiny", 300, {cpu::KvStorage::F32, cpu::IndexerStorage::F32}, 1e-4);
+}
+TEST(Equivalence, RollbackLeavesNoTraceTinyPro) {
+  check_rollback("tiny-pro", 120, {cpu::KvStorage::F32, cpu::IndexerStorage::F32}, 1e-4);
+}
+
+TEST(Context, RollbackOnlyWithinTheLastForward) {
+  const Model model = Model::load(model_dir("tiny"), {cpu::KvStorage::F32, cpu::IndexerStorage::F32});
+  SequenceState state = model.new_sequence(64);
+  const std::vector<int32_t> first(20, 3), second(3, 4);
+  model.forward(state, first, true);
+  EXPECT_THROW(state.rollback(21), Error);                  // past the end
+  EXPECT_THROW(state.rollback(20 - kMaxRollback - 1), Error);  // more than kMaxRollback back
+  model.forward(state, second, true);
+  EXPECT_THROW(state.rollback(19), Error);                  // into the forward before
+  state.rollback(21);
+  state.rollback(20);  // twice within the same forward is fine
+  EXPECT_EQ(state.n_tokens, 20);
+}
+
 TEST(Context, PromptLongerThanContextIsRejected) {
   const Model model = Model::load(model_dir("tiny"), {cpu::KvStorage::F32, cpu::IndexerStorage::F32});
   SequenceState state = model.new_sequence(8);
