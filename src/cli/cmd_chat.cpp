@@ -25,6 +25,7 @@ namespace {
 struct ChatArgs {
   EngineOptions engine = EngineOptions::with_max_context(16384);
   SamplingParams sampling;
+  SpeculateOptions speculate;
   std::string tokenizer, system, effort;
   int max_new_tokens = 2048;
   bool no_think = false;
@@ -100,6 +101,7 @@ int run_chat(const ChatArgs& a) {
     GenerateOptions options;
     options.max_new_tokens = a.max_new_tokens;
     options.sampling = a.sampling;
+    options.speculate = a.speculate;
     options.on_token = [&](int32_t id) {
       std::fputs(stream.push(id).c_str(), stdout);
       std::fflush(stdout);
@@ -140,6 +142,7 @@ void add_chat_command(CLI::App& app, Handler& handler) {
   cmd->add_option("--max-new-tokens", args->max_new_tokens, "Tokens per reply at most")
       ->capture_default_str()->check(CLI::PositiveNumber);
   add_sampling_options(cmd, args->sampling);
+  add_speculate_options(cmd, args->speculate);
   cmd->callback([&handler, args] { handler = [args] { return run_chat(*args); }; });
 }
 

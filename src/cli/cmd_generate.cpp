@@ -22,6 +22,7 @@ namespace {
 struct GenerateArgs {
   EngineOptions engine;
   SamplingParams sampling;
+  SpeculateOptions speculate;
   std::string prompt_ids, prompt_text, logits_out, trace_dir;
   int max_new_tokens = 16;
   bool json = false, ignore_eos = false;
@@ -80,6 +81,7 @@ int run_generate(const GenerateArgs& a) {
   options.stop_at_eos = !a.ignore_eos;
   options.keep_logits = !a.logits_out.empty();
   options.sampling = a.sampling;
+  options.speculate = a.speculate;
   std::optional<StreamDecoder> stream;
   if (tokenizer && !a.json) {
     stream.emplace(*tokenizer);
@@ -105,9 +107,14 @@ int run_generate(const GenerateArgs& a) {
     for (int32_t id : r.output_ids) line += (line.empty() ? "" : " ") + std::to_string(id);
     std::printf("%s\n", line.c_str());
   }
-  spdlog::info("prefill {} tokens in {:.3f} s ({:.1f} tok/s); decode {} steps in {:.3f} s ({:.1f} tok/s)",
-               prompt.size(), r.prefill_seconds, prompt.size() / std::max(r.prefill_seconds, 1e-9), r.decode_steps,
-               r.decode_seconds, r.decode_steps / std::max(r.decode_seconds, 1e-9));
+  // The first new token comes from the prefill; the decode steps produced the rest.
+  const size_t decoded = r.output_ids.empty() ? 0 : r.output_ids.size() - 1;
+  spdlog::info("prefill {} tokens in {:.3f} s ({:.1f} tok/s); decode {} tokens in {} steps, {:.3f} s ({:.1f} tok/s)",
+               prompt.size(), r.prefill_seconds, prompt.size() / std::max(r.prefill_seconds, 1e-9), decoded,
+               r.decode_steps, r.decode_seconds, decoded / std::max(r.decode_seconds, 1e-9));
+  if (a.speculate.method != DraftMethod::None)
+    spdlog::info("speculative decoding: {} of {} drafted tokens kept ({:.0f}%), {:.2f} tokens per step", r.accepted,
+                 r.drafted, 100.0 * r.accepted / std::max(r.drafted, 1), double(decoded) / std::max(r.decode_steps, 1));
   return 0;
 }
 
@@ -123,6 +130,7 @@ void add_generate_command(CLI::App& app, Handler& handler) {
   cmd->add_option("--max-new-tokens", args->max_new_tokens, "Number of tokens to generate")
       ->capture_default_str()->check(CLI::NonNegativeNumber);
   add_sampling_options(cmd, args->sampling);
+  add_speculate_options(cmd, args->speculate);
   cmd->add_option("--logits-out", args->logits_out,
                   "Write float32 .npy [len(prompt)+len(output)-1, vocab]: row i = logits after token i");
   cmd->add_option("--trace-dir", args->trace_dir,

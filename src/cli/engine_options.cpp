@@ -3,6 +3,8 @@
 
 #include <spdlog/spdlog.h>
 
+#include <map>
+
 #include "core/check.h"
 #ifdef DSV4_HAVE_CUDA
 #include "cuda/runner.h"
@@ -79,6 +81,18 @@ void add_sampling_options(CLI::App* cmd, SamplingParams& p) {
   cmd->add_option("--top-k", p.top_k, "Sample among the k most likely tokens; 0 = all")
       ->capture_default_str()->check(CLI::NonNegativeNumber);
   cmd->add_option("--seed", p.seed, "Random seed for sampling")->capture_default_str();
+}
+
+void add_speculate_options(CLI::App* cmd, SpeculateOptions& o) {
+  static const std::map<std::string, DraftMethod> methods{{"none", DraftMethod::None}, {"ngram", DraftMethod::Ngram}};
+  cmd->add_option("--speculate", o.method,
+                  "Speculative decoding: ngram = draft the tokens that followed the latest earlier occurrence of the "
+                  "last few tokens, verify them in one forward (same output, fewer forwards when drafts are kept)")
+      ->transform(CLI::CheckedTransformer(methods))->default_str("none");
+  cmd->add_option("--draft-tokens", o.max_draft, "Drafted tokens per step at most")
+      ->capture_default_str()->check(CLI::Range(1, kMaxRollback));
+  cmd->add_option("--ngram-max", o.ngram_max, "Longest n-gram looked up for drafts")
+      ->capture_default_str()->check(CLI::Range(1, 16));
 }
 
 }  // namespace dsv4::cli

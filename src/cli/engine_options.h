@@ -43,4 +43,7 @@ std::unique_ptr<BatchRunner> batch_runner(const Model& model, const std::string&
 // --temperature, --top-p, --top-k, --seed
 void add_sampling_options(CLI::App* cmd, SamplingParams& params);
 
+// --speculate, --draft-tokens, --ngram-max
+void add_speculate_options(CLI::App* cmd, SpeculateOptions& options);
+
 }  // namespace dsv4::cli
