@@ -7,12 +7,13 @@
 
 namespace dsv4 {
 
-// f(i) for every i in [0, n), one index at a time per OpenMP thread (no threads for n = 1); returns what each call
-// threw, empty where it returned, so a caller decides per row.
+// f(i) for every i in [0, n), one index at a time per OpenMP thread (no threads for n = 1, nor when the caller says
+// the rows are too small to be worth waking threads for: their spinning afterwards slows OpenBLAS's own threads);
+// returns what each call threw, empty where it returned, so a caller decides per row.
 template <class F>
-std::vector<std::string> parallel_indices(int n, F&& f) {
+std::vector<std::string> parallel_indices(int n, F&& f, bool worth_threads = true) {
   std::vector<std::string> failed(size_t(n > 0 ? n : 0));
-#pragma omp parallel for schedule(dynamic, 1) if (n > 1)
+#pragma omp parallel for schedule(dynamic, 1) if (n > 1 && worth_threads)
   for (int i = 0; i < n; ++i) {
     try {
       f(i);

@@ -315,7 +315,10 @@ void Model::attention(int l, const float* x, Chunk& chunk, SequenceState& state,
   const int window = c.window;
   std::vector<std::vector<const float*>> keys(n);
   int64_t total_keys = 0;
-#pragma omp parallel for schedule(dynamic) if (n > 1 && A.indexer) reduction(+ : total_keys)
+  // Threads only when the indexer's scores are worth waking them for: a short chunk (speculative verify) over a
+  // short context is faster alone than with OpenMP's threads contending with OpenBLAS's for the cores.
+  const int64_t index_work = A.indexer ? int64_t(n) * S.n_index_keys * nh * ihd : 0;
+#pragma omp parallel for schedule(dynamic) if (n > 1 && index_work > (1 << 22)) reduction(+ : total_keys)
   for (int t = 0; t < n; ++t) {
     const int64_t p = chunk.pos0 + t;
     std::vector<const float*>& kt = keys[t];

@@ -235,9 +235,12 @@ std::vector<int32_t> draw_rows(std::span<const float> logits, std::span<const To
              draws.size());
   const size_t vocab = logits.size() / draws.size();
   std::vector<int32_t> ids(draws.size());
-  const std::vector<std::string> failed = parallel_indices(int(draws.size()), [&](int i) {
-    ids[size_t(i)] = draw_token(logits.subspan(size_t(i) * vocab, vocab), draws[size_t(i)]);
-  });
+  // Threads pay from about 2^16 logits (a row of the real 129K vocabulary takes 0.05-2 ms).
+  const bool worth_threads = logits.size() >= (size_t(1) << 16);
+  const std::vector<std::string> failed = parallel_indices(
+      int(draws.size()),
+      [&](int i) { ids[size_t(i)] = draw_token(logits.subspan(size_t(i) * vocab, vocab), draws[size_t(i)]); },
+      worth_threads);
   for (const std::string& f : failed) DSV4_CHECK(f.empty(), "draw_rows: {}", f);
   return ids;
 }

@@ -50,6 +50,21 @@ TEST(CliGenerate, JsonAndLogitsOutMatchTheLibrary) {
   fs::remove(npy);
 }
 
+// --speculate ngram prints the tokens plain decoding prints (sampled, so the given-back draws are exercised too) and
+// says how many drafts it kept.
+TEST(CliGenerate, SpeculationPrintsThePlainOutput) {
+  const std::string args = "generate --model " + kTiny + " --prompt-ids 5,17,99,42,5,17,99,42 --max-new-tokens 60 "
+                           "--ignore-eos --temperature 0.6 --seed 9 --json";
+  const RunResult plain = run(args), spec = run(args + " --speculate ngram --draft-tokens 6");
+  ASSERT_EQ(plain.exit_code, 0) << plain.out;
+  ASSERT_EQ(spec.exit_code, 0) << spec.out;
+  const auto ids = [](const std::string& out) {
+    return nlohmann::json::parse(out.substr(out.find('{')))["output_ids"].get<std::vector<int32_t>>();
+  };
+  EXPECT_EQ(ids(spec.out), ids(plain.out));
+  EXPECT_NE(spec.out.find("drafted tokens kept"), std::string::npos) << spec.out;
+}
+
 TEST(CliGenerate, TextPromptStreamsText) {
   const RunResult r = run("generate --model " + kTiny + " --prompt \"Hello world\" --max-new-tokens 4 --json");
   ASSERT_EQ(r.exit_code, 0) << r.out;
@@ -67,6 +82,8 @@ TEST(CliGenerate, BadInputGivesClearErrorAndNonZeroExit) {
       {"generate --model " + kTiny + " --prompt-ids 1,2,3,4,5 --max-context 3", "longer than the context"},
       {"generate --model " + kTiny + " --prompt-ids 1 --kv-dtype fp16", "kv-dtype"},
       {"generate --model " + kTiny, "--prompt-ids or --prompt"},
+      {"generate --model " + kTiny + " --prompt-ids 1 --speculate eagle", "--speculate"},
+      {"generate --model " + kTiny + " --prompt-ids 1 --speculate ngram --draft-tokens 0", "--draft-tokens"},
   };
   for (const Case& c : cases) {
     const RunResult r = run(c.args);
