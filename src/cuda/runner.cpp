@@ -489,7 +489,7 @@ CudaRunner::CudaRunner(const Model& model, int max_context, CudaRunnerOptions op
   cur_ = stream_;
   if (options_.overlap_branches) make_side_stream();
 
-  window_slots_ = std::min(c.window, max_context);
+  window_slots_ = std::min(c.window + kMaxRollback, max_context);  // model/state.h: room for rolled-back tokens
   WeightUploader uploader(options.synthetic_format, options.synthetic_seed);
   // The embedding is a gather from a bf16 table: the uploader's bf16 rows (of fp32 values, or synthetic codes).
   embed_ = uploader.linear(W.embed, GemvWeight::BF16);
@@ -1445,7 +1445,7 @@ CudaMemoryNeed cuda_memory_need(const Model& model, int max_context, const CudaR
   // A sequence's state, fp32 (model/state.h's layout): the window ring, then per compressed layer its entries, the
   // indexer's keys and both compressors' partial blocks.
   size_t& s = need.state_per_sequence;
-  const size_t window = size_t(std::min(c.window, max_context)) * c.head_dim;
+  const size_t window = size_t(std::min(c.window + kMaxRollback, max_context)) * c.head_dim;
   for (int l = 0; l < c.n_layers; ++l) {
     s += window;
     const int ratio = c.has_compressor(l) ? c.compress_ratio[size_t(l)] : 0;
