@@ -143,7 +143,10 @@ void add_chat_command(CLI::App& app, Handler& handler) {
       ->capture_default_str()->check(CLI::PositiveNumber);
   add_sampling_options(cmd, args->sampling);
   add_speculate_options(cmd, args->speculate);
-  cmd->callback([&handler, args] { handler = [args] { return run_chat(*args); }; });
+  cmd->callback([&handler, args] {
+    args->engine.with_mtp = args->speculate.method == DraftMethod::Mtp;
+    handler = [args] { return run_chat(*args); };
+  });
 }
 
 }  // namespace dsv4::cli

@@ -139,6 +139,7 @@ void add_generate_command(CLI::App& app, Handler& handler) {
   cmd->add_flag("--ignore-eos", args->ignore_eos, "Do not stop at the end-of-sequence token");
   cmd->callback([&handler, args, ids, text] {
     if (ids->count() == 0 && text->count() == 0) throw CLI::RequiredError("--prompt-ids or --prompt");
+    args->engine.with_mtp = args->speculate.method == DraftMethod::Mtp;
     handler = [args] { return run_generate(*args); };
   });
 }

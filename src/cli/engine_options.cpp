@@ -30,10 +30,11 @@ void add_engine_options(CLI::App* cmd, EngineOptions& o) {
 Model load_model(const EngineOptions& o) {
   // The CUDA runner uploads the checkpoint's encodings as they are; only the CPU needs every weight in fp32.
   const WeightLoad load = o.device == "cuda" ? WeightLoad::KeepLinearsPacked : WeightLoad::DecodeAll;
+  DSV4_CHECK(!o.with_mtp || o.device == "cpu", "--speculate mtp: the MTP block runs on the cpu device only so far");
   Model model =
       Model::load(o.model_dir,
                   {parse_kv_storage(o.kv_dtype), parse_indexer_storage(o.indexer_dtype), parse_act_quant(o.act_quant)},
-                  load);
+                  load, o.with_mtp);
   spdlog::info("model {}: {}", o.model_dir, model.config().summary());
   return model;
 }
@@ -84,10 +85,12 @@ void add_sampling_options(CLI::App* cmd, SamplingParams& p) {
 }
 
 void add_speculate_options(CLI::App* cmd, SpeculateOptions& o) {
-  static const std::map<std::string, DraftMethod> methods{{"none", DraftMethod::None}, {"ngram", DraftMethod::Ngram}};
+  static const std::map<std::string, DraftMethod> methods{
+      {"none", DraftMethod::None}, {"ngram", DraftMethod::Ngram}, {"mtp", DraftMethod::Mtp}};
   cmd->add_option("--speculate", o.method,
-                  "Speculative decoding: ngram = draft the tokens that followed the latest earlier occurrence of the "
-                  "last few tokens, verify them in one forward (same output, fewer forwards when drafts are kept)")
+                  "Speculative decoding: drafts verified in one forward (same output, fewer forwards when drafts are "
+                  "kept). ngram = the tokens that followed the latest earlier occurrence of the last few tokens; "
+                  "mtp = the checkpoint's MTP block guesses one token per step")
       ->transform(CLI::CheckedTransformer(methods))->default_str("none");
   cmd->add_option("--draft-tokens", o.max_draft, "Drafted tokens per step at most")
       ->capture_default_str()->check(CLI::Range(1, kMaxRollback));

@@ -19,6 +19,7 @@ struct EngineOptions {
   std::string model_dir, device = "cpu", kv_dtype = "fp8", indexer_dtype = "fp4",
               act_quant = "none";
   int max_context = 8192;
+  bool with_mtp = false;  // load the checkpoint's MTP block (--speculate mtp)
 
   static EngineOptions with_max_context(int tokens) {
     EngineOptions o;

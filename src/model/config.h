@@ -62,8 +62,11 @@ struct ModelConfig {
   void validate() const;
 
   int nope_dim() const { return head_dim - rope_dim; }
-  bool is_csa(int layer) const { return attn_kind[layer] == AttnKind::CSA; }
-  bool has_compressor(int layer) const { return attn_kind[layer] != AttnKind::Sliding; }
+  // Layer n_layers is the MTP block (spec 5): sliding-window attention, gated (not hash-routed) MoE.
+  bool is_csa(int layer) const { return layer < n_layers && attn_kind[layer] == AttnKind::CSA; }
+  bool has_compressor(int layer) const { return layer < n_layers && attn_kind[layer] != AttnKind::Sliding; }
+  int ratio(int layer) const { return layer < n_layers ? compress_ratio[layer] : 0; }
+  bool hashed(int layer) const { return layer < n_layers && hash_routed[layer]; }
   const RopeConfig& rope_for_layer(int layer) const {
     return has_compressor(layer) ? rope_compress : rope_main;
   }

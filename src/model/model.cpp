@@ -80,10 +80,14 @@ Model::Model(ModelConfig config, ModelWeights weights, Numerics numerics)
   inv_freq_compress_ = rope_inv_freq(config_.rope_compress, config_.rope_dim);
 }
 
-Model Model::load(const std::string& dir, Numerics numerics, WeightLoad load) {
+Model Model::load(const std::string& dir, Numerics numerics, WeightLoad load, bool mtp) {
   ModelConfig config = ModelConfig::from_model_dir(dir);
   auto checkpoint = std::make_shared<const Checkpoint>(Checkpoint::open(dir));
-  return Model(config, load_weights(config, checkpoint, load), numerics);
+  return Model(config, load_weights(config, checkpoint, load, mtp), numerics);
+}
+
+const LayerWeights& Model::block(int l) const {
+  return l < config_.n_layers ? weights_.layers[size_t(l)] : weights_.mtp->block;
 }
 
 void Model::trace(const char* name, int layer, const float* data, int rows, int cols) const {
@@ -243,10 +247,10 @@ void advance_compressor(CompressorState& st, const CompressorWeights& w, const f
 
 }  // namespace
 
-void Model::attention(int l, const float* x, Chunk& chunk, SequenceState& state, float* out) const {
+void Model::attention(int l, const float* x, Chunk& chunk, LayerState& S, const SequenceState& state,
+                      float* out) const {
   const ModelConfig& c = config_;
-  const AttentionWeights& A = weights_.layers[l].attn;
-  LayerState& S = state.layers[l];
+  const AttentionWeights& A = block(l).attn;
   const int n = chunk.n(), D = c.hidden_size, H = c.n_heads, hd = c.head_dim, rd = c.rope_dim, nope = hd - rd;
   const float* inv_freq = c.has_compressor(l) ? inv_freq_compress_.data() : inv_freq_main_.data();
 
@@ -274,7 +278,7 @@ void Model::attention(int l, const float* x, Chunk& chunk, SequenceState& state,
   trace("kv", l, kv.data(), n, hd);
 
   // 3.5 compressor: entries completed by this chunk become visible to its later queries.
-  const int r = c.compress_ratio[l];
+  const int r = c.ratio(l);
   const int max_entries = r ? state.max_context / r : 0;
   if (A.compressor) {
     const CompressorWeights& W = *A.compressor;
@@ -393,7 +397,7 @@ void Model::attention(int l, const float* x, Chunk& chunk, SequenceState& state,
 
 void Model::moe(int l, const float* x, const Chunk& chunk, float* out) const {
   const ModelConfig& c = config_;
-  const MoEWeights& M = weights_.layers[l].ffn;
+  const MoEWeights& M = block(l).ffn;
   const int n = chunk.n(), D = c.hidden_size, E = c.n_routed_experts, k = c.n_experts_per_tok, I = c.moe_inter;
 
   // 4.1 router (fp32): scores from gate.weight; selection by hash table or by biased top-k.
@@ -412,7 +416,7 @@ void Model::moe(int l, const float* x, const Chunk& chunk, float* out) const {
         s[e] = c.scoring == ScoringFunc::Sigmoid ? sigmoid(s[e]) : std::sqrt(cpu::softplus(s[e]));
     }
     std::vector<int> picks;
-    if (c.hash_routed[l]) {
+    if (c.hashed(l)) {
       const int32_t* row = &M.tid2eid[size_t(chunk.tokens[t]) * k];
       picks.assign(row, row + k);
     } else {
@@ -471,7 +475,8 @@ void Model::moe(int l, const float* x, const Chunk& chunk, float* out) const {
   }
 }
 
-std::vector<float> Model::forward(SequenceState& state, std::span<const int32_t> tokens, bool last_only) const {
+std::vector<float> Model::forward(SequenceState& state, std::span<const int32_t> tokens, bool last_only,
+                                  std::vector<float>* final_streams) const {
   DSV4_CHECK(!weights_.storage && weights_.head.has_values(),
              "the CPU forward needs fp32 weights; this model was loaded for the CUDA runner (packed or shape-only)");
   const ModelConfig& c = config_;
@@ -490,37 +495,83 @@ std::vector<float> Model::forward(SequenceState& state, std::span<const int32_t>
     for (int k = 0; k < hc; ++k) std::copy_n(weights_.embed.row(tokens[t]), D, &streams[(size_t(t) * hc + k) * D]);
   trace("embed", -1, streams.data(), n, hc * D);
 
-  std::vector<float> collapsed(size_t(n) * D), normed(size_t(n) * D), out(size_t(n) * D);
-  std::vector<float> post(size_t(n) * hc), comb(size_t(n) * hc * hc);
-  for (int l = 0; l < c.n_layers; ++l) {
-    const LayerWeights& L = weights_.layers[l];
-    hc_pre(L.hc_attn, c, streams.data(), n, collapsed.data(), post.data(), comb.data());
-    cpu::rms_norm(collapsed.data(), L.attn_norm.data(), normed.data(), n, D, c.rms_norm_eps);
-    trace("attn_norm", l, normed.data(), n, D);
-    attention(l, normed.data(), chunk, state, out.data());
-    trace("attn_out", l, out.data(), n, D);
-    hc_post(c, out.data(), post.data(), comb.data(), n, streams.data());
-
-    hc_pre(L.hc_ffn, c, streams.data(), n, collapsed.data(), post.data(), comb.data());
-    cpu::rms_norm(collapsed.data(), L.ffn_norm.data(), normed.data(), n, D, c.rms_norm_eps);
-    trace("ffn_norm", l, normed.data(), n, D);
-    moe(l, normed.data(), chunk, out.data());
-    trace("ffn_out", l, out.data(), n, D);
-    hc_post(c, out.data(), post.data(), comb.data(), n, streams.data());
-    trace("streams", l, streams.data(), n, hc * D);
-  }
+  for (int l = 0; l < c.n_layers; ++l) run_block(l, streams.data(), chunk, state.layers[size_t(l)], state);
   state.rollback_floor = std::max(state.n_tokens, state.n_tokens + n - kMaxRollback);
   state.n_tokens += n;
+  if (final_streams) *final_streams = streams;
+  return head_logits(weights_.hc_head, weights_.norm, streams.data(), n, last_only);
+}
 
-  // 5 final collapse, norm, head (only the rows asked for)
+// One block (spec 2.3-2.4, 3, 4): mHC around attention, then around the MoE, on the chunk's streams [n, hc·D].
+void Model::run_block(int l, float* streams, Chunk& chunk, LayerState& S, const SequenceState& state) const {
+  const ModelConfig& c = config_;
+  const LayerWeights& L = block(l);
+  const int n = chunk.n(), D = c.hidden_size, hc = c.hc_mult;
+  std::vector<float> collapsed(size_t(n) * D), normed(size_t(n) * D), out(size_t(n) * D);
+  std::vector<float> post(size_t(n) * hc), comb(size_t(n) * hc * hc);
+  hc_pre(L.hc_attn, c, streams, n, collapsed.data(), post.data(), comb.data());
+  cpu::rms_norm(collapsed.data(), L.attn_norm.data(), normed.data(), n, D, c.rms_norm_eps);
+  trace("attn_norm", l, normed.data(), n, D);
+  attention(l, normed.data(), chunk, S, state, out.data());
+  trace("attn_out", l, out.data(), n, D);
+  hc_post(c, out.data(), post.data(), comb.data(), n, streams);
+
+  hc_pre(L.hc_ffn, c, streams, n, collapsed.data(), post.data(), comb.data());
+  cpu::rms_norm(collapsed.data(), L.ffn_norm.data(), normed.data(), n, D, c.rms_norm_eps);
+  trace("ffn_norm", l, normed.data(), n, D);
+  moe(l, normed.data(), chunk, out.data());
+  trace("ffn_out", l, out.data(), n, D);
+  hc_post(c, out.data(), post.data(), comb.data(), n, streams);
+  trace("streams", l, streams, n, hc * D);
+}
+
+// 5: final collapse, norm, head, for the rows asked for (all, or the last).
+std::vector<float> Model::head_logits(const HyperConnWeights& collapse, const Vector& norm, const float* streams,
+                                      int n, bool last_only) const {
+  const ModelConfig& c = config_;
+  const int D = c.hidden_size, hc = c.hc_mult;
   const int first = last_only ? n - 1 : 0, rows = n - first;
   std::vector<float> y(size_t(rows) * D);
-  hc_head(weights_.hc_head, c, streams.data() + size_t(first) * hc * D, rows, y.data());
-  cpu::rms_norm(y.data(), weights_.norm.data(), y.data(), rows, D, c.rms_norm_eps);
+  hc_head(collapse, c, streams + size_t(first) * hc * D, rows, y.data());
+  cpu::rms_norm(y.data(), norm.data(), y.data(), rows, D, c.rms_norm_eps);
   trace("final_norm", -1, y.data(), rows, D);
   std::vector<float> logits(size_t(rows) * c.vocab_size);
   gemm_nt(y.data(), weights_.head.data.data(), logits.data(), rows, c.vocab_size, D);
   return logits;
+}
+
+std::vector<float> Model::mtp_forward(SequenceState& state, const float* main_streams,
+                                      std::span<const int32_t> next_tokens, bool last_only) const {
+  DSV4_CHECK(weights_.mtp && state.mtp, "mtp_forward: the model was loaded without its MTP block");
+  const ModelConfig& c = config_;
+  const MtpWeights& m = *weights_.mtp;
+  const int n = int(next_tokens.size()), D = c.hidden_size, hc = c.hc_mult;
+  DSV4_CHECK(n > 0, "mtp_forward: no tokens");
+  DSV4_CHECK(state.mtp_tokens + n <= state.n_tokens,
+             "mtp_forward: positions {}..{} are past the {} tokens the main model consumed", state.mtp_tokens,
+             state.mtp_tokens + n - 1, state.n_tokens);
+  for (int32_t id : next_tokens)
+    DSV4_CHECK(id >= 0 && id < c.vocab_size, "token id {} is outside the vocabulary [0, {})", id, c.vocab_size);
+  const int l = c.n_layers;  // the MTP block's index in traces and in ModelConfig's per-layer accessors
+
+  // X' = e_proj(RMSNorm(embed(next); enorm)) on every stream + h_proj(RMSNorm(X_k; hnorm)) per stream k
+  std::vector<float> e(size_t(n) * D), e_proj(size_t(n) * D), act;
+  for (int t = 0; t < n; ++t) std::copy_n(weights_.embed.row(next_tokens[t]), D, &e[size_t(t) * D]);
+  cpu::rms_norm(e.data(), m.enorm.data(), e.data(), n, D, c.rms_norm_eps);
+  gemm_nt(linear_input(numerics_.act, e.data(), n, D, act), m.e_proj.data.data(), e_proj.data(), n, D, D);
+  std::vector<float> h(size_t(n) * hc * D), streams(size_t(n) * hc * D);
+  cpu::rms_norm(main_streams, m.hnorm.data(), h.data(), n * hc, D, c.rms_norm_eps);
+  gemm_nt(linear_input(numerics_.act, h.data(), n * hc, D, act), m.h_proj.data.data(), streams.data(), n * hc, D,
+          D);
+  for (int t = 0; t < n; ++t)
+    for (int k = 0; k < hc; ++k)
+      for (int d = 0; d < D; ++d) streams[(size_t(t) * hc + k) * D + d] += e_proj[size_t(t) * D + d];
+  trace("mtp_in", l, streams.data(), n, hc * D);
+
+  Chunk chunk{next_tokens, state.mtp_tokens};
+  run_block(l, streams.data(), chunk, *state.mtp, state);
+  state.mtp_tokens += n;
+  return head_logits(m.hc_head, m.norm, streams.data(), n, last_only);
 }
 
 }  // namespace dsv4

@@ -41,22 +41,41 @@ class Model {
  public:
   Model(ModelConfig config, ModelWeights weights, Numerics numerics = {});
   // WeightLoad::KeepLinearsPacked is for the CUDA runner only: forward() on the CPU needs every value decoded.
-  static Model load(const std::string& model_dir, Numerics numerics = {}, WeightLoad load = WeightLoad::DecodeAll);
+  // mtp: also load the MTP block (throws when the checkpoint has none).
+  static Model load(const std::string& model_dir, Numerics numerics = {}, WeightLoad load = WeightLoad::DecodeAll,
+                    bool mtp = false);
 
   const ModelConfig& config() const { return config_; }
   const Numerics& numerics() const { return numerics_; }
   const ModelWeights& weights() const { return weights_; }
-  SequenceState new_sequence(int max_context) const { return SequenceState::create(config_, max_context); }
+  bool has_mtp() const { return weights_.mtp.has_value(); }
+  SequenceState new_sequence(int max_context) const {
+    return SequenceState::create(config_, max_context, has_mtp());
+  }
 
   // Consumes `tokens` at positions state.n_tokens.. and returns next-token logits [n, vocab] row-major
-  // (all rows, or only the last row when last_only).
-  std::vector<float> forward(SequenceState& state, std::span<const int32_t> tokens, bool last_only) const;
+  // (all rows, or only the last row when last_only). final_streams: also the residual streams after the last
+  // block, [n, hc·D] (the MTP block's input).
+  std::vector<float> forward(SequenceState& state, std::span<const int32_t> tokens, bool last_only,
+                             std::vector<float>* final_streams = nullptr) const;
+
+  // The MTP block (spec 5) on the pairs (X_i, next_tokens[i]) at positions state.mtp_tokens.. (which the main
+  // model consumed): X_i = main_streams row i (forward's final_streams at that position), next_tokens[i] the token
+  // after it. Returns the MTP's logits for the token after each next token [n, vocab] (or the last row), and
+  // advances the MTP block's own window state.
+  std::vector<float> mtp_forward(SequenceState& state, const float* main_streams,
+                                 std::span<const int32_t> next_tokens, bool last_only) const;
 
   void set_trace(TraceFn fn) { trace_ = std::move(fn); }
 
  private:
   struct Chunk;
-  void attention(int layer, const float* x, Chunk& chunk, SequenceState& state, float* out) const;
+  const LayerWeights& block(int layer) const;  // layer n_layers: the MTP block
+  void run_block(int layer, float* streams, Chunk& chunk, LayerState& layer_state, const SequenceState& state) const;
+  std::vector<float> head_logits(const HyperConnWeights& collapse, const Vector& norm, const float* streams, int n,
+                                 bool last_only) const;
+  void attention(int layer, const float* x, Chunk& chunk, LayerState& layer_state, const SequenceState& state,
+                 float* out) const;
   void moe(int layer, const float* x, const Chunk& chunk, float* out) const;
   void trace(const char* name, int layer, const float* data, int rows, int cols) const;
 

@@ -32,6 +32,14 @@ class SequenceRunner {
   // last forward call's final max_rollback() tokens. A backend that cannot roll back returns 0 and throws.
   virtual int max_rollback() const { return 0; }
   virtual void rollback(int64_t n_tokens);
+  // The MTP block (spec 5), on a backend whose model has it. It trails the main model: mtp_pending() of the last
+  // consumed tokens have not been paired with the token that followed them yet. mtp_draft(next_tokens) feeds it
+  // those pairs, oldest first (next_tokens[i] follows the i-th pending token; next_tokens.size() <= pending),
+  // and returns its greedy guess of the token after the last of next_tokens. A backend may let the MTP block skip
+  // tokens it was not fed for a while (it only ever changes which drafts are proposed).
+  virtual bool has_mtp() const { return false; }
+  virtual int64_t mtp_pending() const { return 0; }
+  virtual int32_t mtp_draft(std::span<const int32_t> next_tokens);
   virtual int64_t n_tokens() const = 0;
   virtual int max_context() const = 0;
   virtual void reset() = 0;              // start a new sequence

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cmath>
 #include <numeric>
+#include <optional>
 
 #include <spdlog/spdlog.h>
 
@@ -29,6 +30,10 @@ void SequenceRunner::rollback(int64_t n_tokens) {
   throw Error(fmt::format("this backend cannot roll back a sequence (asked to go back to {} tokens)", n_tokens));
 }
 
+int32_t SequenceRunner::mtp_draft(std::span<const int32_t>) {
+  throw Error("this backend has no MTP block (load the model with it: --speculate mtp on the cpu device)");
+}
+
 namespace {
 
 class CpuRunner final : public SequenceRunner {
@@ -36,18 +41,50 @@ class CpuRunner final : public SequenceRunner {
   CpuRunner(const Model& model, int max_context) : model_(model), state_(model.new_sequence(max_context)) {}
   const ModelConfig& config() const override { return model_.config(); }
   std::vector<float> forward(std::span<const int32_t> tokens, bool last_only) override {
-    return model_.forward(state_, tokens, last_only);
+    if (!model_.has_mtp()) return model_.forward(state_, tokens, last_only);
+    std::vector<float> streams;
+    std::vector<float> logits = model_.forward(state_, tokens, last_only, &streams);
+    mtp_rows_.insert(mtp_rows_.end(), streams.begin(), streams.end());
+    // Rows the MTP block may still be fed: this call's and kMaxRollback before them. Older ones are skipped (a
+    // caller that does not draft with the MTP block never feeds it).
+    const int64_t limit = int64_t(tokens.size()) + kMaxRollback, extra = mtp_pending() - limit;
+    if (extra > 0) {
+      mtp_rows_.erase(mtp_rows_.begin(), mtp_rows_.begin() + extra * row_floats());
+      state_.mtp_tokens += extra;
+    }
+    return logits;
   }
   int64_t n_tokens() const override { return state_.n_tokens; }
   int max_context() const override { return state_.max_context; }
   int max_rollback() const override { return kMaxRollback; }
-  void rollback(int64_t n_tokens) override { state_.rollback(n_tokens); }
-  void reset() override { state_.reset(); }
+  void rollback(int64_t n_tokens) override {
+    state_.rollback(n_tokens);
+    mtp_rows_.resize(size_t(state_.n_tokens - state_.mtp_tokens) * row_floats());
+  }
+  bool has_mtp() const override { return model_.has_mtp(); }
+  int64_t mtp_pending() const override { return model_.has_mtp() ? int64_t(mtp_rows_.size() / row_floats()) : 0; }
+  int32_t mtp_draft(std::span<const int32_t> next_tokens) override {
+    if (!model_.has_mtp()) return SequenceRunner::mtp_draft(next_tokens);
+    const int64_t n = int64_t(next_tokens.size());
+    DSV4_CHECK(n >= 1 && n <= mtp_pending(), "mtp_draft: {} tokens for {} pending", n, mtp_pending());
+    const std::vector<float> logits = model_.mtp_forward(state_, mtp_rows_.data(), next_tokens, true);
+    mtp_rows_.erase(mtp_rows_.begin(), mtp_rows_.begin() + n * row_floats());
+    TokenDraw greedy;
+    greedy.vocab = model_.config().vocab_size;
+    return draw_token(logits, greedy);
+  }
+  void reset() override {
+    state_.reset();
+    mtp_rows_.clear();
+  }
   size_t state_bytes() const override { return state_.bytes(); }
 
  private:
+  int64_t row_floats() const { return int64_t(model_.config().hc_mult) * model_.config().hidden_size; }
+
   const Model& model_;
   SequenceState state_;
+  std::vector<float> mtp_rows_;  // [mtp_pending, hc·D] the main model's final streams the MTP block trails by
 };
 
 }  // namespace
@@ -67,9 +104,12 @@ GenerateResult Session::generate(std::span<const int32_t> prompt, const Generate
   const SpeculateOptions& spec = options.speculate;
   DSV4_CHECK(spec.method == DraftMethod::None || spec.max_draft >= 1, "draft tokens must be >= 1, got {}",
              spec.max_draft);
+  DSV4_CHECK(spec.method != DraftMethod::Mtp || runner_.has_mtp(),
+             "speculative decoding with the MTP block: this runner has none (a checkpoint without \"mtp.0.*\", a "
+             "model loaded without it, or a backend that does not run it)");
   int max_draft = 0;
   if (spec.method != DraftMethod::None) {
-    max_draft = std::min(spec.max_draft, runner_.max_rollback());
+    max_draft = std::min(spec.method == DraftMethod::Mtp ? 1 : spec.max_draft, runner_.max_rollback());
     if (max_draft == 0) spdlog::warn("speculative decoding is off: this backend cannot roll back rejected drafts");
     else if (max_draft < spec.max_draft) spdlog::warn("drafts limited to {} tokens by the backend", max_draft);
   }
@@ -107,8 +147,19 @@ GenerateResult Session::generate(std::span<const int32_t> prompt, const Generate
     const bool is_eos = std::find(eos.begin(), eos.end(), id) != eos.end();
     return int(result.output_ids.size()) < options.max_new_tokens && !(options.stop_at_eos && is_eos);
   };
+  // The MTP block's guess of the token after `next`: it is fed each consumed token paired with the one after it
+  // (the last one with `next`), history_ holding the consumed ones.
+  auto mtp_guess = [&]() -> std::optional<int32_t> {
+    const int64_t pending = runner_.mtp_pending();
+    if (pending == 0 || pending > int64_t(history_.size())) return std::nullopt;
+    std::vector<int32_t> after(history_.end() - pending + 1, history_.end());
+    after.push_back(next);
+    return runner_.mtp_draft(after);
+  };
   auto t1 = Clock::now();
   bool more = options.max_new_tokens > 0 && emit(next);
+  std::optional<int32_t> guess;
+  if (more && spec.method == DraftMethod::Mtp && max_draft > 0) guess = mtp_guess();
   std::vector<int32_t> fed, ids;
   std::vector<TokenDraw> draws;
   while (more) {
@@ -118,14 +169,16 @@ GenerateResult Session::generate(std::span<const int32_t> prompt, const Generate
       break;
     }
     fed.assign(1, next);
-    if (max_draft > 0) {
-      const int64_t room = runner_.max_context() - runner_.n_tokens() - 1;
-      const int wanted = options.max_new_tokens - int(result.output_ids.size()) - 1;  // the last comes undrafted
+    const int64_t room = runner_.max_context() - runner_.n_tokens() - 1;
+    const int wanted = options.max_new_tokens - int(result.output_ids.size()) - 1;  // the last comes undrafted
+    const int drafts_fit = int(std::min<int64_t>({max_draft, wanted, room}));
+    if (spec.method == DraftMethod::Ngram && drafts_fit > 0) {
       history_.push_back(next);
-      const std::vector<int32_t> drafts =
-          ngram_draft(history_, int(std::min<int64_t>({max_draft, wanted, room})), spec.ngram_min, spec.ngram_max);
+      const std::vector<int32_t> drafts = ngram_draft(history_, drafts_fit, spec.ngram_min, spec.ngram_max);
       history_.pop_back();
       fed.insert(fed.end(), drafts.begin(), drafts.end());
+    } else if (guess && drafts_fit > 0) {
+      fed.push_back(*guess);
     }
     draws.clear();
     for (size_t i = 0; i < fed.size(); ++i) draws.push_back(sampler.next_draw(V));
@@ -151,6 +204,7 @@ GenerateResult Session::generate(std::span<const int32_t> prompt, const Generate
     result.drafted += int(fed.size()) - 1;
     result.accepted += int(used) - 1;
     ++result.decode_steps;
+    if (more && spec.method == DraftMethod::Mtp && max_draft > 0) guess = mtp_guess();
   }
   result.decode_seconds = std::chrono::duration<double>(Clock::now() - t1).count();
   return result;

@@ -10,7 +10,8 @@ namespace dsv4 {
 DraftMethod parse_draft_method(const std::string& name) {
   if (name == "none") return DraftMethod::None;
   if (name == "ngram") return DraftMethod::Ngram;
-  throw Error(fmt::format("unknown draft method \"{}\" (expected none or ngram)", name));
+  if (name == "mtp") return DraftMethod::Mtp;
+  throw Error(fmt::format("unknown draft method \"{}\" (expected none, ngram or mtp)", name));
 }
 
 std::vector<int32_t> ngram_draft(std::span<const int32_t> context, int max_tokens, int ngram_min, int ngram_max) {

@@ -14,15 +14,16 @@ namespace dsv4 {
 enum class DraftMethod {
   None,
   Ngram,  // prompt lookup: continue the latest earlier occurrence of the sequence's last n tokens
+  Mtp,    // the checkpoint's MTP block (spec 5): one draft per step, its greedy guess of the token after next
 };
 
 struct SpeculateOptions {
   DraftMethod method = DraftMethod::None;
-  int max_draft = 4;             // drafted tokens per step at most
+  int max_draft = 4;             // drafted tokens per step at most (Ngram; Mtp drafts one)
   int ngram_min = 1, ngram_max = 3;  // n-gram lengths tried, longest first
 };
 
-DraftMethod parse_draft_method(const std::string& name);  // "none", "ngram"
+DraftMethod parse_draft_method(const std::string& name);  // "none", "ngram", "mtp"
 
 // Prompt-lookup drafts: for n = ngram_max .. ngram_min, the latest position where the last n tokens of `context`
 // occurred before, and up to max_tokens tokens that followed them there; empty when no n-gram recurs.

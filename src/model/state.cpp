@@ -42,7 +42,7 @@ static CompressorState make_compressor(int ratio, int dim, bool overlap) {
   return s;
 }
 
-SequenceState SequenceState::create(const ModelConfig& c, int max_context) {
+SequenceState SequenceState::create(const ModelConfig& c, int max_context, bool mtp) {
   DSV4_CHECK(max_context > 0, "--max-context must be positive, got {}", max_context);
   SequenceState s;
   s.max_context = max_context;
@@ -60,12 +60,17 @@ SequenceState SequenceState::create(const ModelConfig& c, int max_context) {
       L.index_compressor = make_compressor(r, c.index_head_dim, true);
     }
   }
+  if (mtp) {
+    s.mtp.emplace();
+    s.mtp->window.resize(size_t(s.window_slots) * c.head_dim);
+  }
   return s;
 }
 
 void SequenceState::reset() {
   n_tokens = 0;
   rollback_floor = 0;
+  mtp_tokens = 0;
   for (LayerState& L : layers) {
     L.n_compressed = 0;
     L.n_index_keys = 0;
@@ -88,10 +93,13 @@ void SequenceState::rollback(int64_t n) {
     }
   }
   n_tokens = n;
+  // The MTP block only has a window ring, whose slots past n are never read again (as the main model's).
+  mtp_tokens = std::min(mtp_tokens, n);
 }
 
 size_t SequenceState::bytes() const {
   size_t b = 0;
+  if (mtp) b += mtp->window.size() * sizeof(float);
   for (const LayerState& L : layers) {
     b += (L.window.size() + L.compressed.size() + L.index_keys.size()) * sizeof(float);
     for (const auto* cs : {&L.compressor, &L.index_compressor})

@@ -56,8 +56,10 @@ struct SequenceState {
   std::vector<LayerState> layers;
 
   int64_t rollback_floor = 0;  // rollback() can go back to any position from here to n_tokens
+  std::optional<LayerState> mtp;  // the MTP block's window ring (models loaded with it)
+  int64_t mtp_tokens = 0;         // positions the MTP block consumed (<= n_tokens)
 
-  static SequenceState create(const ModelConfig& config, int max_context);
+  static SequenceState create(const ModelConfig& config, int max_context, bool mtp = false);
   void reset();          // start a new sequence (compressor scores back to -inf: spec 3.5)
   // Forgets the tokens at positions >= n: only tokens of the last forward, at most kMaxRollback of them
   // (rollback_floor <= n <= n_tokens). The state is then what a forward over the first n tokens left.

@@ -71,8 +71,10 @@ constexpr NameAlias kAliases[] = {
 std::vector<std::string> candidate_names(const std::string& official) {
   std::vector<std::string> names = {official, "model." + official};
   std::string layer_prefix, rest = official;
-  if (official.rfind("layers.", 0) == 0) {
-    const size_t dot = official.find('.', 7);
+  // Block tensors ("layers.<l>.", the MTP block's "mtp.0.") take the aliases of what follows the prefix.
+  for (const char* block : {"layers.", "mtp."}) {
+    if (official.rfind(block, 0) != 0) continue;
+    const size_t dot = official.find('.', std::string_view(block).size());
     layer_prefix = official.substr(0, dot + 1);
     rest = official.substr(dot + 1);
   }
@@ -163,7 +165,7 @@ class WeightReader {
       if (name.rfind("mtp.", 0) == 0 || name.rfind("model.mtp.", 0) == 0) ++n_mtp;
       else unused.push_back(name);
     }
-    if (n_mtp) spdlog::info("checkpoint has {} MTP tensors; speculative decoding is not used", n_mtp);
+    if (n_mtp) spdlog::info("checkpoint has {} MTP tensors, not loaded (--speculate mtp uses them)", n_mtp);
     if (!unused.empty())
       spdlog::warn("checkpoint has {} tensors the engine does not use, e.g. \"{}\"", unused.size(), unused.front());
   }
@@ -235,68 +237,88 @@ std::vector<ExpertWeights> load_experts(WeightReader& r, const std::string& p, c
 
 }  // namespace
 
-ModelWeights load_weights(const ModelConfig& c, std::shared_ptr<const Checkpoint> storage, WeightLoad mode) {
+// The tensors of block l (prefix "layers.<l>." or, for l = n_layers, the MTP block's "mtp.0.").
+static LayerWeights load_layer(WeightReader& r, const ModelConfig& c, int l, const std::string& p) {
+  const int D = c.hidden_size, hc = c.hc_mult, n_mix = (2 + hc) * hc;
+  LayerWeights L;
+  L.attn_norm = r.vector(p + "attn_norm.weight", D);
+  L.ffn_norm = r.vector(p + "ffn_norm.weight", D);
+  L.hc_attn = load_hc(r, p + "hc_attn_", n_mix, 3, hc * D);
+  L.hc_ffn = load_hc(r, p + "hc_ffn_", n_mix, 3, hc * D);
+
+  AttentionWeights& A = L.attn;
+  const int H = c.n_heads, hd = c.head_dim;
+  A.wq_a = r.linear(p + "attn.wq_a.weight", c.q_lora_rank, D);
+  A.q_norm = r.vector(p + "attn.q_norm.weight", c.q_lora_rank);
+  A.wq_b = r.linear(p + "attn.wq_b.weight", H * hd, c.q_lora_rank);
+  A.wkv = r.linear(p + "attn.wkv.weight", hd, D);
+  A.kv_norm = r.vector(p + "attn.kv_norm.weight", hd);
+  A.wo_a = r.linear(p + "attn.wo_a.weight", c.o_groups * c.o_lora_rank, H * hd / c.o_groups);
+  A.wo_b = r.linear(p + "attn.wo_b.weight", D, c.o_groups * c.o_lora_rank);
+  A.sink = r.vector(p + "attn.attn_sink", H);
+  if (c.has_compressor(l))
+    A.compressor = load_compressor(r, p + "attn.compressor.", c.ratio(l), c.is_csa(l), hd, D);
+  if (c.is_csa(l)) {
+    IndexerWeights I;
+    I.wq_b = r.linear(p + "attn.indexer.wq_b.weight", c.index_n_heads * c.index_head_dim, c.q_lora_rank);
+    I.weights_proj = r.matrix(p + "attn.indexer.weights_proj.weight", c.index_n_heads, D);
+    I.compressor = load_compressor(r, p + "attn.indexer.compressor.", c.ratio(l), true,
+                                   c.index_head_dim, D);
+    A.indexer = std::move(I);
+  }
+
+  MoEWeights& M = L.ffn;
+  M.gate = r.matrix(p + "ffn.gate.weight", c.n_routed_experts, D);
+  if (c.hashed(l)) {
+    const TensorView& t = r.require(p + "ffn.gate.tid2eid");
+    DSV4_CHECK(t.shape == std::vector<int64_t>({c.vocab_size, c.n_experts_per_tok}),
+               "tensor \"{}\": expected shape [{}, {}], got {}", t.name, c.vocab_size, c.n_experts_per_tok,
+               t.shape_str());
+    for (int64_t v : to_i64(t)) {
+      DSV4_CHECK(v >= 0 && v < c.n_routed_experts, "tensor \"{}\": expert id {} out of range [0, {})", t.name, v,
+                 c.n_routed_experts);
+      M.tid2eid.push_back(int32_t(v));
+    }
+  } else {
+    M.gate_bias = r.vector(p + "ffn.gate.bias", c.n_routed_experts);
+  }
+  M.experts = load_experts(r, p, c);
+  if (c.n_shared_experts > 0) {
+    const int I = c.moe_inter * c.n_shared_experts;
+    M.shared = ExpertWeights{r.linear(p + "ffn.shared_experts.w1.weight", I, D),
+                             r.linear(p + "ffn.shared_experts.w3.weight", I, D),
+                             r.linear(p + "ffn.shared_experts.w2.weight", D, I)};
+  }
+  return L;
+}
+
+ModelWeights load_weights(const ModelConfig& c, std::shared_ptr<const Checkpoint> storage, WeightLoad mode,
+                          bool mtp) {
   DSV4_CHECK(storage, "load_weights: no checkpoint");
   const Checkpoint& checkpoint = *storage;
   WeightReader r(checkpoint, mode);
-  const int D = c.hidden_size, hc = c.hc_mult, n_mix = (2 + hc) * hc;
+  const int D = c.hidden_size, hc = c.hc_mult;
   ModelWeights w;
   w.embed = r.matrix("embed.weight", c.vocab_size, D);
   w.head = r.linear("head.weight", c.vocab_size, D);
   w.norm = r.vector("norm.weight", D);
   w.hc_head = load_hc(r, "hc_head_", hc, 1, hc * D);
-  w.layers.resize(c.n_layers);
-  for (int l = 0; l < c.n_layers; ++l) {
-    const std::string p = "layers." + std::to_string(l) + ".";
-    LayerWeights& L = w.layers[l];
-    L.attn_norm = r.vector(p + "attn_norm.weight", D);
-    L.ffn_norm = r.vector(p + "ffn_norm.weight", D);
-    L.hc_attn = load_hc(r, p + "hc_attn_", n_mix, 3, hc * D);
-    L.hc_ffn = load_hc(r, p + "hc_ffn_", n_mix, 3, hc * D);
-
-    AttentionWeights& A = L.attn;
-    const int H = c.n_heads, hd = c.head_dim;
-    A.wq_a = r.linear(p + "attn.wq_a.weight", c.q_lora_rank, D);
-    A.q_norm = r.vector(p + "attn.q_norm.weight", c.q_lora_rank);
-    A.wq_b = r.linear(p + "attn.wq_b.weight", H * hd, c.q_lora_rank);
-    A.wkv = r.linear(p + "attn.wkv.weight", hd, D);
-    A.kv_norm = r.vector(p + "attn.kv_norm.weight", hd);
-    A.wo_a = r.linear(p + "attn.wo_a.weight", c.o_groups * c.o_lora_rank, H * hd / c.o_groups);
-    A.wo_b = r.linear(p + "attn.wo_b.weight", D, c.o_groups * c.o_lora_rank);
-    A.sink = r.vector(p + "attn.attn_sink", H);
-    if (c.has_compressor(l))
-      A.compressor = load_compressor(r, p + "attn.compressor.", c.compress_ratio[l], c.is_csa(l), hd, D);
-    if (c.is_csa(l)) {
-      IndexerWeights I;
-      I.wq_b = r.linear(p + "attn.indexer.wq_b.weight", c.index_n_heads * c.index_head_dim, c.q_lora_rank);
-      I.weights_proj = r.matrix(p + "attn.indexer.weights_proj.weight", c.index_n_heads, D);
-      I.compressor = load_compressor(r, p + "attn.indexer.compressor.", c.compress_ratio[l], true,
-                                     c.index_head_dim, D);
-      A.indexer = std::move(I);
-    }
-
-    MoEWeights& M = L.ffn;
-    M.gate = r.matrix(p + "ffn.gate.weight", c.n_routed_experts, D);
-    if (c.hash_routed[l]) {
-      const TensorView& t = r.require(p + "ffn.gate.tid2eid");
-      DSV4_CHECK(t.shape == std::vector<int64_t>({c.vocab_size, c.n_experts_per_tok}),
-                 "tensor \"{}\": expected shape [{}, {}], got {}", t.name, c.vocab_size, c.n_experts_per_tok,
-                 t.shape_str());
-      for (int64_t v : to_i64(t)) {
-        DSV4_CHECK(v >= 0 && v < c.n_routed_experts, "tensor \"{}\": expert id {} out of range [0, {})", t.name, v,
-                   c.n_routed_experts);
-        M.tid2eid.push_back(int32_t(v));
-      }
-    } else {
-      M.gate_bias = r.vector(p + "ffn.gate.bias", c.n_routed_experts);
-    }
-    M.experts = load_experts(r, p, c);
-    if (c.n_shared_experts > 0) {
-      const int I = c.moe_inter * c.n_shared_experts;
-      M.shared = ExpertWeights{r.linear(p + "ffn.shared_experts.w1.weight", I, D),
-                               r.linear(p + "ffn.shared_experts.w3.weight", I, D),
-                               r.linear(p + "ffn.shared_experts.w2.weight", D, I)};
-    }
+  w.layers.reserve(c.n_layers);
+  for (int l = 0; l < c.n_layers; ++l) w.layers.push_back(load_layer(r, c, l, "layers." + std::to_string(l) + "."));
+  if (mtp) {
+    DSV4_CHECK(c.n_mtp_layers > 0 && r.find("mtp.0.attn_norm.weight"),
+               "checkpoint {} has no MTP block (num_nextn_predict_layers = {}, no \"mtp.0.*\" tensors; exports "
+               "through transformers drop them)", checkpoint.dir(), c.n_mtp_layers);
+    const std::string p = "mtp.0.";
+    MtpWeights m;
+    m.block = load_layer(r, c, c.n_layers, p);
+    m.e_proj = r.linear(p + "e_proj.weight", D, D);
+    m.h_proj = r.linear(p + "h_proj.weight", D, D);
+    m.enorm = r.vector(p + "enorm.weight", D);
+    m.hnorm = r.vector(p + "hnorm.weight", D);
+    m.norm = r.vector(p + "norm.weight", D);
+    m.hc_head = load_hc(r, p + "hc_head_", hc, 1, hc * D);
+    w.mtp = std::move(m);
   }
   r.report_unused();
   if (mode == WeightLoad::KeepLinearsPacked) w.storage = std::move(storage);

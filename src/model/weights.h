@@ -79,6 +79,15 @@ struct LayerWeights {
   MoEWeights ffn;
 };
 
+// The multi-token-prediction block (spec 5, "mtp.0."): a block like the others (sliding-window attention, gated
+// MoE) fed with the main model's final streams and the next token's embedding; it guesses the token after that.
+struct MtpWeights {
+  LayerWeights block;
+  Matrix e_proj, h_proj;         // [D, D]
+  Vector enorm, hnorm, norm;     // [D]
+  HyperConnWeights hc_head;      // [hc, hc*D] its own final collapse
+};
+
 struct ModelWeights {
   std::shared_ptr<const Checkpoint> storage;  // set when packed views point into it
   Matrix embed;                  // [vocab, D]
@@ -86,6 +95,7 @@ struct ModelWeights {
   Vector norm;                   // [D]
   HyperConnWeights hc_head;
   std::vector<LayerWeights> layers;
+  std::optional<MtpWeights> mtp;  // loaded on request (load_weights' mtp)
 };
 
 // Loads and checks every tensor the config implies (official names, with or without a `model.` prefix, or the
@@ -95,7 +105,8 @@ struct ModelWeights {
 // checkpoint encoding as Matrix::packed views when the kernels read that encoding (every value is still checked);
 // the rest, and encodings without a packed form (logged), are decoded to fp32 as with DecodeAll.
 enum class WeightLoad { DecodeAll, KeepLinearsPacked };
+// mtp: also the MTP block (throws when the checkpoint has none).
 ModelWeights load_weights(const ModelConfig& config, std::shared_ptr<const Checkpoint> checkpoint,
-                          WeightLoad mode = WeightLoad::DecodeAll);
+                          WeightLoad mode = WeightLoad::DecodeAll, bool mtp = false);
 
 }  // namespace dsv4

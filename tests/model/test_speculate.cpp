@@ -8,7 +8,13 @@
 #include <cmath>
 #include <filesystem>
 
+#include <unistd.h>
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+
 #include "core/check.h"
+#include "io/safetensors.h"
 #include "model/model.h"
 #include "model/session.h"
 #include "model/speculate.h"
@@ -183,7 +189,146 @@ TEST(Speculate, DraftsStopAtTheContextAndTheTokenBudget) {
 TEST(Speculate, UnknownMethodIsAnError) {
   EXPECT_EQ(parse_draft_method("ngram"), DraftMethod::Ngram);
   EXPECT_EQ(parse_draft_method("none"), DraftMethod::None);
+  EXPECT_EQ(parse_draft_method("mtp"), DraftMethod::Mtp);
   EXPECT_THROW(parse_draft_method("mtp2"), Error);
+}
+
+// models/tiny plus an MTP block ("model.mtp.0.*", as the official checkpoints name it under a "model." prefix):
+// layer 0's attention (sliding window), layer 3's gated MoE, e_proj / h_proj of reproducible random values, the
+// main model's final collapse, norms of ones. Written once per test process.
+const std::string& tiny_with_mtp_dir() {
+  static const std::string dir = [] {
+    const fs::path src = fs::path(DSV4_SOURCE_DIR) / "models" / "tiny";
+    const fs::path out = fs::temp_directory_path() / ("dsv4_tiny_mtp_" + std::to_string(::getpid()));
+    fs::create_directories(out);
+    nlohmann::json config = nlohmann::json::parse(std::ifstream(src / "config.json"));
+    config["num_nextn_predict_layers"] = 1;
+    std::ofstream(out / "config.json") << config.dump(2);
+    const Checkpoint ck = Checkpoint::open(src.string());
+    std::vector<TensorToWrite> tensors;
+    std::vector<std::vector<float>> owned;
+    for (const auto& [name, t] : ck.tensors()) {
+      tensors.push_back({name, t->dtype, t->shape, {t->data, t->nbytes}});
+      auto copy_as = [&](const std::string& from, const std::string& to) {
+        if (name.rfind(from, 0) == 0) tensors.push_back({to + name.substr(from.size()), t->dtype, t->shape,
+                                                        {t->data, t->nbytes}});
+      };
+      if (name.find("attn") != std::string::npos) copy_as("model.layers.0.", "model.mtp.0.");  // attention, hc_attn
+      if (name.find("ffn") != std::string::npos) copy_as("model.layers.3.", "model.mtp.0.");   // MoE, hc_ffn
+      copy_as("model.hc_head.hc_", "model.mtp.0.hc_head_");  // transformers' name -> the official MTP one
+    }
+    const int D = ck.find("model.norm.weight")->shape[0];
+    uint64_t rng = 12345;
+    auto uniform = [&] {  // xorshift64*: the same values on every platform
+      rng ^= rng >> 12, rng ^= rng << 25, rng ^= rng >> 27;
+      return float(double((rng * 0x2545F4914F6CDD1DULL) >> 11) * 0x1.0p-53 - 0.5);
+    };
+    for (const char* proj : {"e_proj", "h_proj"}) {
+      owned.emplace_back(size_t(D) * D);
+      for (float& v : owned.back()) v = uniform() * 0.5f;
+    }
+    for (int i = 0; i < 3; ++i) owned.emplace_back(size_t(D), 1.0f);
+    auto bytes = [](const std::vector<float>& v) {
+      return std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(v.data()), v.size() * sizeof(float));
+    };
+    tensors.push_back({"model.mtp.0.e_proj.weight", DType::F32, {D, D}, bytes(owned[0])});
+    tensors.push_back({"model.mtp.0.h_proj.weight", DType::F32, {D, D}, bytes(owned[1])});
+    tensors.push_back({"model.mtp.0.enorm.weight", DType::F32, {D}, bytes(owned[2])});
+    tensors.push_back({"model.mtp.0.hnorm.weight", DType::F32, {D}, bytes(owned[3])});
+    tensors.push_back({"model.mtp.0.norm.weight", DType::F32, {D}, bytes(owned[4])});
+    write_safetensors((out / "model.safetensors").string(), tensors);
+    return out.string();
+  }();
+  static const struct Cleanup {
+    ~Cleanup() { fs::remove_all(dir); }
+  } cleanup;
+  return dir;
+}
+
+const Model& tiny_mtp_model() {
+  static const Model model =
+      Model::load(tiny_with_mtp_dir(), {cpu::KvStorage::F32, cpu::IndexerStorage::F32}, WeightLoad::DecodeAll, true);
+  return model;
+}
+
+TEST(Mtp, LoadsOnRequestAndRefusesCheckpointsWithout) {
+  EXPECT_TRUE(tiny_mtp_model().has_mtp());
+  EXPECT_FALSE(Model::load(tiny_with_mtp_dir()).has_mtp());  // not asked for
+  EXPECT_THROW(Model::load((fs::path(DSV4_SOURCE_DIR) / "models" / "tiny").string(), {}, WeightLoad::DecodeAll, true),
+               Error);
+}
+
+// Spec 3.11 for the MTP block too: its pairs fed at once or a few at a time give the same logits.
+TEST(Mtp, ChunkedPairsEqualOneChunk) {
+  const Model& model = tiny_mtp_model();
+  std::vector<int32_t> ids(150);
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = int32_t((i * 37 + 11) % 1000);
+  std::vector<float> streams;
+  SequenceState whole = model.new_sequence(200), parts = model.new_sequence(200);
+  model.forward(whole, ids, true, &streams);
+  model.forward(parts, ids, true);
+  const std::span<const int32_t> next(ids.data() + 1, ids.size() - 1);  // the pair of position i is (X_i, ids[i+1])
+  const std::vector<float> all = model.mtp_forward(whole, streams.data(), next, false);
+  std::vector<float> pieces;
+  const size_t row = streams.size() / ids.size();
+  for (size_t at = 0, k = 0; at < next.size(); ++k) {
+    const size_t n = std::min<size_t>(std::vector<size_t>{1, 7, 2, 30}[k % 4], next.size() - at);
+    const std::vector<float> r = model.mtp_forward(parts, streams.data() + at * row, next.subspan(at, n), false);
+    pieces.insert(pieces.end(), r.begin(), r.end());
+    at += n;
+  }
+  EXPECT_EQ(whole.mtp_tokens, 149);
+  EXPECT_LE(max_diff(all, pieces), 1e-4);
+  // The MTP block reads the main model's streams: other streams, other logits.
+  std::vector<float> shifted(streams.begin() + row, streams.end());
+  SequenceState other = model.new_sequence(200);
+  model.forward(other, ids, true);
+  const std::vector<float> moved = model.mtp_forward(other, shifted.data(), next.subspan(0, 148), false);
+  EXPECT_GT(max_diff(std::vector<float>(all.begin(), all.begin() + moved.size()), moved), 1e-2);
+  EXPECT_THROW(model.mtp_forward(other, streams.data(), next.subspan(0, 3), false), Error);  // past the main model
+}
+
+TEST(Mtp, SpeculationGivesPlainDecodingsTokens) {
+  const std::vector<int32_t> prompt{5, 17, 99, 42, 5, 17, 99, 42, 5, 17};
+  for (const SamplingParams& p : {SamplingParams{}, SamplingParams{0.9f, 1.0f, 0, 3}}) {
+    for (bool keep_logits : {false, true}) {
+      auto plain_runner = make_cpu_runner(tiny_model(), 256), spec_runner = make_cpu_runner(tiny_mtp_model(), 256);
+      GenerateOptions o = options_for(p, DraftMethod::None, keep_logits);
+      const GenerateResult plain = Session(*plain_runner).generate(prompt, o);
+      o.speculate.method = DraftMethod::Mtp;
+      const GenerateResult spec = Session(*spec_runner).generate(prompt, o);
+      EXPECT_EQ(spec.output_ids, plain.output_ids) << "T " << p.temperature << " keep " << keep_logits;
+      EXPECT_EQ(spec.decode_steps + spec.accepted, plain.decode_steps);
+      EXPECT_GT(spec.drafted, 100);  // one draft per step but where the budget ends
+      EXPECT_EQ(spec_runner->n_tokens(), plain_runner->n_tokens());
+      EXPECT_LE(spec_runner->mtp_pending(), 1);  // fed every step: only the rows after the last draft wait
+      if (keep_logits) EXPECT_LE(max_diff(spec.logits, plain.logits), 1e-4);
+      std::printf("[mtp] T %.1f: %d of %d drafts kept (random MTP weights)\n", p.temperature, spec.accepted,
+                  spec.drafted);
+    }
+  }
+  // Without the block: a clear error, not plain decoding.
+  auto runner = make_cpu_runner(tiny_model(), 64);
+  EXPECT_THROW(Session(*runner).generate(prompt, options_for({}, DraftMethod::Mtp, false)), Error);
+}
+
+// A conversation: the second turn's prompt starts with the token the first turn left unfed, and the MTP block
+// catches up on the rows it trails by (also after a turn that generated nothing).
+TEST(Mtp, ContinuedConversationMatchesPlainDecoding) {
+  std::vector<std::vector<int32_t>> outputs[2];
+  for (int spec = 0; spec < 2; ++spec) {
+    auto runner = make_cpu_runner(spec ? tiny_mtp_model() : tiny_model(), 256);
+    Session session(*runner);
+    GenerateOptions o = options_for({}, spec ? DraftMethod::Mtp : DraftMethod::None, false);
+    o.max_new_tokens = 0;
+    session.generate(std::vector<int32_t>{9, 8, 7}, o);
+    o.max_new_tokens = 30;
+    const GenerateResult a = session.generate(std::vector<int32_t>{5, 17, 99, 42}, o);
+    std::vector<int32_t> turn2{a.output_ids.back(), 7, 8, 9};
+    const GenerateResult b = session.generate(turn2, o);
+    outputs[spec] = {a.output_ids, b.output_ids};
+  }
+  EXPECT_EQ(outputs[1], outputs[0]);
 }
 
 }  // namespace
