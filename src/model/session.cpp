@@ -109,9 +109,10 @@ GenerateResult Session::generate(std::span<const int32_t> prompt, const Generate
              "model loaded without it, or a backend that does not run it)");
   int max_draft = 0;
   if (spec.method != DraftMethod::None) {
-    max_draft = std::min(spec.method == DraftMethod::Mtp ? 1 : spec.max_draft, runner_.max_rollback());
+    const int asked = spec.method == DraftMethod::Mtp ? 1 : spec.max_draft;
+    max_draft = std::min(asked, runner_.max_rollback());
     if (max_draft == 0) spdlog::warn("speculative decoding is off: this backend cannot roll back rejected drafts");
-    else if (max_draft < spec.max_draft) spdlog::warn("drafts limited to {} tokens by the backend", max_draft);
+    else if (max_draft < asked) spdlog::warn("drafts limited to {} tokens by the backend", max_draft);
   }
   if (runner_.n_tokens() != int64_t(history_.size())) history_.clear();  // the runner was used without this session
   GenerateResult result;
