@@ -108,16 +108,39 @@ def load(path):
             for k, v in split_fused(name, t).items():
                 assert k not in w, f"duplicate tensor {k} in {path}"
                 w[k] = v
+    _take_mtp_block(cfg, w)
     model = Model(cfg, w)
     _check_inventory(model)
     return model
+
+
+_MTP_OWN = ("e_proj.weight", "h_proj.weight", "enorm.weight", "hnorm.weight", "norm.weight", "hc_head_fn",
+            "hc_head_base", "hc_head_scale")
+
+
+def _take_mtp_block(cfg, w):
+    """The MTP block ("mtp.0.*", spec 5) becomes layer n_layers (sliding window, gated MoE) and its own tensors
+    "mtp.<name>"; cfg.has_mtp tells whether the checkpoint has one."""
+    cfg.has_mtp = any(k.startswith("mtp.0.") for k in w)
+    if not cfg.has_mtp:
+        return
+    for lst in (cfg.layer_types, cfg.ratios, cfg.hash_layer):  # configs may list the MTP block already
+        del lst[cfg.n_layers:]
+    for k in [k for k in w if k.startswith("mtp.0.")]:
+        rest = k[len("mtp.0."):]
+        w[("mtp." if rest in _MTP_OWN else f"layers.{cfg.n_layers}.") + rest] = w.pop(k)
+    cfg.layer_types.append(SWA)
+    cfg.ratios.append(0)
+    cfg.hash_layer.append(False)
 
 
 def _check_inventory(model):
     """Every tensor the forward reads exists, and every stored tensor is read."""
     c = model.cfg
     need = {"embed.weight", "head.weight", "norm.weight", "hc_head_fn", "hc_head_base", "hc_head_scale"}
-    for i in range(c.n_layers):
+    if c.has_mtp:
+        need |= {"mtp." + n for n in _MTP_OWN}
+    for i in range(c.n_layers + int(c.has_mtp)):
         p = f"layers.{i}."
         need |= {p + n for n in ["attn_norm.weight", "ffn_norm.weight"]}
         need |= {p + f"hc_{s}_{k}" for s in ("attn", "ffn") for k in ("fn", "base", "scale")}
@@ -476,26 +499,56 @@ def moe(model, i, x, ids, num, stats):
 
 # ----------------------------------------------------------------------------------------------------------
 # Whole model
-def forward(model, ids, num=None, stats=None):
-    """Next-token logits [S, vocab] (num.dtype) for every prefix of ids (a list or 1-D tensor of token ids)."""
+def block(model, i, X, ids, num, stats):
+    """Block i (layer n_layers: the MTP block) on the streams X [S, hc, D]: mHC around attention, then the MoE."""
+    cfg, w = model.cfg, model.w
+    p = f"layers.{i}."
+    W = lambda n: w[p + n].to(num.dtype)  # noqa: E731
+    a, post, comb = hc_pre(X, W("hc_attn_fn"), W("hc_attn_scale"), W("hc_attn_base"), cfg)
+    o = attention(model, i, rms_norm(a, W("attn_norm.weight"), cfg.eps), num, stats)
+    X = hc_post(o, X, post, comb)
+    a, post, comb = hc_pre(X, W("hc_ffn_fn"), W("hc_ffn_scale"), W("hc_ffn_base"), cfg)
+    o = moe(model, i, rms_norm(a, W("ffn_norm.weight"), cfg.eps), ids, num, stats)
+    return hc_post(o, X, post, comb)
+
+
+def head(model, X, prefix, num):
+    """Final collapse, norm and the shared head: logits [S, vocab]; prefix "" (the model) or "mtp." (MTP)."""
+    cfg, w = model.cfg, model.w
+    W = lambda n: w[prefix + n].to(num.dtype)  # noqa: E731
+    y = hc_head(X, W("hc_head_fn"), W("hc_head_scale"), W("hc_head_base"), cfg)
+    y = rms_norm(y, W("norm.weight"), cfg.eps)
+    return y @ w["head.weight"].to(num.dtype).T
+
+
+def forward(model, ids, num=None, stats=None, streams=False):
+    """Next-token logits [S, vocab] (num.dtype) for every prefix of ids (a list or 1-D tensor of token ids);
+    streams: (logits, the final residual streams X [S, hc, D]), the MTP block's input."""
     num = num or Numerics()
     cfg, w = model.cfg, model.w
-    dt = num.dtype
     ids = torch.as_tensor(ids, dtype=torch.long)
     S = ids.shape[0]
-    X = w["embed.weight"].to(dt)[ids][:, None, :].expand(S, cfg.hc, cfg.dim).clone()
+    X = w["embed.weight"].to(num.dtype)[ids][:, None, :].expand(S, cfg.hc, cfg.dim).clone()
     for i in range(cfg.n_layers):
-        p = f"layers.{i}."
-        W = lambda n: w[p + n].to(dt)  # noqa: E731
-        a, post, comb = hc_pre(X, W("hc_attn_fn"), W("hc_attn_scale"), W("hc_attn_base"), cfg)
-        o = attention(model, i, rms_norm(a, W("attn_norm.weight"), cfg.eps), num, stats)
-        X = hc_post(o, X, post, comb)
-        a, post, comb = hc_pre(X, W("hc_ffn_fn"), W("hc_ffn_scale"), W("hc_ffn_base"), cfg)
-        o = moe(model, i, rms_norm(a, W("ffn_norm.weight"), cfg.eps), ids, num, stats)
-        X = hc_post(o, X, post, comb)
-    y = hc_head(X, w["hc_head_fn"].to(dt), w["hc_head_scale"].to(dt), w["hc_head_base"].to(dt), cfg)
-    y = rms_norm(y, w["norm.weight"].to(dt), cfg.eps)
-    return y @ w["head.weight"].to(dt).T
+        X = block(model, i, X, ids, num, stats)
+    logits = head(model, X, "", num)
+    return (logits, X) if streams else logits
+
+
+def mtp_forward(model, X, next_ids, num=None):
+    """The MTP block (spec 5) on the pairs (X[i], next_ids[i]) at positions 0..S-1: X the main model's final
+    streams [S, hc, D] (forward(..., streams=True)), next_ids[i] the token after position i. Returns its logits
+    [S, vocab]: row i guesses the token after next_ids[i]."""
+    num = num or Numerics()
+    cfg, w = model.cfg, model.w
+    assert cfg.has_mtp, "the checkpoint has no MTP block"
+    W = lambda n: w["mtp." + n].to(num.dtype)  # noqa: E731
+    next_ids = torch.as_tensor(next_ids, dtype=torch.long)
+    e = rms_norm(w["embed.weight"].to(num.dtype)[next_ids], W("enorm.weight"), cfg.eps)  # [S, D]
+    h = rms_norm(X, W("hnorm.weight"), cfg.eps)  # per stream
+    Y = (e @ W("e_proj.weight").T)[:, None, :] + h @ W("h_proj.weight").T  # [S, hc, D]
+    Y = block(model, cfg.n_layers, Y, next_ids, num, None)
+    return head(model, Y, "mtp.", num)
 
 
 def greedy(model, prompt, n_new, num=None, stats=None):

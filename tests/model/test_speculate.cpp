@@ -8,13 +8,7 @@
 #include <cmath>
 #include <filesystem>
 
-#include <unistd.h>
-
-#include <fstream>
-#include <nlohmann/json.hpp>
-
 #include "core/check.h"
-#include "io/safetensors.h"
 #include "model/model.h"
 #include "model/session.h"
 #include "model/speculate.h"
@@ -193,57 +187,8 @@ TEST(Speculate, UnknownMethodIsAnError) {
   EXPECT_THROW(parse_draft_method("mtp2"), Error);
 }
 
-// models/tiny plus an MTP block ("model.mtp.0.*", as the official checkpoints name it under a "model." prefix):
-// layer 0's attention (sliding window), layer 3's gated MoE, e_proj / h_proj of reproducible random values, the
-// main model's final collapse, norms of ones. Written once per test process.
-const std::string& tiny_with_mtp_dir() {
-  static const std::string dir = [] {
-    const fs::path src = fs::path(DSV4_SOURCE_DIR) / "models" / "tiny";
-    const fs::path out = fs::temp_directory_path() / ("dsv4_tiny_mtp_" + std::to_string(::getpid()));
-    fs::create_directories(out);
-    nlohmann::json config = nlohmann::json::parse(std::ifstream(src / "config.json"));
-    config["num_nextn_predict_layers"] = 1;
-    std::ofstream(out / "config.json") << config.dump(2);
-    const Checkpoint ck = Checkpoint::open(src.string());
-    std::vector<TensorToWrite> tensors;
-    std::vector<std::vector<float>> owned;
-    for (const auto& [name, t] : ck.tensors()) {
-      tensors.push_back({name, t->dtype, t->shape, {t->data, t->nbytes}});
-      auto copy_as = [&](const std::string& from, const std::string& to) {
-        if (name.rfind(from, 0) == 0) tensors.push_back({to + name.substr(from.size()), t->dtype, t->shape,
-                                                        {t->data, t->nbytes}});
-      };
-      if (name.find("attn") != std::string::npos) copy_as("model.layers.0.", "model.mtp.0.");  // attention, hc_attn
-      if (name.find("ffn") != std::string::npos) copy_as("model.layers.3.", "model.mtp.0.");   // MoE, hc_ffn
-      copy_as("model.hc_head.hc_", "model.mtp.0.hc_head_");  // transformers' name -> the official MTP one
-    }
-    const int D = ck.find("model.norm.weight")->shape[0];
-    uint64_t rng = 12345;
-    auto uniform = [&] {  // xorshift64*: the same values on every platform
-      rng ^= rng >> 12, rng ^= rng << 25, rng ^= rng >> 27;
-      return float(double((rng * 0x2545F4914F6CDD1DULL) >> 11) * 0x1.0p-53 - 0.5);
-    };
-    for (const char* proj : {"e_proj", "h_proj"}) {
-      owned.emplace_back(size_t(D) * D);
-      for (float& v : owned.back()) v = uniform() * 0.5f;
-    }
-    for (int i = 0; i < 3; ++i) owned.emplace_back(size_t(D), 1.0f);
-    auto bytes = [](const std::vector<float>& v) {
-      return std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(v.data()), v.size() * sizeof(float));
-    };
-    tensors.push_back({"model.mtp.0.e_proj.weight", DType::F32, {D, D}, bytes(owned[0])});
-    tensors.push_back({"model.mtp.0.h_proj.weight", DType::F32, {D, D}, bytes(owned[1])});
-    tensors.push_back({"model.mtp.0.enorm.weight", DType::F32, {D}, bytes(owned[2])});
-    tensors.push_back({"model.mtp.0.hnorm.weight", DType::F32, {D}, bytes(owned[3])});
-    tensors.push_back({"model.mtp.0.norm.weight", DType::F32, {D}, bytes(owned[4])});
-    write_safetensors((out / "model.safetensors").string(), tensors);
-    return out.string();
-  }();
-  static const struct Cleanup {
-    ~Cleanup() { fs::remove_all(dir); }
-  } cleanup;
-  return dir;
-}
+// models/tiny plus an MTP block made of its own layers and random e_proj / h_proj (reference/make_tiny_mtp.py).
+std::string tiny_with_mtp_dir() { return (fs::path(DSV4_TEST_DATA) / "golden" / "tiny-mtp").string(); }
 
 const Model& tiny_mtp_model() {
   static const Model model =
