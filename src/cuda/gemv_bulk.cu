@@ -150,21 +150,21 @@ __global__ void __launch_bounds__(kThreads, kTilesN <= 2 ? 2 : 1) gemv_bulk_kern
   }
 }
 
+template <auto kKernel>
+cudaError_t launch_kernel(const KernelArgs& a, dim3 grid, cudaStream_t stream) {
+  if (const cudaError_t e = gpu::allow_dynamic_smem<kKernel>(kSmemBytes); e != cudaSuccess) return e;
+  gpu::launch(kKernel, grid, kThreads, kSmemBytes, stream, a);
+  return cudaGetLastError();
+}
+
 template <Fmt F, bool kGrouped>
 cudaError_t launch_fmt(const KernelArgs& a, dim3 grid, cudaStream_t stream) {
   const int rows_per_block = kGemvWarps / a.split * 16;
   grid.x = (a.n + rows_per_block - 1) / rows_per_block;
-  auto go = [&](auto kernel) {
-    static const cudaError_t attr =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
-    if (attr != cudaSuccess) return attr;
-    gpu::launch(kernel, grid, kThreads, kSmemBytes, stream, a);
-    return cudaGetLastError();
-  };
-  if (a.m <= 8) return go(gemv_bulk_kernel<F, 1, kGrouped>);
-  if (a.m <= 16) return go(gemv_bulk_kernel<F, 2, kGrouped>);
-  if (a.m <= 32) return go(gemv_bulk_kernel<F, 4, kGrouped>);
-  return go(gemv_bulk_kernel<F, 8, kGrouped>);
+  if (a.m <= 8) return launch_kernel<gemv_bulk_kernel<F, 1, kGrouped>>(a, grid, stream);
+  if (a.m <= 16) return launch_kernel<gemv_bulk_kernel<F, 2, kGrouped>>(a, grid, stream);
+  if (a.m <= 32) return launch_kernel<gemv_bulk_kernel<F, 4, kGrouped>>(a, grid, stream);
+  return launch_kernel<gemv_bulk_kernel<F, 8, kGrouped>>(a, grid, stream);
 }
 
 template <Fmt F>

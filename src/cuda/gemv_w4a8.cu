@@ -383,6 +383,13 @@ __global__ void act_quant_kernel(const uint16_t* x, uint16_t* y, int rows, int k
     if (e0 + j < k) y[row * k + e0 + j] = f32_to_bf16(round_e4m3(v[j] / s) * s);
 }
 
+template <auto kKernel>
+cudaError_t launch_bulk(const KernelArgs& a, dim3 grid, size_t smem, cudaStream_t stream) {
+  if (const cudaError_t e = gpu::allow_dynamic_smem<kKernel>(kBulkMaxSmem); e != cudaSuccess) return e;
+  gpu::launch(kKernel, grid, kThreads, smem, stream, a);
+  return cudaGetLastError();
+}
+
 }  // namespace
 
 bool gemv_w4a8_supported(const GemvParams& p) {
@@ -409,15 +416,10 @@ cudaError_t gemv_w4a8_launch(const KernelArgs& args, const GemvParams& p, dim3 g
                                   (!a.w_second || (aligned16(a.w_second) && aligned16(a.w_scale_second)))));
   if (bulk) {
     const size_t smem = size_t(kBulkXAt) + size_t(p.k) + size_t(p.k / kChunkK) * sizeof(float);
-    auto go = [&](auto kernel) {
-      static const cudaError_t attr =
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBulkMaxSmem);
-      if (attr != cudaSuccess) return attr;
-      gpu::launch(kernel, grid, kThreads, smem, stream, a);
-      return cudaGetLastError();
-    };
-    if (nv) return grouped ? go(gemv_w4a8_bulk_kernel<true, true>) : go(gemv_w4a8_bulk_kernel<true, false>);
-    return grouped ? go(gemv_w4a8_bulk_kernel<false, true>) : go(gemv_w4a8_bulk_kernel<false, false>);
+    if (nv) return grouped ? launch_bulk<gemv_w4a8_bulk_kernel<true, true>>(a, grid, smem, stream)
+                           : launch_bulk<gemv_w4a8_bulk_kernel<true, false>>(a, grid, smem, stream);
+    return grouped ? launch_bulk<gemv_w4a8_bulk_kernel<false, true>>(a, grid, smem, stream)
+                   : launch_bulk<gemv_w4a8_bulk_kernel<false, false>>(a, grid, smem, stream);
   }
   if (nv && grouped) gpu::launch(gemv_w4a8_kernel<true, true>, grid, kThreads, 0, stream, a);
   else if (nv) gpu::launch(gemv_w4a8_kernel<true, false>, grid, kThreads, 0, stream, a);
