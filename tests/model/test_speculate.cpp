@@ -9,6 +9,7 @@
 #include <filesystem>
 
 #include "core/check.h"
+#include "io/npy.h"
 #include "model/model.h"
 #include "model/session.h"
 #include "model/speculate.h"
@@ -201,6 +202,37 @@ TEST(Mtp, LoadsOnRequestAndRefusesCheckpointsWithout) {
   EXPECT_FALSE(Model::load(tiny_with_mtp_dir()).has_mtp());  // not asked for
   EXPECT_THROW(Model::load((fs::path(DSV4_SOURCE_DIR) / "models" / "tiny").string(), {}, WeightLoad::DecodeAll, true),
                Error);
+}
+
+// The MTP block against reference/dsv4_ref.py's (reference/mtp_golden.py, fp64 with fp32 KV and indexer keys; the
+// transformers port has no MTP block): every pair (X_i, ids[i+1]) of a 150-token sequence, past the block's
+// 128-token window. fp32 against fp64: the reference's own fp32 run is 1.7e-5 from its fp64 one and the engine 1.8e-5
+// (measured), so 1e-4 leaves room for summation order and nothing for a wrong formula.
+TEST(Mtp, MatchesTheReferenceImplementation) {
+  const Model& model = tiny_mtp_model();
+  const int V = model.config().vocab_size;
+  const NpyArray ids_npy = read_npy((fs::path(tiny_with_mtp_dir()) / "mtp_ids.npy").string());
+  const NpyArray want = read_npy((fs::path(tiny_with_mtp_dir()) / "mtp_logits_f64.npy").string());
+  const NpyArray want_f32 = read_npy((fs::path(tiny_with_mtp_dir()) / "mtp_logits.npy").string());
+  std::vector<int32_t> ids(ids_npy.values.begin(), ids_npy.values.end());
+  ASSERT_EQ(ids.size(), 150u);
+  ASSERT_EQ(want.shape, (std::vector<int64_t>{149, V}));
+  std::vector<float> streams;
+  SequenceState state = model.new_sequence(200);
+  model.forward(state, ids, true, &streams);
+  const std::vector<float> got =
+      model.mtp_forward(state, streams.data(), std::span<const int32_t>(ids.data() + 1, ids.size() - 1), false);
+  ASSERT_EQ(got.size(), want.values.size());
+  double worst = 0, reference_noise = 0, largest = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    worst = std::max(worst, std::fabs(got[i] - want.values[i]));
+    reference_noise = std::max(reference_noise, std::fabs(want_f32.values[i] - want.values[i]));
+    largest = std::max(largest, std::fabs(want.values[i]));
+  }
+  std::printf("[mtp-golden] 149 rows: max |engine - fp64 reference| %.3g (reference fp32 vs fp64 %.3g, max|logit| "
+              "%.3g)\n", worst, reference_noise, largest);
+  EXPECT_LE(worst, 1e-4);
+  EXPECT_GT(largest, 1.0);  // logits of substance, not a block that outputs zeros
 }
 
 // Spec 3.11 for the MTP block too: its pairs fed at once or a few at a time give the same logits.
