@@ -825,9 +825,12 @@ TEST(CudaModel, BatchedDecodeFortySequences) {  // more rows than one mma n-tile
 // before touching what the step computes, so the logits must be the same bits with it on and off, and the same bits
 // when the same run repeats (a missing wait would show up as a difference that moves between runs).
 // CudaRunnerOptions::fuse_mhc_mix (each hc_post computes the next mix, hc_pre adds the partials) only reorders the
-// fp32 sums of the mHC mixes: against the unfused runner, the decode rows (and the prefill's last, short chunk, which
-// is decode-sized) must agree like batched rows do (median row within 1e-4 of max|logit|, 90% within 1e-3; a router
-// or indexer top-k may flip on an fp32 difference), both batch 1 and a batch of 5, both models.
+// fp32 sums of the mHC mixes: against the unfused runner, with fp32 KV and indexer keys, the median row must agree
+// within 1e-4 of max|logit| and every row within 5e-3 (prefill, batch 1 and a batch of 5, both models). Measured on
+// the H100: most rows bit-identical, a few isolated rows (and the rows after them) up to 2.6e-3 off, where a router
+// or indexer top-k choice flipped on an fp32 difference; a wrong mix moves every row. Under the default FP8 KV /
+// FP4 indexer rounding every such difference crosses rounding boundaries (median 7e-4, all rows), so that run
+// would test the rounding, not the fusion.
 void check_fused_mhc(const std::string& name, Numerics numerics) {
   std::string source;
   const Model model = tiny_model(name, numerics, &source);
@@ -875,13 +878,12 @@ void check_fused_mhc(const std::string& name, Numerics numerics) {
     std::printf("%s%.0f", r == size_t(n) || r == size_t(n + steps) ? " | " : " ", 1e4 * diff.row_max[r] / scale);
   std::printf("\n");
   EXPECT_LE(diff.quantile(0.5), 1e-4 * scale);
-  EXPECT_GE(diff.fraction_within(1e-3 * scale), 0.9);
+  EXPECT_LE(diff.max_abs, 5e-3 * scale);
 }
 
 TEST(CudaModel, FusedMhcMixMatchesSeparateMix) {
   DSV4_REQUIRE_CUDA();
-  check_fused_mhc("tiny-flash", kF32);  // without the FP8 KV / FP4 indexer rounding that amplifies fp32 differences
-  check_fused_mhc("tiny-flash", kDefault);
+  check_fused_mhc("tiny-flash", kF32);
   check_fused_mhc("tiny-pro", kF32);
 }
 
@@ -960,7 +962,7 @@ TEST(CudaModel, FusedRoutingChangesNoBits) {
 TEST(CudaModel, BulkGemvMatchesRegisterGemv) {
   DSV4_REQUIRE_CUDA();
   const ModelConfig c = k512_synthetic_config();
-  const Model model(c, synthetic_weights(c, 3), Numerics{});
+  const Model model(c, synthetic_weights(c, 3), kF32);  // no FP8 / FP4 rounding to amplify the split-k reorder
   const int V = c.vocab_size, n = 40, steps = 6, B = 5;
   const auto [prompt, fed] = random_prompt_and_fed(V, n, steps, 31);
   for (const GemvWeight format : {GemvWeight::NVFP4, GemvWeight::MXFP4, GemvWeight::FP8_BLOCK}) {
@@ -1079,24 +1081,43 @@ TEST(CudaModel, FusedQNormMatchesRowOp) {
 TEST(CudaModel, AllStagedSwitchesTogether) {
   DSV4_REQUIRE_CUDA();
   const ModelConfig c = k512_synthetic_config();
-  const Model model(c, synthetic_weights(c, 5), Numerics{});
+  // fp32 KV and indexer keys: the FP8 / FP4 rounding turns every fp32 reordering into rounding-boundary crossings.
+  const Model model(c, synthetic_weights(c, 5), kF32);
   const int V = c.vocab_size, n = 40, steps = 6, B = 5;
   const auto [prompt, fed] = random_prompt_and_fed(V, n, steps, 41);
-  auto options = [&](bool staged) {
+  enum : unsigned { kBulk = 1, kOverlap = 2, kMhc = 4, kRouting = 8, kQnorm = 16, kAll = 31 };
+  auto options = [&](unsigned on) {
     CudaRunnerOptions o;
     o.synthetic_format = GemvWeight::NVFP4;
     o.sequences = B;
     o.prefill_chunk = 64;
-    o.fuse_mhc_mix = o.fuse_moe_routing = o.overlap_branches = o.fuse_q_norm_rope = staged;
-    o.group_shared_expert = !staged;
+    o.fuse_mhc_mix = on & kMhc;
+    o.fuse_moe_routing = on & kRouting;
+    o.overlap_branches = on & kOverlap;
+    o.fuse_q_norm_rope = on & kQnorm;
+    o.group_shared_expert = !(on & kOverlap);
     return o;
   };
+  set_gemv_bulk(false);
+  std::unique_ptr<SequenceRunner> plain = make_cuda_runner(model, n + 2 * steps + 2, options(0));
+  const DecodeRun off = prefill_and_decode(*plain, prompt, fed, B);
+  // Each switch alone first: when the set fails, the line that fails names the switch.
+  for (const auto& [on, what] : std::vector<std::pair<unsigned, const char*>>{
+           {kBulk, "bulk"}, {kOverlap, "overlap"}, {kMhc, "mhc"}, {kRouting, "routing"}, {kQnorm, "qnorm"}}) {
+    set_gemv_bulk(on & kBulk);
+    std::unique_ptr<SequenceRunner> one = make_cuda_runner(model, n + 2 * steps + 2, options(on));
+    const DecodeRun run = prefill_and_decode(*one, prompt, fed, B);
+    set_gemv_bulk(false);
+    Diff d;
+    d.add(run.logits, off.logits, V);
+    std::printf("[cuda-staged] %s alone vs defaults: per-row max |diff| median %.3g, max %.3g of max|logit| %.3g\n",
+                what, d.quantile(0.5), d.max_abs, d.max_ref);
+    EXPECT_LE(d.quantile(0.5), 1e-4 * d.max_ref) << what;
+  }
   set_gemv_bulk(true);
-  std::unique_ptr<SequenceRunner> staged = make_cuda_runner(model, n + 2 * steps + 2, options(true));
+  std::unique_ptr<SequenceRunner> staged = make_cuda_runner(model, n + 2 * steps + 2, options(kAll));
   const DecodeRun on = prefill_and_decode(*staged, prompt, fed, B);
   set_gemv_bulk(false);
-  std::unique_ptr<SequenceRunner> plain = make_cuda_runner(model, n + 2 * steps + 2, options(false));
-  const DecodeRun off = prefill_and_decode(*plain, prompt, fed, B);
   Diff diff;
   diff.add(on.logits, off.logits, V);
   std::printf("[cuda-staged] all staged switches vs defaults: %zu rows, per-row max |diff| median %.3g, max %.3g of "
