@@ -196,6 +196,13 @@ void compressor_advance(const CompressorParams& p, cudaStream_t stream) {
                 kColumnThreads * kEntryGroups, smem, stream, p, b_first);
     DSV4_CUDA_LAUNCHED();
   }
+  compressor_state(p, stream);
+}
+
+void compressor_state(const CompressorParams& p, cudaStream_t stream) {
+  if (p.n == 0) return;
+  OPS_CHECK(p.ratio > 0 && p.dim > 0 && !p.pos_device && !p.state_kv_rows,
+            "compressor_state: ratio %d and dim %d must be positive, plain launches only", p.ratio, p.dim);
   if (!p.overlap) {  // the rows of the partial block at the end come straight from the chunk
     const int64_t end = p.pos0 + p.n, from = std::max(end / p.ratio * p.ratio, p.pos0);
     if (end > from) {

@@ -170,6 +170,10 @@ struct CompressorParams {
   float* const* entries_rows = nullptr;
 };
 void compressor_advance(const CompressorParams& p, cudaStream_t stream);
+// Only the partial-block state compressor_advance leaves after rows pos0 .. pos0 + n - 1 (the same bits; no entry
+// is written, p.entries is not read; plain launches, n >= 1): speculative decoding's rollback rebuilds a state from
+// the one saved before a verify step and the kept rows of its input.
+void compressor_state(const CompressorParams& p, cudaStream_t stream);
 
 // 3.6 lightning indexer, for query t at p = pos0 + t and its n_visible = min((p+1) / ratio, max_entries) keys s:
 //   indexer_scores writes scores[t, s] = Σ_h w_scale · w[t, h] · max(q[t, h] · keys[s], 0) for s < n_visible
@@ -298,6 +302,15 @@ void swiglu(const SwigluParams& p, cudaStream_t stream);
 
 // Fills n floats with value (state reset: compressor scores start at -inf).
 void fill_f32(float* x, int64_t n, float value, cudaStream_t stream);
+
+// dst[i] = src[i] for i < count, for each of n_spans spans (a device array) in one launch: the CUDA runner's
+// snapshot of a sequence's ~100 compressor buffers before a forward it may roll back.
+struct CopySpan {
+  float* dst;
+  const float* src;
+  int64_t count;
+};
+void copy_spans(const CopySpan* spans, int n_spans, cudaStream_t stream);
 
 // The next token of each row by the draw contract of formats/token_draw.h (the same id as the host's
 // Sampler::draw for the same logits and TokenDraw): ids[r] is drawn from logits[r · ld, r · ld + n) with draws[r],

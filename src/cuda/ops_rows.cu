@@ -1038,6 +1038,20 @@ void window_store(const float* kv_chunk, int n, int dim, int64_t pos0, const int
   DSV4_CUDA_LAUNCHED();
 }
 
+__global__ void copy_spans_kernel(const CopySpan* spans, int n_spans) {
+  gpu::dependent_enter();
+  const CopySpan s = spans[blockIdx.y];
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < s.count; i += int64_t(gridDim.x) * blockDim.x)
+    s.dst[i] = s.src[i];
+}
+
+void copy_spans(const CopySpan* spans, int n_spans, cudaStream_t stream) {
+  if (n_spans == 0) return;
+  OPS_CHECK(n_spans <= 65535, "copy_spans: %d spans in one launch", n_spans);
+  gpu::launch(copy_spans_kernel, dim3(16, unsigned(n_spans)), 256, 0, stream, spans, n_spans);
+  DSV4_CUDA_LAUNCHED();
+}
+
 void fill_f32(float* x, int64_t n, float value, cudaStream_t stream) {
   if (n == 0) return;
   gpu::launch(fill_kernel, std::min(blocks_for(n, 256), 1024), 256, 0, stream, x, n, value);

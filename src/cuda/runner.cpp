@@ -82,6 +82,7 @@ struct CompressorDevice {
   int ratio = 0, dim = 0, rows = 0, width = 0;
   bool overlap = false;
   DeviceBuffer ape, norm;
+  DeviceBuffer history;  // [kMaxRollback + 1, 2 * width]: a verify step's (kv, gate) input rows, for rollback
 };
 
 struct LayerDevice {
@@ -151,6 +152,8 @@ class CudaRunner final : public SequenceRunner {
   std::vector<float> forward(std::span<const int32_t> tokens, bool last_only) override;
   int32_t forward_draw(std::span<const int32_t> tokens, const TokenDraw& draw) override;
   int64_t n_tokens() const override { return seqs_[current_seq_].n_tokens; }
+  int max_rollback() const override { return kMaxRollback; }
+  void rollback(int64_t n_tokens) override;
   int max_context() const override { return max_context_; }
   void reset() override;
   size_t state_bytes() const override { return state_bytes_; }
@@ -185,6 +188,13 @@ class CudaRunner final : public SequenceRunner {
     int64_t kernels = 0;
   };
   void check_tokens(std::span<const int32_t> tokens) const;
+  // Speculative decoding. A forward of 2 .. kMaxRollback + 1 tokens (a verify step) first saves the sequence's
+  // compressor rows (one launch into snapshot_) and keeps each compressor's input rows (CompressorDevice::history).
+  // rollback(n) copies the saved rows back and rebuilds the state the kept rows leave (gpu::compressor_state, the
+  // same bits as the forward's). Nothing else needs undoing: the window ring has kMaxRollback spare slots, and
+  // entries / indexer keys past the kept positions are never read before being rewritten (model/state.h).
+  void save_snapshot();
+  std::vector<gpu::CopySpan> snapshot_spans(int seq, bool restore) const;
   void check_draw(const TokenDraw& d, const char* what) const;  // its vocab is within the model's
   // The selected sequence consumes tokens in chunks; rows: the logits wanted (All, or Last of the last chunk), or
   // with `drawn` the last row's token drawn by host_draws_[0] into host_drawn_[0].
@@ -446,6 +456,12 @@ class CudaRunner final : public SequenceRunner {
   DeviceBuffer pos_;                // int64 [kCudaMaxChunk] positions read by the decode steps' kernels
   DeviceBuffer state_tables_;       // [layer][StateTable][sequence] state pointers
   float* host_logits_ = nullptr;    // pinned [kCudaMaxChunk, vocab]
+  DeviceBuffer snapshot_;                               // one sequence's compressor rows (save_snapshot)
+  std::vector<DeviceBuffer> save_spans_, restore_spans_;  // per sequence: gpu::CopySpan tables into / out of it
+  int snapshot_seq_ = -1;                               // whose rows snapshot_ holds, -1: none
+  int snapshot_span_count_ = 0;                         // buffers per sequence it covers
+  int64_t snapshot_pos_ = 0;                            // the position they were saved at
+  bool recording_ = false;                              // the chunk being enqueued keeps its compressor rows
   DeviceBuffer draws_, drawn_;      // TokenDraw / int32 [kCudaMaxChunk]: the device draw's parameters and ids
   TokenDraw* host_draws_ = nullptr; // pinned [kCudaMaxChunk]
   int32_t* host_drawn_ = nullptr;   // pinned [kCudaMaxChunk]
@@ -534,6 +550,7 @@ CudaRunner::CudaRunner(const Model& model, int max_context, CudaRunnerOptions op
       dev.width = (cw.overlap ? 2 : 1) * cw.dim;
       dev.ape = upload_f32(cw.ape.data);
       dev.norm = upload_f32(cw.norm);
+      dev.history = DeviceBuffer(size_t(kMaxRollback + 1) * 2 * dev.width * sizeof(float));
       return dev;
     };
     if (A.compressor) d.compressor = add_compressor(*A.compressor, d.off_ckv, d.off_cgate);
@@ -720,6 +737,16 @@ CudaRunner::CudaRunner(const Model& model, int max_context, CudaRunnerOptions op
   }
   state_tables_ = DeviceBuffer(tables.size() * sizeof(float*));
   state_tables_.upload(tables.data(), tables.size() * sizeof(float*));
+  size_t snapshot_floats = 0;
+  for (const gpu::CopySpan& s : snapshot_spans(0, false)) snapshot_floats += size_t(s.count), ++snapshot_span_count_;
+  snapshot_ = DeviceBuffer(std::max<size_t>(snapshot_floats, 4) * sizeof(float));
+  for (int s = 0; s < sequences(); ++s)
+    for (bool restore : {false, true}) {
+      const std::vector<gpu::CopySpan> spans = snapshot_spans(s, restore);
+      DeviceBuffer table(std::max<size_t>(spans.size(), 1) * sizeof(gpu::CopySpan));
+      if (!spans.empty()) table.upload(spans.data(), spans.size() * sizeof(gpu::CopySpan));
+      (restore ? restore_spans_ : save_spans_).push_back(std::move(table));
+    }
   DSV4_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
@@ -779,6 +806,7 @@ CudaRunner::~CudaRunner() {
 void CudaRunner::reset() {
   SequenceDevice& s = seqs_[current_seq_];
   s.n_tokens = 0;
+  if (snapshot_seq_ == current_seq_) snapshot_seq_ = -1;
   for (size_t l = 0; l < layers_.size(); ++l) {  // spec 3.5: kv 0, scores -inf at sequence start
     SequenceDevice::Layer& st = s.layers[l];
     for (auto [kv, score] : {std::pair{&st.compressor_kv, &st.compressor_score},
@@ -808,6 +836,50 @@ void CudaRunner::copy_sequence(int from, int to) {
     ++i;
   });
   seqs_[to].n_tokens = seqs_[from].n_tokens;
+  if (snapshot_seq_ == to) snapshot_seq_ = -1;
+}
+
+std::vector<gpu::CopySpan> CudaRunner::snapshot_spans(int seq, bool restore) const {
+  std::vector<gpu::CopySpan> spans;
+  float* at = snapshot_.as<float>();  // null while the constructor only counts
+  for (const SequenceDevice::Layer& l : seqs_[size_t(seq)].layers)
+    for (const DeviceBuffer* b : {&l.compressor_kv, &l.compressor_score, &l.index_compressor_kv,
+                                  &l.index_compressor_score})
+      if (b->data()) {
+        const int64_t count = int64_t(b->size() / sizeof(float));
+        spans.push_back(restore ? gpu::CopySpan{b->as<float>(), at, count} : gpu::CopySpan{at, b->as<float>(), count});
+        if (at) at += count;
+      }
+  return spans;
+}
+
+void CudaRunner::save_snapshot() {
+  gpu::copy_spans(save_spans_[size_t(current_seq_)].as<gpu::CopySpan>(), snapshot_span_count_, stream_);
+  snapshot_seq_ = current_seq_;
+  snapshot_pos_ = seqs_[current_seq_].n_tokens;
+}
+
+void CudaRunner::rollback(int64_t n) {
+  SequenceDevice& seq = seqs_[current_seq_];
+  if (n == seq.n_tokens) return;
+  DSV4_CHECK(snapshot_seq_ == current_seq_ && n >= snapshot_pos_ && n < seq.n_tokens,
+             "cuda runner: cannot roll back to {} tokens (holding {}): only tokens of the last forward, when it fed "
+             "2 to {} tokens, can be forgotten", n, seq.n_tokens, kMaxRollback + 1);
+  gpu::copy_spans(restore_spans_[size_t(current_seq_)].as<gpu::CopySpan>(), snapshot_span_count_, stream_);
+  const int kept = int(n - snapshot_pos_);
+  for (size_t l = 0; l < layers_.size() && kept > 0; ++l) {
+    SequenceDevice::Layer& st = seq.layers[l];
+    auto rebuild = [&](CompressorDevice& cd, DeviceBuffer& kv, DeviceBuffer& score) {
+      const float* rows = cd.history.as<float>();
+      gpu::CompressorParams cp{rows, rows + cd.width, 2 * int64_t(cd.width), cd.ape.as<float>(), kv.as<float>(),
+                               score.as<float>(), nullptr, cd.ratio, cd.dim, kept, cd.overlap, snapshot_pos_};
+      gpu::compressor_state(cp, stream_);
+    };
+    if (layers_[l].compressor) rebuild(*layers_[l].compressor, st.compressor_kv, st.compressor_score);
+    if (layers_[l].index_compressor)
+      rebuild(*layers_[l].index_compressor, st.index_compressor_kv, st.index_compressor_score);
+  }
+  seq.n_tokens = n;
 }
 
 void CudaRunner::check_draw(const TokenDraw& d, const char* what) const {
@@ -838,8 +910,11 @@ int32_t CudaRunner::forward_draw(std::span<const int32_t> tokens, const TokenDra
 
 std::vector<float> CudaRunner::run_sequence(std::span<const int32_t> tokens, Rows rows, bool drawn) {
   check_tokens(tokens);
-  const int n = int(tokens.size());
   SequenceDevice& seq = seqs_[current_seq_];
+  const int n = int(tokens.size());
+  recording_ = n >= 2 && n <= kMaxRollback + 1;  // a verify step of speculative decoding (one chunk)
+  if (recording_) save_snapshot();
+  else if (snapshot_seq_ == current_seq_) snapshot_seq_ = -1;
   launches_ = 0;
   stats_.last_forward_replayed_graph = false;
   std::vector<float> logits;
@@ -851,6 +926,7 @@ std::vector<float> CudaRunner::run_sequence(std::span<const int32_t> tokens, Row
     seq.n_tokens += len;
   }
   stats_.launches_last_forward = launches_;
+  recording_ = false;
   return logits;
 }
 
@@ -874,6 +950,7 @@ std::vector<float> CudaRunner::decode_rows(std::span<const int32_t> tokens, std:
                "decode_batch: sequence {} of {} tokens is at the context of {} tokens (--max-context)", b,
                seqs_[b].n_tokens, max_context_);
   }
+  snapshot_seq_ = -1;
   if (upload_pending_) {
     DSV4_CUDA_CHECK(cudaEventSynchronize(tokens_uploaded_));
     upload_pending_ = false;
@@ -1122,6 +1199,15 @@ void CudaRunner::attention_block(int l, int n) {
     const int64_t* pos_device = part.pos_device;
     gpu::CompressorParams cp{y_x + off_kv, y_x + off_gate, d.n_x, cd.ape.as<float>(), state_kv.as<float>(),
                              state_score.as<float>(), entries, cd.ratio, cd.dim, n, cd.overlap, pos0, pos_device};
+    if (recording_) {  // keep the rows for rollback (kv and gate are adjacent in y_x) and read them from there
+      DSV4_CHECK(off_gate == off_kv + cd.width && n <= kMaxRollback + 1, "cuda runner: compressor rows layout");
+      float* rows = cd.history.as<float>();
+      DSV4_CUDA_CHECK(cudaMemcpy2DAsync(rows, 2 * cd.width * sizeof(float), y_x + off_kv, d.n_x * sizeof(float),
+                                        2 * cd.width * sizeof(float), n, cudaMemcpyDeviceToDevice, cur_));
+      cp.kv_in = rows;
+      cp.gate_in = rows + cd.width;
+      cp.in_stride = 2 * cd.width;
+    }
     if (batched) {
       cp.pos_rows = pos_.as<int64_t>();
       cp.state_kv_rows = state_table(l, kv_table);

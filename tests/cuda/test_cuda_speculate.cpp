@@ -1,0 +1,162 @@
+// SPDX-License-Identifier: MIT
+// Speculative decoding on the CUDA runner: rollback of a verify step (CudaRunner::rollback: the compressor rows
+// saved before it, rebuilt from the kept rows by gpu::compressor_state), and Session's verify loop on the GPU.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <random>
+#include <vector>
+
+#include "core/check.h"
+#include "cuda/device.h"
+#include "cuda/runner.h"
+#include "cuda_test_util.h"
+#include "model/model.h"
+#include "model/session.h"
+#include "model/speculate.h"
+
+namespace dsv4 {
+namespace {
+
+namespace fs = std::filesystem;
+
+Model golden_model(const std::string& name, Numerics numerics) {
+  return Model::load((fs::path(DSV4_TEST_DATA) / "golden" / name).string(), numerics);
+}
+
+const Numerics kF32{cpu::KvStorage::F32, cpu::IndexerStorage::F32};
+
+// Runners A and B feed the same real tokens, each step followed by junk drafts (different junk in A and B) that
+// are rolled back; C feeds the real tokens alone. The steps cross every compressor block boundary of the tiny
+// models many times (ratios 4 .. 16), with 0 to 16 junk tokens. Forgotten tokens must leave no trace: A and B
+// bit-identical (a kept row never sees a later row, so only a trace of the junk could tell them apart); and the
+// state they keep must be the right one: A within fp32 rounding of C (a verify step's rows go through kernels of
+// another row count than C's; same bounds as the other reorderings in test_cuda_model.cpp).
+void check_rollback(const std::string& name, Numerics numerics, bool compare_plain) {
+  const Model model = golden_model(name, numerics);
+  const int V = model.config().vocab_size;
+  std::mt19937 rng(7);
+  std::uniform_int_distribution<int32_t> token(2, V - 1);
+  std::vector<int32_t> prompt(40);
+  for (int32_t& t : prompt) t = token(rng);
+  const std::vector<std::pair<int, int>> steps{{1, 4}, {2, 3}, {1, 1}, {3, 5}, {1, 16}, {5, 2}, {1, 0}, {7, 6},
+                                               {1, 3}, {2, 14}, {4, 4}, {1, 2}, {6, 11}, {1, 1}, {3, 7}, {2, 2}};
+  int total = int(prompt.size());
+  for (int round = 0; round < 4; ++round)
+    for (auto [f, j] : steps) total += f + j;
+  CudaRunnerOptions options;
+  options.prefill_chunk = 64;
+  auto a = make_cuda_runner(model, total, options), b = make_cuda_runner(model, total, options),
+       c = make_cuda_runner(model, total, options);
+  std::vector<float> la = a->forward(prompt, true), lb = b->forward(prompt, true), lc = c->forward(prompt, true);
+  ASSERT_EQ(a->max_rollback(), kMaxRollback);
+  int64_t rolled = 0;
+  for (int round = 0; round < 4; ++round)
+    for (auto [f, j] : steps) {
+      std::vector<int32_t> real(static_cast<size_t>(f));
+      std::vector<int32_t> fa, fb;
+      for (int32_t& t : real) t = token(rng);
+      fa = fb = real;
+      for (int i = 0; i < j; ++i) fa.push_back(token(rng)), fb.push_back(token(rng));
+      const int64_t keep = a->n_tokens() + f;
+      const std::vector<float> ra = a->forward(fa, false), rb = b->forward(fb, false);
+      a->rollback(keep);
+      b->rollback(keep);
+      ASSERT_EQ(a->n_tokens(), keep);
+      rolled += j;
+      la.insert(la.end(), ra.begin(), ra.begin() + ptrdiff_t(f) * V);
+      lb.insert(lb.end(), rb.begin(), rb.begin() + ptrdiff_t(f) * V);
+      const std::vector<float> rc = c->forward(real, false);
+      lc.insert(lc.end(), rc.begin(), rc.end());
+    }
+  // One more plain step on each: reads the state the last rollback left.
+  const std::vector<int32_t> last{token(rng)};
+  for (auto [r, l] : {std::pair{a.get(), &la}, std::pair{b.get(), &lb}, std::pair{c.get(), &lc}}) {
+    const std::vector<float> row = r->forward(last, true);
+    l->insert(l->end(), row.begin(), row.end());
+  }
+  ASSERT_EQ(la.size(), lb.size());
+  ASSERT_EQ(la.size(), lc.size());
+  const bool same = std::memcmp(la.data(), lb.data(), la.size() * sizeof(float)) == 0;
+  std::vector<double> row_max;
+  double scale = 0;
+  for (size_t r = 0; r * V < la.size(); ++r) {
+    double worst = 0;
+    for (size_t i = r * V; i < (r + 1) * V; ++i) {
+      worst = std::max(worst, std::fabs(double(la[i]) - lc[i]));
+      scale = std::max(scale, std::fabs(double(lc[i])));
+    }
+    row_max.push_back(worst);
+  }
+  std::vector<double> sorted = row_max;
+  std::sort(sorted.begin(), sorted.end());
+  std::printf("[cuda-rollback] %s: %lld junk tokens rolled back over %zu rows; A vs B %s; A vs plain per-row max "
+              "|diff| median %.3g, max %.3g of max|logit| %.3g\n", name.c_str(), (long long)rolled, row_max.size(),
+              same ? "bit-identical" : "DIFFER", sorted[sorted.size() / 2], sorted.back(), scale);
+  EXPECT_TRUE(same) << name;
+  if (compare_plain) {
+    EXPECT_LE(sorted[sorted.size() / 2], 1e-4 * scale) << name;
+    EXPECT_LE(sorted.back(), 5e-3 * scale) << name;
+  }
+  // Only the last forward can be rolled back, and only when it fed 2 .. kMaxRollback + 1 tokens.
+  EXPECT_THROW(a->rollback(a->n_tokens() - 1), Error);  // after a one-token forward
+  const int64_t before = a->n_tokens();
+  a->forward(std::vector<int32_t>(3, 5), false);
+  EXPECT_THROW(a->rollback(before - 1), Error);  // before that forward
+  a->rollback(before);
+  EXPECT_EQ(a->n_tokens(), before);
+}
+
+TEST(CudaRollback, ForgottenDraftsLeaveNoTrace) {
+  DSV4_REQUIRE_CUDA();
+  check_rollback("tiny-flash", kF32, true);
+  check_rollback("tiny-pro", kF32, true);
+  check_rollback("tiny-flash", Numerics{}, false);  // FP8 KV / FP4 indexer keys: the exact check only
+}
+
+// Session's verify loop on the GPU: n-gram drafts on a prompt that repeats itself, greedy. The tokens are plain
+// decoding's unless the two differ first at a near-tie (a verify step's rows and a graph step's row round
+// differently); drafts are kept, and each kept draft saves a forward.
+TEST(CudaRollback, SpeculationGivesPlainDecodingsTokens) {
+  DSV4_REQUIRE_CUDA();
+  const Model model = golden_model("tiny-flash", kF32);
+  const int V = model.config().vocab_size;
+  std::vector<int32_t> prompt;
+  for (int r = 0; r < 6; ++r)
+    for (int32_t t : {5, 17, 99, 42, 7, 300, 12}) prompt.push_back(t);
+  GenerateOptions o;
+  o.max_new_tokens = 80;
+  o.stop_at_eos = false;
+  o.keep_logits = true;
+  auto plain_runner = make_cuda_runner(model, 256), spec_runner = make_cuda_runner(model, 256);
+  const GenerateResult plain = Session(*plain_runner).generate(prompt, o);
+  o.speculate.method = DraftMethod::Ngram;
+  o.speculate.max_draft = 6;
+  const GenerateResult spec = Session(*spec_runner).generate(prompt, o);
+  size_t first_diff = 0;
+  while (first_diff < plain.output_ids.size() && first_diff < spec.output_ids.size() &&
+         plain.output_ids[first_diff] == spec.output_ids[first_diff])
+    ++first_diff;
+  std::printf("[cuda-speculate] %d of %d drafts kept, %d forwards for %zu tokens (plain %d); outputs agree on %zu "
+              "of %zu tokens\n", spec.accepted, spec.drafted, spec.decode_steps, spec.output_ids.size(),
+              plain.decode_steps, first_diff, plain.output_ids.size());
+  EXPECT_GT(spec.drafted, 0);
+  EXPECT_GT(spec.accepted, 0);
+  EXPECT_EQ(spec.decode_steps + spec.accepted, plain.decode_steps);
+  if (first_diff < plain.output_ids.size()) {  // only at a near-tie of the plain run's logits
+    const float* row = plain.logits.data() + (prompt.size() - 1 + first_diff) * size_t(V);
+    std::vector<float> s(row, row + V);
+    std::partial_sort(s.begin(), s.begin() + 2, s.end(), std::greater<float>());
+    std::printf("[cuda-speculate] first difference at token %zu, plain top-2 margin %.3g\n", first_diff, s[0] - s[1]);
+    EXPECT_LT(s[0] - s[1], 1e-2) << "speculation changed a token that was not a near-tie";
+  } else {
+    EXPECT_EQ(spec.output_ids, plain.output_ids);
+  }
+}
+
+}  // namespace
+}  // namespace dsv4
