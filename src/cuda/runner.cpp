@@ -951,6 +951,7 @@ std::vector<float> CudaRunner::decode_rows(std::span<const int32_t> tokens, std:
                seqs_[b].n_tokens, max_context_);
   }
   snapshot_seq_ = -1;
+  recording_ = false;  // also after a forward that threw: a batched step keeps no rows
   if (upload_pending_) {
     DSV4_CUDA_CHECK(cudaEventSynchronize(tokens_uploaded_));
     upload_pending_ = false;
