@@ -65,6 +65,7 @@ struct BenchArgs {
   int decode_steps = 64;
   std::vector<int> decode_batch = {1, 8, 32};
   int max_context = 0;  // 0 = max(prefill lengths, decode context + warm-up + steps)
+  std::vector<int> verify_rows;  // --verify-rows: speculative decoding's verify step of K rows at batch 1
   uint64_t seed = 1;
   std::string json_path;
   bool plan_only = false;
@@ -297,7 +298,12 @@ void validate(BenchArgs& a) {
   DSV4_CHECK(a.profile_prefill >= 0, "dsv4 bench: --profile-prefill {} must be >= 0", a.profile_prefill);
   const int needed = std::max({*std::max_element(a.prefill.begin(), a.prefill.end()), a.profile_prefill,
                               a.decode_context + timed_runs * (kDecodeWarmupSteps + a.decode_steps) +
-                                  (a.profile ? int(a.decode_batch.size()) : 0)});
+                                  (a.profile ? int(a.decode_batch.size()) : 0) +
+                                  int(a.verify_rows.size()) * (kDecodeWarmupSteps + a.decode_steps + 1) +
+                                  (a.verify_rows.empty() ? 0 : kMaxRollback + 1)});
+  for (int k : a.verify_rows)
+    DSV4_CHECK(k >= 2 && k <= kMaxRollback + 1, "dsv4 bench: --verify-rows {} must be in [2, {}]", k,
+               kMaxRollback + 1);
   if (a.max_context == 0) a.max_context = needed;
   DSV4_CHECK(a.max_context >= needed, "dsv4 bench: --max-context {} is below the {} tokens the runs need",
              a.max_context, needed);
@@ -573,6 +579,38 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
                         fmt::format("one decode step at batch {}", B), first_mode_ms, "the graph step above");
   }
   report["decode"] = decodes;
+
+  // Speculative decoding's verify step at batch 1: K rows (the last token and K - 1 drafts) drawn on the device,
+  // then the K - 1 drafts rolled back as if all were rejected (the rollback's full cost). A step that keeps j
+  // drafts emits j + 1 tokens for this time, so its ratio to a decode step is what a kept draft must beat.
+  json verifies = json::array();
+  if (!a.verify_rows.empty()) {
+    use_switches(a.switches.front());
+    set_launch_mode(a.launch_modes.front());
+    cuda_runner_set_draw_on_device(*runner, true);
+    auto time_steps = [&](auto&& step) {
+      for (int i = 0; i < kDecodeWarmupSteps; ++i) step();
+      start = std::chrono::steady_clock::now();
+      for (int i = 0; i < a.decode_steps; ++i) step();
+      return 1e3 * seconds_since(start) / a.decode_steps;
+    };
+    const TokenDraw draw{1.0f, 1.0f, 0, 0, 0.5};
+    const double step_ms = time_steps([&] { runner->forward_draw(std::span<const int32_t>(tokens.data(), 1), draw); });
+    fmt::print("\nverify steps at batch 1 (drawn on the device; all drafts rolled back), decode step {:.3f} ms:\n",
+               step_ms);
+    for (int K : a.verify_rows) {
+      const std::vector<TokenDraw> draws(size_t(K), draw);
+      const double ms = time_steps([&] {
+        runner->forward_draw_rows(std::span<const int32_t>(tokens.data(), size_t(K)), draws);
+        runner->rollback(runner->n_tokens() - (K - 1));
+      });
+      fmt::print("  {:>2} rows: {:.3f} ms = {:.2f} decode steps; with every draft kept {:.1f} tok/s ({:.2f}x)\n", K,
+                 ms, ms / step_ms, K * 1e3 / ms, K * step_ms / ms);
+      verifies.push_back({{"rows", K}, {"ms", ms}, {"decode_step_ms", step_ms}, {"steps_per_verify", ms / step_ms},
+                          {"tok_s_all_kept", K * 1e3 / ms}});
+    }
+  }
+  report["verify"] = verifies;
   set_gemv_bulk(built_bulk);
   return report;
 }
@@ -653,6 +691,10 @@ void add_bench_command(CLI::App& app, Handler& handler) {
                   "stream), mhc (hc_post with the next mix), routing (router + slots in one launch), qnorm (q norm + "
                   "RoPE inside attention), e.g. default,bulk,overlap,mhc+routing+qnorm,bulk+overlap+mhc+routing+qnorm")
       ->delimiter(',')->capture_default_str();
+  cmd->add_option("--verify-rows", args->verify_rows,
+                  "Also time speculative decoding's verify step of K rows at batch 1 (K - 1 drafts, drawn on the "
+                  "device and rolled back), e.g. 2,4,8,17")
+      ->delimiter(',');
   cmd->add_flag("--profile", args->profile,
                 "After the timed decode steps, time every launch site of one more step (events, no graph)");
   cmd->add_option("--profile-prefill", args->profile_prefill,

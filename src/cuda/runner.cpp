@@ -151,6 +151,7 @@ class CudaRunner final : public SequenceRunner {
   const ModelConfig& config() const override { return c_; }
   std::vector<float> forward(std::span<const int32_t> tokens, bool last_only) override;
   int32_t forward_draw(std::span<const int32_t> tokens, const TokenDraw& draw) override;
+  std::vector<int32_t> forward_draw_rows(std::span<const int32_t> tokens, std::span<const TokenDraw> draws) override;
   int64_t n_tokens() const override { return seqs_[current_seq_].n_tokens; }
   int max_rollback() const override { return kMaxRollback; }
   void rollback(int64_t n_tokens) override;
@@ -906,6 +907,17 @@ int32_t CudaRunner::forward_draw(std::span<const int32_t> tokens, const TokenDra
   host_draws_[0] = draw;  // free: the last drawn chunk waited for its ids
   run_sequence(tokens, Rows::Last, true);
   return host_drawn_[0];
+}
+
+// A verify step's rows drawn on the device (draw_on_device): ids come back instead of rows x vocab logits.
+std::vector<int32_t> CudaRunner::forward_draw_rows(std::span<const int32_t> tokens, std::span<const TokenDraw> draws) {
+  DSV4_CHECK(draws.size() == tokens.size(), "forward_draw_rows: {} draws for {} tokens", draws.size(), tokens.size());
+  if (!options_.draw_on_device || tokens.size() > size_t(std::min(chunk_, kCudaMaxChunk)))
+    return SequenceRunner::forward_draw_rows(tokens, draws);
+  for (const TokenDraw& d : draws) check_draw(d, "forward_draw_rows");
+  std::copy(draws.begin(), draws.end(), host_draws_);
+  run_sequence(tokens, Rows::All, true);
+  return std::vector<int32_t>(host_drawn_, host_drawn_ + tokens.size());
 }
 
 std::vector<float> CudaRunner::run_sequence(std::span<const int32_t> tokens, Rows rows, bool drawn) {

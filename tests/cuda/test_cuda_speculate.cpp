@@ -137,6 +137,15 @@ TEST(CudaRollback, SpeculationGivesPlainDecodingsTokens) {
   o.speculate.method = DraftMethod::Ngram;
   o.speculate.max_draft = 6;
   const GenerateResult spec = Session(*spec_runner).generate(prompt, o);
+  // The verify rows drawn on the device (CudaRunner::forward_draw_rows): the same logits and the same draw
+  // contract, so the same tokens as the host draws of them.
+  CudaRunnerOptions on_device;
+  on_device.draw_on_device = true;
+  auto device_runner = make_cuda_runner(model, 256, on_device);
+  o.keep_logits = false;  // logits would take the host path
+  const GenerateResult drawn = Session(*device_runner).generate(prompt, o);
+  EXPECT_EQ(drawn.output_ids, spec.output_ids);
+  EXPECT_EQ(drawn.accepted, spec.accepted);
   size_t first_diff = 0;
   while (first_diff < plain.output_ids.size() && first_diff < spec.output_ids.size() &&
          plain.output_ids[first_diff] == spec.output_ids[first_diff])
