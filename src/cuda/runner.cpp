@@ -683,8 +683,9 @@ CudaRunner::CudaRunner(const Model& model, int max_context, CudaRunnerOptions op
   shared_out_ = zeros(C * D * f);
   head_in_ = zeros(C * D * b16);
   logits_ = zeros(size_t(kCudaMaxChunk) * c.vocab_size * f);
-  if (options.fuse_mhc_mix)
-    mix_partials_ = zeros(size_t(kCudaMaxChunk) * (2 + hc) * hc * gpu::hc_post_mix_blocks(D) * f);
+  // Always: set_step_switches may turn fuse_mhc_mix on later (dsv4 bench --switches mhc wrote past an unallocated
+  // buffer on the H100 when this depended on the build-time option). 196 KB for Flash.
+  mix_partials_ = zeros(size_t(kCudaMaxChunk) * (2 + hc) * hc * gpu::hc_post_mix_blocks(D) * f);
   size_t attention_scratch = 0;  // split-key partials of the chunks with few tokens (decode)
   for (const LayerDevice& d : layers_)
     for (int n = 1; n <= chunk_; ++n) {
