@@ -926,6 +926,10 @@ std::vector<float> CudaRunner::run_sequence(std::span<const int32_t> tokens, Row
   SequenceDevice& seq = seqs_[current_seq_];
   const int n = int(tokens.size());
   recording_ = n >= 2 && n <= kMaxRollback + 1;  // a verify step of speculative decoding (one chunk)
+  struct StopRecording {  // also when the forward throws: no later chunk or batched step keeps rows
+    bool& on;
+    ~StopRecording() { on = false; }
+  } stop_recording{recording_};
   if (recording_) save_snapshot();
   else if (snapshot_seq_ == current_seq_) snapshot_seq_ = -1;
   launches_ = 0;
@@ -939,7 +943,6 @@ std::vector<float> CudaRunner::run_sequence(std::span<const int32_t> tokens, Row
     seq.n_tokens += len;
   }
   stats_.launches_last_forward = launches_;
-  recording_ = false;
   return logits;
 }
 
@@ -964,7 +967,6 @@ std::vector<float> CudaRunner::decode_rows(std::span<const int32_t> tokens, std:
                seqs_[b].n_tokens, max_context_);
   }
   snapshot_seq_ = -1;
-  recording_ = false;  // also after a forward that threw: a batched step keeps no rows
   if (upload_pending_) {
     DSV4_CUDA_CHECK(cudaEventSynchronize(tokens_uploaded_));
     upload_pending_ = false;
