@@ -821,8 +821,7 @@ namespace {
 template <int kDim>
 void launch_mma(const AttentionParams& p, cudaStream_t stream) {
   const size_t smem = MmaLayout<kDim>::kBytes;
-  static const cudaError_t configured =
-      cudaFuncSetAttribute(attention_mma_kernel<kDim>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  const cudaError_t configured = gpu::allow_dynamic_smem<attention_mma_kernel<kDim>>(int(smem));
   OPS_CHECK(configured == cudaSuccess, "attention: cannot give the tensor-core kernel %zu bytes of shared memory",
             smem);
   const int splits = attention_splits(p);

@@ -189,8 +189,7 @@ void compressor_advance(const CompressorParams& p, cudaStream_t stream) {
     const int n_rows = p.overlap ? 2 * p.ratio : p.ratio;
     const size_t smem = size_t(2) * n_rows * kColumnThreads * sizeof(float);
     OPS_CHECK(smem <= size_t(200) << 10, "compressor_advance: ratio %d stages %zu bytes of rows", p.ratio, smem);
-    static const cudaError_t configured = cudaFuncSetAttribute(
-        compressor_entries_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(size_t(200) << 10));
+    const cudaError_t configured = gpu::allow_dynamic_smem<compressor_entries_kernel>(int(size_t(200) << 10));
     OPS_CHECK(configured == cudaSuccess, "compressor_advance: cannot give the entry kernel 200 KB of shared memory");
     gpu::launch(compressor_entries_kernel, dim3(blocks_for(p.dim, kColumnThreads), unsigned(b_end - b_first)),
                 kColumnThreads * kEntryGroups, smem, stream, p, b_first);

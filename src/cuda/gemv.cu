@@ -195,9 +195,8 @@ __global__ void __launch_bounds__(kRouteThreads) moe_route_and_slots_kernel(gpu:
 template <int kPerLane>
 cudaError_t launch_route_and_slots(const gpu::RouterParams& r, const MoeSlotsParams& p) {
   const size_t smem = (size_t(kRouteThreads / 32) * r.experts + 2 * size_t(p.experts)) * sizeof(float);
-  static const cudaError_t attr = cudaFuncSetAttribute(moe_route_and_slots_kernel<kPerLane>,
-                                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                       int((kRouteThreads / 32 * 512 + 2 * 4096) * sizeof(float)));
+  const cudaError_t attr = gpu::allow_dynamic_smem<moe_route_and_slots_kernel<kPerLane>>(
+      int((kRouteThreads / 32 * 512 + 2 * 4096) * sizeof(float)));
   if (attr != cudaSuccess) return attr;
   gpu::launch(moe_route_and_slots_kernel<kPerLane>, 1, kRouteThreads, smem, p.stream, r, p);
   return cudaGetLastError();

@@ -292,8 +292,7 @@ cudaError_t launch_fmt(const KernelArgs& a, dim3 grid, cudaStream_t stream) {
   const int token_blocks = (a.m + kBlockTokens - 1) / kBlockTokens;
   grid.x = unsigned((a.n + S::kBlockRows - 1) / S::kBlockRows * token_blocks);
   constexpr size_t smem = S::kBytes;
-  static const cudaError_t configured = cudaFuncSetAttribute(gemv_tiled_kernel<F, kGrouped, kWeightTiles>,
-                                                             cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem));
+  const cudaError_t configured = gpu::allow_dynamic_smem<gemv_tiled_kernel<F, kGrouped, kWeightTiles>>(int(smem));
   if (configured != cudaSuccess) return configured;
   gpu::launch(gemv_tiled_kernel<F, kGrouped, kWeightTiles>, grid, kThreads, smem, stream, a);
   return cudaGetLastError();

@@ -60,9 +60,10 @@ cudaError_t launch_ex(void (*kernel)(Params...), dim3 grid, dim3 block, size_t s
   return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 
-// Raises kKernel's dynamic shared-memory limit to `bytes` on its first call. One static per kernel: a generic lambda
-// taking kernels of one signature shares a single static, so it configured only the first kernel it saw and every
-// other one failed its launch with cudaErrorInvalidValue (seen on the H100 with the copy-engine GEMVs at m > 8).
+// Raises kKernel's dynamic shared-memory limit to `bytes` on its first call (every kernel above 48 KB goes through
+// this). One static per kernel: a generic lambda taking kernels of one signature shares a single static, so it
+// configured only the first kernel it saw and every other one failed its launch with cudaErrorInvalidValue (seen on
+// the H100 with the copy-engine GEMVs at m > 8).
 template <auto kKernel>
 cudaError_t allow_dynamic_smem(int bytes) {
   static const cudaError_t configured =

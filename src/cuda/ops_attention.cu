@@ -433,8 +433,7 @@ void indexer_scores(const IndexerTopkParams& p, cudaStream_t stream) {
             p.heads * p.dim, kScoreMaxQ);
   OPS_CHECK(p.dim > 0 && p.dim % 32 == 0 && p.dim <= kMaxHeadDim,
             "indexer_scores: dim %d must be a multiple of 32 and <= %d", p.dim, kMaxHeadDim);
-  static const cudaError_t attr = cudaFuncSetAttribute(
-      indexer_scores_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kScoreMaxSmem));
+  const cudaError_t attr = gpu::allow_dynamic_smem<indexer_scores_kernel>(int(kScoreMaxSmem));
   OPS_CHECK(attr == cudaSuccess, "indexer_scores: cannot allow %d bytes of shared memory", int(kScoreMaxSmem));
   // grid.y from host-known sizes only (graph replay): all tiles of max_entries, at most ~8 blocks per SM in all.
   const int tiles = blocks_for(p.max_entries, kScoreKeys);
@@ -448,8 +447,7 @@ void indexer_select(const IndexerTopkParams& p, cudaStream_t stream) {
   if (p.n == 0) return;
   check_indexer(p, "indexer_select");
   OPS_CHECK(p.topk <= kSelectMaxTopK, "indexer_select: topk %d exceeds %d", p.topk, kSelectMaxTopK);
-  static const cudaError_t attr = cudaFuncSetAttribute(
-      indexer_select_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(kSelectMaxSmem));
+  const cudaError_t attr = gpu::allow_dynamic_smem<indexer_select_kernel>(int(kSelectMaxSmem));
   OPS_CHECK(attr == cudaSuccess, "indexer_select: cannot allow %d bytes of shared memory", int(kSelectMaxSmem));
   int sort_cap = 32;  // the sort's power-of-two length for the most candidates a row can have
   while (sort_cap < std::min(p.topk, p.max_entries)) sort_cap <<= 1;
