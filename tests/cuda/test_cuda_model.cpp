@@ -357,41 +357,7 @@ ModelWeights bf16_linears(ModelWeights w, const ModelWeights* packed = nullptr) 
   return w;
 }
 
-// Logit differences, per row (one row = one position's logits over the vocabulary).
-struct Diff {
-  double max_abs = 0, max_ref = 0;
-  std::vector<double> row_max;  // max |diff| of each row
-  void add(const std::vector<float>& got, const std::vector<float>& want, int V) {
-    EXPECT_EQ(got.size(), want.size());
-    for (size_t r = 0; r * V < std::min(got.size(), want.size()); ++r) {
-      double row = 0;
-      for (size_t i = r * V; i < (r + 1) * V; ++i) {
-        const double d = std::fabs(double(got[i]) - want[i]);
-        row = std::isnan(d) ? INFINITY : std::max(row, d);
-        max_ref = std::max(max_ref, std::fabs(double(want[i])));
-      }
-      row_max.push_back(row);
-      max_abs = std::max(max_abs, row);
-    }
-  }
-  double quantile(double q) const {
-    std::vector<double> v = row_max;
-    std::sort(v.begin(), v.end());
-    return v.empty() ? 0 : v[std::min(v.size() - 1, size_t(q * v.size()))];
-  }
-  double fraction_within(double tol) const {
-    size_t ok = 0;
-    for (double d : row_max) ok += d <= tol;
-    return row_max.empty() ? 1 : double(ok) / row_max.size();
-  }
-};
-
 int argmax(const float* v, int n) { return int(std::max_element(v, v + n) - v); }
-double top2_margin(const float* v, int n) {
-  std::vector<float> s(v, v + n);
-  std::partial_sort(s.begin(), s.begin() + 2, s.end(), std::greater<float>());
-  return double(s[0]) - s[1];
-}
 
 // The CUDA runner on `model` against the CPU runner on `reference` (the same weights as the GPU holds them).
 CudaRunnerStats compare_runners(const std::string& name, const std::string& source, const Model& model,

@@ -82,25 +82,16 @@ void check_rollback(const std::string& name, Numerics numerics, bool compare_pla
   ASSERT_EQ(la.size(), lb.size());
   ASSERT_EQ(la.size(), lc.size());
   const bool same = std::memcmp(la.data(), lb.data(), la.size() * sizeof(float)) == 0;
-  std::vector<double> row_max;
-  double scale = 0;
-  for (size_t r = 0; r * V < la.size(); ++r) {
-    double worst = 0;
-    for (size_t i = r * V; i < (r + 1) * V; ++i) {
-      worst = std::max(worst, std::fabs(double(la[i]) - lc[i]));
-      scale = std::max(scale, std::fabs(double(lc[i])));
-    }
-    row_max.push_back(worst);
-  }
-  std::vector<double> sorted = row_max;
-  std::sort(sorted.begin(), sorted.end());
+  cuda_test::Diff plain;
+  plain.add(la, lc, V);
+  const double scale = plain.max_ref;
   std::printf("[cuda-rollback] %s: %lld junk tokens rolled back over %zu rows; A vs B %s; A vs plain per-row max "
-              "|diff| median %.3g, max %.3g of max|logit| %.3g\n", name.c_str(), (long long)rolled, row_max.size(),
-              same ? "bit-identical" : "DIFFER", sorted[sorted.size() / 2], sorted.back(), scale);
+              "|diff| median %.3g, max %.3g of max|logit| %.3g\n", name.c_str(), (long long)rolled,
+              plain.row_max.size(), same ? "bit-identical" : "DIFFER", plain.quantile(0.5), plain.max_abs, scale);
   EXPECT_TRUE(same) << name;
   if (compare_plain) {
-    EXPECT_LE(sorted[sorted.size() / 2], 1e-4 * scale) << name;
-    EXPECT_LE(sorted.back(), 5e-3 * scale) << name;
+    EXPECT_LE(plain.quantile(0.5), 1e-4 * scale) << name;
+    EXPECT_LE(plain.max_abs, 5e-3 * scale) << name;
   }
   // Only the last forward can be rolled back, and only when it fed 2 .. kMaxRollback + 1 tokens.
   EXPECT_THROW(a->rollback(a->n_tokens() - 1), Error);  // after a one-token forward
@@ -157,11 +148,9 @@ TEST(CudaRollback, SpeculationGivesPlainDecodingsTokens) {
   EXPECT_GT(spec.accepted, 0);
   EXPECT_EQ(spec.decode_steps + spec.accepted, plain.decode_steps);
   if (first_diff < plain.output_ids.size()) {  // only at a near-tie of the plain run's logits
-    const float* row = plain.logits.data() + (prompt.size() - 1 + first_diff) * size_t(V);
-    std::vector<float> s(row, row + V);
-    std::partial_sort(s.begin(), s.begin() + 2, s.end(), std::greater<float>());
-    std::printf("[cuda-speculate] first difference at token %zu, plain top-2 margin %.3g\n", first_diff, s[0] - s[1]);
-    EXPECT_LT(s[0] - s[1], 1e-2) << "speculation changed a token that was not a near-tie";
+    const double margin = cuda_test::top2_margin(plain.logits.data() + (prompt.size() - 1 + first_diff) * size_t(V), V);
+    std::printf("[cuda-speculate] first difference at token %zu, plain top-2 margin %.3g\n", first_diff, margin);
+    EXPECT_LT(margin, 1e-2) << "speculation changed a token that was not a near-tie";
   } else {
     EXPECT_EQ(spec.output_ids, plain.output_ids);
   }
