@@ -913,8 +913,11 @@ int32_t CudaRunner::forward_draw(std::span<const int32_t> tokens, const TokenDra
 // A verify step's rows drawn on the device (draw_on_device): ids come back instead of rows x vocab logits.
 std::vector<int32_t> CudaRunner::forward_draw_rows(std::span<const int32_t> tokens, std::span<const TokenDraw> draws) {
   DSV4_CHECK(draws.size() == tokens.size(), "forward_draw_rows: {} draws for {} tokens", draws.size(), tokens.size());
-  if (!options_.draw_on_device || tokens.size() > size_t(std::min(chunk_, kCudaMaxChunk)))
+  if (!options_.draw_on_device) return SequenceRunner::forward_draw_rows(tokens, draws);
+  if (tokens.size() > size_t(std::min(chunk_, kCudaMaxChunk))) {  // the device draws one chunk's rows at most
+    spdlog::debug("cuda runner: forward_draw_rows of {} rows: logits back, drawn on the host", tokens.size());
     return SequenceRunner::forward_draw_rows(tokens, draws);
+  }
   for (const TokenDraw& d : draws) check_draw(d, "forward_draw_rows");
   std::copy(draws.begin(), draws.end(), host_draws_);
   run_sequence(tokens, Rows::All, true);
