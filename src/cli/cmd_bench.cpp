@@ -80,7 +80,8 @@ struct BenchArgs {
   // draws are temperature 1, top_p 1 (the server's default).
   std::vector<std::string> draws = {"none"};
   // Decode is also timed once per set of step switches: "default" (as the runner was built, environment included),
-  // or '+'-joined names turned on: bulk (fp4 / fp8 GEMVs through the copy engine, set_gemv_bulk), overlap
+  // or '+'-joined names turned on: bulk (fp4 / fp8 GEMVs through the copy engine, set_gemv_bulk), bulkdense (the same
+  // for the plain and batched launches only, the grouped experts stay on the register kernel), overlap
   // (CudaRunnerOptions::overlap_branches), mhc (fuse_mhc_mix), routing (fuse_moe_routing), qnorm (fuse_q_norm_rope).
   // Prefill and --profile use the first.
   std::vector<std::string> switches = {"default"};
@@ -88,7 +89,7 @@ struct BenchArgs {
 
 // One entry of --switches.
 struct StepSwitches {
-  bool bulk = false, overlap = false, mhc = false, routing = false, qnorm = false;
+  bool bulk = false, bulk_dense = false, overlap = false, mhc = false, routing = false, qnorm = false;
 };
 
 StepSwitches parse_switches(const std::string& spec) {
@@ -99,12 +100,13 @@ StepSwitches parse_switches(const std::string& spec) {
     const size_t to = std::min(spec.find('+', from), spec.size());
     const std::string name = spec.substr(from, to - from);
     if (name == "bulk") s.bulk = true;
+    else if (name == "bulkdense") s.bulk_dense = true;
     else if (name == "overlap") s.overlap = true;
     else if (name == "mhc") s.mhc = true;
     else if (name == "routing") s.routing = true;
     else if (name == "qnorm") s.qnorm = true;
-    else DSV4_FAIL("dsv4 bench: --switches entry '{}' has '{}' (expected default, or bulk, overlap, mhc, "
-                   "routing and qnorm joined by '+')", spec, name);
+    else DSV4_FAIL("dsv4 bench: --switches entry '{}' has '{}' (expected default, or bulk, bulkdense, overlap, "
+                   "mhc, routing and qnorm joined by '+')", spec, name);
     from = to + 1;
   }
   return s;
@@ -449,7 +451,7 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
                  {"state_bytes", runner->state_bytes()}, {"gpu_memory_used_bytes", used}};
   // --switches: each set is applied on top of the options the runner was built with.
   const CudaRunnerOptions built_options = cuda_runner_options(*runner);
-  const bool built_bulk = gemv_bulk_enabled();
+  const GemvBulk built_bulk = gemv_bulk_mode();
   auto use_switches = [&](const std::string& spec) {
     const StepSwitches s = parse_switches(spec);
     CudaRunnerOptions o = built_options;
@@ -458,7 +460,9 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
     o.fuse_moe_routing = o.fuse_moe_routing || s.routing;
     o.fuse_q_norm_rope = o.fuse_q_norm_rope || s.qnorm;
     cuda_runner_set_step_switches(*runner, o);
-    set_gemv_bulk(built_bulk || s.bulk);
+    set_gemv_bulk(s.bulk ? GemvBulk::All
+                  : s.bulk_dense && built_bulk == GemvBulk::Off ? GemvBulk::Dense
+                                                                : built_bulk);
   };
   use_switches(a.switches.front());
   std::mt19937_64 rng(a.seed);
@@ -687,7 +691,8 @@ void add_bench_command(CLI::App& app, Handler& handler) {
       ->delimiter(',')->capture_default_str()->check(CLI::IsMember({"none", "host", "device"}));
   cmd->add_option("--switches", args->switches,
                   "Decode also timed with each set of step switches: default (as built), or names joined by '+': "
-                  "bulk (fp4 / fp8 GEMVs through the copy engine), overlap (the attention state side on a second "
+                  "bulk (fp4 / fp8 GEMVs through the copy engine), bulkdense (the same but not for the grouped "
+                  "experts), overlap (the attention state side on a second "
                   "stream), mhc (hc_post with the next mix), routing (router + slots in one launch), qnorm (q norm + "
                   "RoPE inside attention), e.g. default,bulk,overlap,mhc+routing+qnorm,bulk+overlap+mhc+routing+qnorm")
       ->delimiter(',')->capture_default_str();

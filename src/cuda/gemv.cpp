@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <string_view>
 
 #include "core/env.h"
 #include "cuda/cuda_check.h"
@@ -45,13 +47,14 @@ void for_row_pieces(const GemvParams& p, Fn&& fn) {
   }
 }
 
-// The weight stream of fp4 skinny launches (set_gemv_bulk); -1 = not yet read from the environment.
+// The weight stream of fp4 / fp8 skinny launches (a GemvBulk, set_gemv_bulk); -1 = not yet read from the environment.
 int bulk_mode = -1;
 
 // Says once which kernel streams fp4 / fp8 weights, and once when the copy-engine kernel was asked for but cannot
 // take a call (the register kernel runs it and every later call like it).
-void note_bulk_choice(const GemvParams& p, bool taken) {
+void note_bulk_choice(const GemvParams& p, bool taken, bool grouped = false) {
   if (p.weight == GemvWeight::BF16 || p.m > kGemvMaxM || !gemv_bulk_enabled()) return;
+  if (grouped && gemv_bulk_mode() == GemvBulk::Dense) return;  // the register kernel by choice
   if (detail::gemv_w4a8_supported(p)) taken = detail::gemv_w4a8_bulk_supported(p);  // the W4A8 kernel's own variant
   static bool said_taken = false, said_not = false;
   if (taken && !said_taken) {
@@ -68,11 +71,16 @@ void note_bulk_choice(const GemvParams& p, bool taken) {
 
 }  // namespace
 
-void set_gemv_bulk(bool on) { bulk_mode = on ? 1 : 0; }
+void set_gemv_bulk(GemvBulk mode) { bulk_mode = int(mode); }
 
-bool gemv_bulk_enabled() {
-  if (bulk_mode < 0) bulk_mode = env_switch("DSV4_GEMV_BULK").value_or(false) ? 1 : 0;
-  return bulk_mode == 1;
+GemvBulk gemv_bulk_mode() {
+  if (bulk_mode < 0) {
+    const char* v = std::getenv("DSV4_GEMV_BULK");
+    bulk_mode = int(v && std::string_view(v) == "dense"        ? GemvBulk::Dense
+                    : env_switch("DSV4_GEMV_BULK").value_or(false) ? GemvBulk::All
+                                                                   : GemvBulk::Off);
+  }
+  return GemvBulk(bulk_mode);
 }
 
 int gemv_k_multiple(GemvWeight w) {
@@ -251,11 +259,11 @@ void gemv_grouped(const GemvGroupedParams& g) {
     DSV4_CHECK(g.x_rows > 0, "gemv_grouped: act fp8 without the W4A8 kernel needs x_rows (got {})", g.x_rows);
     GemvGroupedParams q = g;
     q.base = with_quantised_x(g.base, g.x_rows, "gemv_grouped");
-    note_bulk_choice(q.base, detail::gemv_bulk_grouped_supported(q));
+    note_bulk_choice(q.base, detail::gemv_bulk_grouped_supported(q), true);
     DSV4_CUDA_CHECK(detail::gemv_grouped_launch(q, split));
     return;
   }
-  note_bulk_choice(g.base, detail::gemv_bulk_grouped_supported(g));
+  note_bulk_choice(g.base, detail::gemv_bulk_grouped_supported(g), true);
   DSV4_CUDA_CHECK(detail::gemv_grouped_launch(g, split));
 }
 

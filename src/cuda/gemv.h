@@ -161,10 +161,15 @@ void moe_route_and_slots(const gpu::RouterParams& router, const MoeSlotsParams& 
 // How FP4 / FP8 weights reach the skinny kernel (m <= kGemvMaxM): loads into registers (default), or copy-engine
 // copies into a shared-memory ring (gemv_bulk.cu) for k a multiple of 512 (FP4) / 256 (FP8). Same decode and mma; the warps of a
 // split tile take contiguous k ranges instead of interleaved chunks, so sums agree bit for bit at split_k 1 and to
-// fp32 rounding otherwise. Process-wide; DSV4_GEMV_BULK=1 in the environment switches it on at the
-// first call. Off by default until a GPU run has measured it (docs/perf.md, ninth round).
-void set_gemv_bulk(bool on);
-bool gemv_bulk_enabled();
+// fp32 rounding otherwise. Process-wide; DSV4_GEMV_BULK=1 (all) or =dense in the environment switches it on at the
+// first call. Dense: the plain and batched launches only, the grouped experts keep the register kernel (on the H100
+// the copy engine won on single large GEMVs and lost on the grouped w1 + w3, docs/perf.md tenth round).
+// Off by default until a GPU run has measured it.
+enum class GemvBulk { Off, Dense, All };
+void set_gemv_bulk(GemvBulk mode);
+inline void set_gemv_bulk(bool on) { set_gemv_bulk(on ? GemvBulk::All : GemvBulk::Off); }
+GemvBulk gemv_bulk_mode();
+inline bool gemv_bulk_enabled() { return gemv_bulk_mode() != GemvBulk::Off; }
 
 // The split_k that gemv() chooses for p on a device with sm_count multiprocessors.
 int gemv_default_split_k(const GemvParams& p, int sm_count);

@@ -174,18 +174,23 @@ cudaError_t launch_any(const KernelArgs& a, dim3 grid, cudaStream_t stream, bool
 
 }  // namespace
 
-bool gemv_bulk_supported(const GemvParams& p) {
+namespace {
+bool bulk_shape_ok(const GemvParams& p) {
   auto aligned16 = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
   const bool fp4 = p.weight == GemvWeight::MXFP4 || p.weight == GemvWeight::NVFP4;
   const int stage = fp4 ? stage_k<Fmt::NVFP4>() : stage_k<Fmt::FP8_E8M0>();
-  return gemv_bulk_enabled() && (fp4 || p.weight == GemvWeight::FP8_BLOCK) && p.m <= kGemvMaxM &&
-         p.k % stage == 0 && aligned16(p.w) && (!fp4 || aligned16(p.w_scale)) && !gemv_w4a8_supported(p);
+  return (fp4 || p.weight == GemvWeight::FP8_BLOCK) && p.m <= kGemvMaxM && p.k % stage == 0 && aligned16(p.w) &&
+         (!fp4 || aligned16(p.w_scale)) && !gemv_w4a8_supported(p);
 }
+}  // namespace
+
+bool gemv_bulk_supported(const GemvParams& p) { return gemv_bulk_enabled() && bulk_shape_ok(p); }
 
 bool gemv_bulk_grouped_supported(const GemvGroupedParams& g) {
   auto aligned16 = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
   const bool fp4 = g.base.weight != GemvWeight::FP8_BLOCK;
-  return gemv_bulk_supported(g.base) && g.w_expert_stride % 16 == 0 && (!fp4 || g.scale_expert_stride % 16 == 0) &&
+  return gemv_bulk_mode() == GemvBulk::All && bulk_shape_ok(g.base) && g.w_expert_stride % 16 == 0 &&
+         (!fp4 || g.scale_expert_stride % 16 == 0) &&
          (!g.second.w || (aligned16(g.second.w) && (!fp4 || aligned16(g.second.w_scale))));
 }
 
