@@ -82,14 +82,14 @@ struct BenchArgs {
   // Decode is also timed once per set of step switches: "default" (as the runner was built, environment included),
   // or '+'-joined names turned on: bulk (fp4 / fp8 GEMVs through the copy engine, set_gemv_bulk), bulkdense (the same
   // for the plain and batched launches only, the grouped experts stay on the register kernel), overlap
-  // (CudaRunnerOptions::overlap_branches), mhc (fuse_mhc_mix), routing (fuse_moe_routing), qnorm (fuse_q_norm_rope).
+  // (CudaRunnerOptions::overlap_branches; serial turns it off), mhc (fuse_mhc_mix), routing (fuse_moe_routing), qnorm (fuse_q_norm_rope).
   // Prefill and --profile use the first.
   std::vector<std::string> switches = {"default"};
 };
 
 // One entry of --switches.
 struct StepSwitches {
-  bool bulk = false, bulk_dense = false, overlap = false, mhc = false, routing = false, qnorm = false;
+  bool bulk = false, bulk_dense = false, overlap = false, serial = false, mhc = false, routing = false, qnorm = false;
 };
 
 StepSwitches parse_switches(const std::string& spec) {
@@ -102,11 +102,12 @@ StepSwitches parse_switches(const std::string& spec) {
     if (name == "bulk") s.bulk = true;
     else if (name == "bulkdense") s.bulk_dense = true;
     else if (name == "overlap") s.overlap = true;
+    else if (name == "serial") s.serial = true;
     else if (name == "mhc") s.mhc = true;
     else if (name == "routing") s.routing = true;
     else if (name == "qnorm") s.qnorm = true;
     else DSV4_FAIL("dsv4 bench: --switches entry '{}' has '{}' (expected default, or bulk, bulkdense, overlap, "
-                   "mhc, routing and qnorm joined by '+')", spec, name);
+                   "serial, mhc, routing and qnorm joined by '+')", spec, name);
     from = to + 1;
   }
   return s;
@@ -301,8 +302,11 @@ void validate(BenchArgs& a) {
   const int needed = std::max({*std::max_element(a.prefill.begin(), a.prefill.end()), a.profile_prefill,
                               a.decode_context + timed_runs * (kDecodeWarmupSteps + a.decode_steps) +
                                   (a.profile ? int(a.decode_batch.size()) : 0) +
-                                  int(a.verify_rows.size()) * (kDecodeWarmupSteps + a.decode_steps + 1) +
-                                  (a.verify_rows.empty() ? 0 : kMaxRollback + 1)});
+                                  // each verify of K rows keeps 1 (plus its decode-step baseline), the last
+                                  // one holds K - 1 more before its rollback
+                                  (a.verify_rows.empty() ? 0 : int(a.verify_rows.size() + 1) *
+                                                                   (kDecodeWarmupSteps + a.decode_steps) +
+                                                               kMaxRollback + 1)});
   for (int k : a.verify_rows)
     DSV4_CHECK(k >= 2 && k <= kMaxRollback + 1, "dsv4 bench: --verify-rows {} must be in [2, {}]", k,
                kMaxRollback + 1);
@@ -455,7 +459,7 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
   auto use_switches = [&](const std::string& spec) {
     const StepSwitches s = parse_switches(spec);
     CudaRunnerOptions o = built_options;
-    o.overlap_branches = o.overlap_branches || s.overlap;
+    o.overlap_branches = (o.overlap_branches || s.overlap) && !s.serial;
     o.fuse_mhc_mix = o.fuse_mhc_mix || s.mhc;
     o.fuse_moe_routing = o.fuse_moe_routing || s.routing;
     o.fuse_q_norm_rope = o.fuse_q_norm_rope || s.qnorm;
@@ -693,7 +697,7 @@ void add_bench_command(CLI::App& app, Handler& handler) {
                   "Decode also timed with each set of step switches: default (as built), or names joined by '+': "
                   "bulk (fp4 / fp8 GEMVs through the copy engine), bulkdense (the same but not for the grouped "
                   "experts), overlap (the attention state side on a second "
-                  "stream), mhc (hc_post with the next mix), routing (router + slots in one launch), qnorm (q norm + "
+                  "stream; serial: off), mhc (hc_post with the next mix), routing (router + slots in one launch), qnorm (q norm + "
                   "RoPE inside attention), e.g. default,bulk,overlap,mhc+routing+qnorm,bulk+overlap+mhc+routing+qnorm")
       ->delimiter(',')->capture_default_str();
   cmd->add_option("--verify-rows", args->verify_rows,

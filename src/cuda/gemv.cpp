@@ -47,6 +47,8 @@ void for_row_pieces(const GemvParams& p, Fn&& fn) {
   }
 }
 
+int forced_split = 0;  // set_gemv_forced_split
+
 // The weight stream of fp4 / fp8 skinny launches (a GemvBulk, set_gemv_bulk); -1 = not yet read from the environment.
 int bulk_mode = -1;
 
@@ -72,6 +74,12 @@ void note_bulk_choice(const GemvParams& p, bool taken, bool grouped = false) {
 }  // namespace
 
 void set_gemv_bulk(GemvBulk mode) { bulk_mode = int(mode); }
+
+void set_gemv_forced_split(int split) {
+  DSV4_CHECK(split == 0 || (split > 0 && split <= detail::kGemvWarps && (split & (split - 1)) == 0),
+             "set_gemv_forced_split: {} is not 0 or a power of two up to {}", split, detail::kGemvWarps);
+  forced_split = split;
+}
 
 GemvBulk gemv_bulk_mode() {
   if (bulk_mode < 0) {
@@ -200,7 +208,7 @@ void gemv(const GemvParams& p) {
     });
     return;
   }
-  const int split = q.split_k ? q.split_k : gemv_default_split_k(q, current_sm_count());
+  const int split = q.split_k ? q.split_k : forced_split ? forced_split : gemv_default_split_k(q, current_sm_count());
   note_bulk_choice(q, detail::gemv_bulk_supported(q));
   DSV4_CUDA_CHECK(detail::gemv_launch(q, split));
 }
@@ -226,7 +234,9 @@ void gemv_batched(const GemvBatchedParams& b) {
   // The split is chosen for all batches' rows together: they share the grid.
   GemvParams whole = b.base;
   whole.n = b.base.n * b.batch;
-  const int split = b.base.split_k ? b.base.split_k : gemv_default_split_k(whole, current_sm_count());
+  const int split = b.base.split_k   ? b.base.split_k
+                    : forced_split ? forced_split
+                                   : gemv_default_split_k(whole, current_sm_count());
   note_bulk_choice(b.base, detail::gemv_bulk_supported(b.base));
   DSV4_CUDA_CHECK(detail::gemv_batched_launch(b, split));
 }
@@ -254,7 +264,9 @@ void gemv_grouped(const GemvGroupedParams& g) {
   GemvParams all = g.base;
   const int active = g.active_slots_hint > 0 ? std::min(g.active_slots_hint, g.max_slots) : g.max_slots;
   all.n = int(std::min<int64_t>(int64_t(g.base.n) * active * (g.second.w ? 2 : 1), 1 << 30));
-  const int split = g.base.split_k ? g.base.split_k : gemv_default_split_k(all, current_sm_count());
+  const int split = g.base.split_k   ? g.base.split_k
+                    : forced_split ? forced_split
+                                   : gemv_default_split_k(all, current_sm_count());
   if (g.base.act == GemvAct::FP8 && !detail::gemv_w4a8_supported(g.base)) {
     DSV4_CHECK(g.x_rows > 0, "gemv_grouped: act fp8 without the W4A8 kernel needs x_rows (got {})", g.x_rows);
     GemvGroupedParams q = g;

@@ -171,6 +171,12 @@ inline void set_gemv_bulk(bool on) { set_gemv_bulk(on ? GemvBulk::All : GemvBulk
 GemvBulk gemv_bulk_mode();
 inline bool gemv_bulk_enabled() { return gemv_bulk_mode() != GemvBulk::Off; }
 
+// Tests: every skinny launch (gemv, gemv_batched, gemv_grouped) whose params leave split_k at 0 takes `split` (a power
+// of two up to kGemvWarps) instead of gemv_default_split_k; 0 restores the heuristic. Process-wide. Model-level tests
+// use it to see what a mere change of fp32 summation order does to the logits (bf16 activations turn it into
+// rounding-boundary crossings everywhere), and to run two weight streams over the same partition.
+void set_gemv_forced_split(int split);
+
 // The split_k that gemv() chooses for p on a device with sm_count multiprocessors.
 int gemv_default_split_k(const GemvParams& p, int sm_count);
 

@@ -66,9 +66,10 @@ struct CudaRunnerOptions {
   // in attention blocks with compressors, the compressors, their entry finishing and the indexer's weights_proj
   // beside the q-side projection and the q norms (they meet before the indexer scores); in every FFN whose shared
   // expert is not grouped (group_shared_expert below), the shared expert beside the router and the routed experts
-  // (not under act fp8). Off until measured; DSV4_OVERLAP=1 / 0 in the environment sets it. Profiled steps run
-  // everything on one stream.
-  bool overlap_branches = false;
+  // (not under act fp8). On: +2.5 % and +3.1 % at batch 1 on the Flash shape (two H100 runs, docs/perf.md); the
+  // same bits as one stream. DSV4_OVERLAP=1 / 0 in the environment sets it. Profiled steps run everything on one
+  // stream.
+  bool overlap_branches = true;
   // The attention kernel applies q's per-head norm and RoPE while it loads q (AttentionParams::q_norm_rope; head
   // dims 512 and 128), so the q row op no longer runs on its own: one launch fewer per layer. Same arithmetic as the
   // row op. Off until measured; DSV4_FUSED_QNORM=1 / 0 sets it.

@@ -927,10 +927,21 @@ TEST(CudaModel, FusedRoutingChangesNoBits) {
   }
 }
 
+// What a change of fp32 summation order alone does to this model's logits: the register GEMV kernel with every
+// launch at split_k 1 against its default splits. Every GEMV input is rounded to bf16, so a reordered fp32 sum
+// crosses bf16 rounding boundaries in some activations of every layer and moves the logits by ~1e-3 of their size
+// (measured on the H100: the copy-engine GEMVs and the fused mHC mix both differed by a median 3e-3 relative on a
+// model with no top-k choice to flip). Switches that only reorder sums are held to a few times this floor.
+struct SplitFloor {
+  Diff diff;
+  double median() const { return diff.quantile(0.5); }
+};
+
 // set_gemv_bulk: the fp4 / fp8 linears of a model whose every k is a multiple of 512 (k512_synthetic_config, synthetic
 // NVFP4 / MXFP4 / FP8 block weights) run the copy-engine kernel in prefill chunks of up to 64 rows and in
-// graph-replayed decode at batch 1 and 5 (its first copies are issued before griddepcontrol.wait). The logits must
-// match the register kernel's to fp32 rounding (only the split-k partition differs), with the same kernel count.
+// graph-replayed decode at batch 1 and 5 (its first copies are issued before griddepcontrol.wait). At split_k 1 the
+// two kernels partition k alike, so the logits must be bit-identical; at the default splits they may differ by the
+// summation-order floor (SplitFloor, measured here), with the same kernel count.
 TEST(CudaModel, BulkGemvMatchesRegisterGemv) {
   DSV4_REQUIRE_CUDA();
   const ModelConfig c = k512_synthetic_config();
@@ -938,8 +949,9 @@ TEST(CudaModel, BulkGemvMatchesRegisterGemv) {
   const int V = c.vocab_size, n = 40, steps = 6, B = 5;
   const auto [prompt, fed] = random_prompt_and_fed(V, n, steps, 31);
   for (const GemvWeight format : {GemvWeight::NVFP4, GemvWeight::MXFP4, GemvWeight::FP8_BLOCK}) {
-    auto run = [&](bool bulk) {
+    auto run = [&](bool bulk, int split) {
       set_gemv_bulk(bulk);
+      set_gemv_forced_split(split);
       CudaRunnerOptions options;
       options.synthetic_format = format;
       options.sequences = B;
@@ -947,19 +959,28 @@ TEST(CudaModel, BulkGemvMatchesRegisterGemv) {
       std::unique_ptr<SequenceRunner> r = make_cuda_runner(model, n + 2 * steps + 1, options);
       const DecodeRun run = prefill_and_decode(*r, prompt, fed, B);
       set_gemv_bulk(false);
+      set_gemv_forced_split(0);
       return std::pair{run.logits, run.graph_kernels};
     };
-    const auto [bulk, bulk_kernels] = run(true);
-    const auto [plain, plain_kernels] = run(false);
+    const auto [bulk, bulk_kernels] = run(true, 0);
+    const auto [plain, plain_kernels] = run(false, 0);
+    const auto [bulk1, bulk1_kernels] = run(true, 1);
+    const auto [plain1, plain1_kernels] = run(false, 1);
     EXPECT_EQ(bulk_kernels, plain_kernels);
+    EXPECT_TRUE(bulk1 == plain1) << gemv_weight_name(format) << ": at split_k 1 the copy-engine logits must be "
+                                 << "bit-identical to the register kernel's";
+    SplitFloor floor;
+    floor.diff.add(plain1, plain, V);
     Diff diff;
     diff.add(bulk, plain, V);
     const double scale = diff.max_ref;
-    std::printf("[cuda-bulk] %s: %zu rows, per-row max |bulk - register| median %.3g, max %.3g of max|logit| %.3g\n",
-                gemv_weight_name(format), diff.row_max.size(), diff.quantile(0.5), diff.max_abs, scale);
+    std::printf("[cuda-bulk] %s: %zu rows, per-row max |bulk - register| median %.3g, max %.3g of max|logit| %.3g; "
+                "summation-order floor (register split 1 vs default) median %.3g, max %.3g; split 1: %s\n",
+                gemv_weight_name(format), diff.row_max.size(), diff.quantile(0.5), diff.max_abs, scale,
+                floor.median(), floor.diff.max_abs, bulk1 == plain1 ? "bit-identical" : "DIFFERENT");
     EXPECT_GT(scale, 0.0);
-    EXPECT_LE(diff.quantile(0.5), 1e-4 * scale);
-    EXPECT_LE(diff.max_abs, 1e-2 * scale);
+    EXPECT_LE(diff.quantile(0.5), 3 * floor.median() + 1e-6 * scale);
+    EXPECT_LE(diff.max_abs, 3 * floor.diff.max_abs + 1e-6 * scale);
   }
 }
 
@@ -1048,8 +1069,10 @@ TEST(CudaModel, FusedQNormMatchesRowOp) {
 // Every staged switch at once (what a device session will turn on together): the copy-engine GEMV, the second
 // stream (hc_pre's Sinkhorn, the attention state side; the shared expert stays grouped), the fused mHC mix, the fused
 // routing, q's norm inside attention, tokens drawn on the device; on a model whose every k is a multiple of 512
-// (synthetic NVFP4 weights) so that the copy-engine kernel runs too. Logits within fp32 rounding of the defaults
-// (split-k orders differ), and the same tokens drawn for the same draws as the host draws them from those logits.
+// (synthetic NVFP4 weights) so that the copy-engine kernel runs too. Switches that keep every sum's order (overlap,
+// routing, qnorm) give the defaults' bits; the ones that reorder (bulk: split-k ranges; mhc: the mix's partials) stay
+// within 3x the summation-order floor measured on the same model (SplitFloor), and the set as well. Then the same
+// tokens drawn on the device for the same draws as the host draws them.
 TEST(CudaModel, AllStagedSwitchesTogether) {
   DSV4_REQUIRE_CUDA();
   const ModelConfig c = k512_synthetic_config();
@@ -1076,6 +1099,16 @@ TEST(CudaModel, AllStagedSwitchesTogether) {
   set_gemv_bulk(false);
   std::unique_ptr<SequenceRunner> plain = make_cuda_runner(model, n + 2 * steps + 2, options(0));
   const DecodeRun off = prefill_and_decode(*plain, prompt, fed, B);
+  SplitFloor floor;
+  {
+    set_gemv_forced_split(1);
+    std::unique_ptr<SequenceRunner> split1 = make_cuda_runner(model, n + 2 * steps + 2, options(0));
+    floor.diff.add(prefill_and_decode(*split1, prompt, fed, B).logits, off.logits, V);
+    set_gemv_forced_split(0);
+  }
+  std::printf("[cuda-staged] summation-order floor (gemv split 1 vs default): median %.3g, max %.3g of max|logit| "
+              "%.3g\n", floor.median(), floor.diff.max_abs, floor.diff.max_ref);
+  const unsigned reorders = kBulk | kMhc;
   // Each switch alone first: when the set fails, the line that fails names the switch.
   for (const auto& [on, what] : std::vector<std::pair<unsigned, const char*>>{
            {kBulk, "bulk"}, {kOverlap, "overlap"}, {kMhc, "mhc"}, {kRouting, "routing"}, {kQnorm, "qnorm"}}) {
@@ -1087,7 +1120,12 @@ TEST(CudaModel, AllStagedSwitchesTogether) {
     d.add(run.logits, off.logits, V);
     std::printf("[cuda-staged] %s alone vs defaults: per-row max |diff| median %.3g, max %.3g of max|logit| %.3g\n",
                 what, d.quantile(0.5), d.max_abs, d.max_ref);
-    EXPECT_LE(d.quantile(0.5), 1e-4 * d.max_ref) << what;
+    if (on & reorders) {
+      EXPECT_LE(d.quantile(0.5), 3 * floor.median() + 1e-6 * d.max_ref) << what;
+      EXPECT_LE(d.max_abs, 3 * floor.diff.max_abs + 1e-6 * d.max_ref) << what;
+    } else {
+      EXPECT_TRUE(run.logits == off.logits) << what << " keeps every sum's order, so its bits must not change";
+    }
   }
   set_gemv_bulk(true);
   std::unique_ptr<SequenceRunner> staged = make_cuda_runner(model, n + 2 * steps + 2, options(kAll));
@@ -1099,7 +1137,7 @@ TEST(CudaModel, AllStagedSwitchesTogether) {
               "max|logit| %.3g; kernels per decode step %lld vs %lld\n", diff.row_max.size(), diff.quantile(0.5),
               diff.max_abs, diff.max_ref, (long long)on.graph_kernels, (long long)off.graph_kernels);
   EXPECT_GT(diff.max_ref, 0.0);
-  EXPECT_LE(diff.quantile(0.5), 1e-4 * diff.max_ref);
+  EXPECT_LE(diff.quantile(0.5), 3 * floor.median() + 1e-6 * diff.max_ref);
   // (Kernel counts are reported, not compared: the fusions remove launches, the second stream and the shared expert
   // kept apart add some; each switch's own test checks its count.)
 
