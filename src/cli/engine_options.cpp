@@ -30,7 +30,6 @@ void add_engine_options(CLI::App* cmd, EngineOptions& o) {
 Model load_model(const EngineOptions& o) {
   // The CUDA runner uploads the checkpoint's encodings as they are; only the CPU needs every weight in fp32.
   const WeightLoad load = o.device == "cuda" ? WeightLoad::KeepLinearsPacked : WeightLoad::DecodeAll;
-  DSV4_CHECK(!o.with_mtp || o.device == "cpu", "--speculate mtp: the MTP block runs on the cpu device only so far");
   Model model =
       Model::load(o.model_dir,
                   {parse_kv_storage(o.kv_dtype), parse_indexer_storage(o.indexer_dtype), parse_act_quant(o.act_quant)},

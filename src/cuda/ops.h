@@ -300,6 +300,23 @@ struct SwigluParams {
 };
 void swiglu(const SwigluParams& p, cudaStream_t stream);
 
+// 5 (MTP input) RMSNorm of rows into bf16: y[r, :] = bf16(x_r · rsqrt(mean(x_r²) + eps) · weight), with x_r = x[r · ld, ..]
+// fp32, or (table set) the bf16 row table[ids[r]] (the embedding). Sum of squares in fp64, products rounded like
+// cpu::rms_norm (x · inv_rms, then · weight). One block per row; any dim.
+struct RmsNormRowsParams {
+  const float* x = nullptr;
+  int64_t ld = 0;
+  const uint16_t* table = nullptr;  // instead of x: bf16 rows gathered by ids
+  const int32_t* ids = nullptr;
+  int rows = 0, dim = 0;
+  const float* weight = nullptr;
+  float eps = 1e-6f;
+  uint16_t* y_bf16 = nullptr;  // [rows, dim]
+};
+void rms_norm_rows(const RmsNormRowsParams& p, cudaStream_t stream);
+// streams[t, k, :] += e[t, :] for each of the hc streams (fp32 adds): the MTP block's input, X' = h_proj(..) + e_proj(..).
+void add_to_streams(float* streams, const float* e, int n, int hc, int D, cudaStream_t stream);
+
 // Fills n floats with value (state reset: compressor scores start at -inf).
 void fill_f32(float* x, int64_t n, float value, cudaStream_t stream);
 

@@ -859,6 +859,32 @@ __global__ void window_store_kernel(const float* kv, int n, int dim, int64_t pos
   window[((pos0 + t) % slots) * dim + c] = kv[int64_t(t) * dim + c];
 }
 
+__global__ void rms_norm_rows_kernel(RmsNormRowsParams p) {
+  gpu::dependent_enter();
+  const int r = blockIdx.x;
+  const float* x = p.table ? nullptr : p.x + int64_t(r) * p.ld;
+  const uint16_t* t = p.table ? p.table + int64_t(p.ids[r]) * p.dim : nullptr;
+  auto value = [&](int i) { return t ? bf16_to_f32(t[i]) : x[i]; };
+  double ss = 0;
+  for (int i = threadIdx.x; i < p.dim; i += blockDim.x) {
+    const float v = value(i);
+    ss += double(v) * v;
+  }
+  ss = block_sum(ss);
+  const float inv_rms = 1.0f / sqrtf(float(ss / p.dim) + p.eps);
+  uint16_t* y = p.y_bf16 + int64_t(r) * p.dim;
+  for (int i = threadIdx.x; i < p.dim; i += blockDim.x)
+    y[i] = f32_to_bf16(__fmul_rn(__fmul_rn(value(i), inv_rms), p.weight ? p.weight[i] : 1.0f));
+}
+
+__global__ void add_to_streams_kernel(float* streams, const float* e, int n, int hc, int D) {
+  gpu::dependent_enter();
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= int64_t(n) * hc * D) return;
+  const int64_t t = i / (int64_t(hc) * D), d = i % D;
+  streams[i] = __fadd_rn(streams[i], e[t * D + d]);
+}
+
 __global__ void fill_kernel(float* x, int64_t n, float value) {
   gpu::dependent_enter();
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
@@ -1027,6 +1053,20 @@ void hc_head_norm(const float* streams, const float* mix, const float* base, con
   else
     gpu::launch(hc_head_kernel<kMaxHc>, n, hc_threads(D, kMaxHc), smem, stream, streams, mix, base, scale, norm_weight,
                 hc, D, hc_eps, eps, y_bf16);
+  DSV4_CUDA_LAUNCHED();
+}
+
+void rms_norm_rows(const RmsNormRowsParams& p, cudaStream_t stream) {
+  OPS_CHECK(p.dim > 0 && (p.table ? p.ids != nullptr : p.x != nullptr) && p.y_bf16,
+            "rms_norm_rows: dim %d, rows from x or from table + ids, and y_bf16 are required", p.dim);
+  if (p.rows == 0) return;
+  gpu::launch(rms_norm_rows_kernel, p.rows, 256, 0, stream, p);
+  DSV4_CUDA_LAUNCHED();
+}
+
+void add_to_streams(float* streams, const float* e, int n, int hc, int D, cudaStream_t stream) {
+  if (int64_t(n) * hc * D == 0) return;
+  gpu::launch(add_to_streams_kernel, blocks_for(int64_t(n) * hc * D, 256), 256, 0, stream, streams, e, n, hc, D);
   DSV4_CUDA_LAUNCHED();
 }
 

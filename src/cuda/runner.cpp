@@ -113,6 +113,14 @@ struct LayerDevice {
   LayerDevice(const LayerWeights& w) : hc_attn(w.hc_attn), hc_ffn(w.hc_ffn) {}
 };
 
+// The MTP block's weights besides its transformer block (which is layers_[n_layers]).
+struct MtpDevice {
+  HcDevice hc_head;
+  DeviceLinear e_proj, h_proj;
+  DeviceBuffer enorm, hnorm, norm;
+  explicit MtpDevice(const HyperConnWeights& w) : hc_head(w) {}
+};
+
 // One sequence's state, with the CPU layout and sizes of model/state.h: per layer the window ring, the compressed
 // KV, the indexer keys and the two compressors' partial-block states (kv 0 and scores -inf at sequence start).
 struct SequenceDevice {
@@ -120,8 +128,12 @@ struct SequenceDevice {
     DeviceBuffer window, compressed, index_keys;
     DeviceBuffer compressor_kv, compressor_score, index_compressor_kv, index_compressor_score;
   };
-  std::vector<Layer> layers;
+  std::vector<Layer> layers;  // the model's, then the MTP block's when loaded
   int64_t n_tokens = 0;
+  // With the MTP block: the main model's final streams [kMtpRows, hc·D] of the last positions, row p at slot
+  // p % kMtpRows; the block has consumed positions < mtp_tokens and trails by the rest (at most kMtpRows).
+  DeviceBuffer mtp_rows;
+  int64_t mtp_tokens = 0;
 
   template <class F>
   void for_each_buffer(F&& f) {
@@ -129,6 +141,7 @@ struct SequenceDevice {
       for (DeviceBuffer* b : {&l.window, &l.compressed, &l.index_keys, &l.compressor_kv, &l.compressor_score,
                               &l.index_compressor_kv, &l.index_compressor_score})
         f(*b);
+    f(mtp_rows);
   }
 };
 
@@ -155,6 +168,18 @@ class CudaRunner final : public SequenceRunner {
   int64_t n_tokens() const override { return seqs_[current_seq_].n_tokens; }
   int max_rollback() const override { return kMaxRollback; }
   void rollback(int64_t n_tokens) override;
+  bool has_mtp() const override { return mtp_.has_value(); }
+  int64_t mtp_pending() const override {
+    return mtp_ ? seqs_[current_seq_].n_tokens - seqs_[current_seq_].mtp_tokens : 0;
+  }
+  int32_t mtp_draft(std::span<const int32_t> next_tokens) override {
+    run_mtp(next_tokens, true);
+    return host_drawn_[0];
+  }
+  std::vector<float> mtp_logits(std::span<const int32_t> next_tokens) {
+    run_mtp(next_tokens, false);
+    return std::vector<float>(host_logits_, host_logits_ + next_tokens.size() * size_t(c_.vocab_size));
+  }
   int max_context() const override { return max_context_; }
   void reset() override;
   size_t state_bytes() const override { return state_bytes_; }
@@ -212,7 +237,16 @@ class CudaRunner final : public SequenceRunner {
   // The head (final mHC collapse, norm, lm_head) of rows [first, first + rows), rows <= kCudaMaxChunk, and the
   // copy of their logits into host_logits_, or (drawn) the draw of their tokens by draws_ and the copy of the ids
   // into host_drawn_.
-  void enqueue_head(int first, int rows, bool drawn);
+  void enqueue_head(int first, int rows, bool drawn, const HcDevice& collapse, const DeviceBuffer& norm);
+  // The MTP block on the selected sequence's next next.size() pending pairs (spec 5; model.cpp's mtp_forward): its
+  // greedy guess of the token after the last pair drawn into host_drawn_[0] (drawn), or every row's logits into
+  // host_logits_. Direct launches, one synchronisation.
+  void run_mtp(std::span<const int32_t> next, bool drawn);
+  // After a forward of the selected sequence (or a batched step, `stored` false: no rows were kept): the MTP block
+  // skips what fell out of the kept rows.
+  void mtp_after_forward(SequenceDevice& seq, bool stored) const {
+    if (mtp_) seq.mtp_tokens = stored ? std::max(seq.mtp_tokens, seq.n_tokens - kMtpRows) : seq.n_tokens;
+  }
   // The decode step of sequences 0..B-1; draws: their tokens drawn on the device (host_drawn_), else logits.
   std::vector<float> decode_rows(std::span<const int32_t> tokens, std::span<const TokenDraw> draws);
   void attention_block(int l, int n);
@@ -441,7 +475,9 @@ class CudaRunner final : public SequenceRunner {
   DeviceBuffer final_norm_, inv_freq_main_, inv_freq_compress_;
   DeviceLinear embed_, head_;
   std::optional<HcDevice> hc_head_;
-  std::vector<LayerDevice> layers_;
+  std::vector<LayerDevice> layers_;  // n_layers blocks, then the MTP block's when the model has it
+  std::optional<MtpDevice> mtp_;
+  DeviceBuffer mtp_e_, mtp_h_bf16_;  // MTP input workspaces: e_proj output [kMtpRows, D], hnorm'd rows bf16
 
   // workspaces, sized for chunk_ tokens (the logits for kCudaMaxChunk rows)
   DeviceBuffer tokens_, streams_, mix_, post_, comb_, normed_, normed_bf16_, y_x_, qr_bf16_, y_q_, kv_chunk_,
@@ -519,14 +555,14 @@ CudaRunner::CudaRunner(const Model& model, int max_context, CudaRunnerOptions op
   inv_freq_compress_ = upload_f32(rope_inv_freq(c.rope_compress, rd));
 
   int max_n_x = 0, max_n_q = 0, max_inter = 1, max_shared = 1, shared_grouped_layers = 0;
-  layers_.reserve(c.n_layers);
-  for (int l = 0; l < c.n_layers; ++l) {
-    const LayerWeights& L = W.layers[l];
+  layers_.reserve(c.n_layers + 1);
+  // Block l of the model (l = n_layers: the MTP block, sliding-window attention only, like ModelConfig's accessors).
+  auto add_layer = [&](const LayerWeights& L, int l) {
     const AttentionWeights& A = L.attn;
     LayerDevice& d = layers_.emplace_back(L);
-    d.ratio = c.compress_ratio[l];
+    d.ratio = c.ratio(l);
     d.indexer = A.indexer.has_value();
-    d.hash = c.hash_routed[l];
+    d.hash = c.hashed(l);
     d.inv_freq = (c.has_compressor(l) ? inv_freq_compress_ : inv_freq_main_).as<float>();
     d.attn_norm = upload_f32(L.attn_norm);
     d.ffn_norm = upload_f32(L.ffn_norm);
@@ -613,6 +649,18 @@ CudaRunner::CudaRunner(const Model& model, int max_context, CudaRunnerOptions op
     d.w3 = uploader.experts(w3);
     d.w2 = uploader.experts(w2);
     max_inter = std::max(max_inter, c.moe_inter);
+  };
+  for (int l = 0; l < c.n_layers; ++l) add_layer(W.layers[size_t(l)], l);
+  if (model.has_mtp()) {
+    const MtpWeights& m = *W.mtp;
+    add_layer(m.block, c.n_layers);
+    mtp_.emplace(m.hc_head);
+    mtp_->e_proj = uploader.linear(m.e_proj);
+    mtp_->h_proj = uploader.linear(m.h_proj);
+    mtp_->enorm = upload_f32(m.enorm);
+    mtp_->hnorm = upload_f32(m.hnorm);
+    mtp_->norm = upload_f32(m.norm);
+    stats_.weight_bytes += mtp_->e_proj.bytes() + mtp_->h_proj.bytes();
   }
   if (shared_grouped_layers)
     spdlog::info("cuda runner: the shared expert runs as one more grouped expert in {} of {} layers (same shape and "
@@ -642,6 +690,10 @@ CudaRunner::CudaRunner(const Model& model, int max_context, CudaRunnerOptions op
         for (const FusedLinear::Part& part : fl->parts) need(part.weight);
       need(d.wo_b);
       need(d.shared_w2);
+    }
+    if (mtp_) {
+      need(mtp_->e_proj);
+      need(mtp_->h_proj);
     }
     gemm_.emplace(scratch);
     stats_.workspace_bytes += scratch * b16 + GemmContext::kWorkspaceBytes;
@@ -701,15 +753,22 @@ CudaRunner::CudaRunner(const Model& model, int max_context, CudaRunnerOptions op
       attention_scratch = std::max(attention_scratch, gpu::attention_scratch_floats(ap));
     }
   attention_scratch_ = zeros(attention_scratch * f);
-  if (act_ == GemvAct::FP8)  // the largest input of a quantised linear (bf16)
-    act_scratch_ = zeros(C * std::max({D, c.q_lora_rank, c.o_groups * c.o_lora_rank, pairs * max_inter, max_shared}) *
+  if (act_ == GemvAct::FP8)  // the largest input of a quantised linear (bf16); the MTP block's h_proj has hc rows a pair
+    act_scratch_ = zeros(std::max(C * std::max({D, c.q_lora_rank, c.o_groups * c.o_lora_rank, pairs * max_inter,
+                                                max_shared}),
+                                  mtp_ ? size_t(kMtpRows) * hc * D : 0) *
                          b16);
+  if (mtp_) {
+    mtp_e_ = zeros(size_t(kMtpRows) * D * f);
+    mtp_h_bf16_ = zeros(size_t(kMtpRows) * hc * D * b16);
+  }
   for (const DeviceBuffer* b : {&tokens_, &streams_, &mix_, &post_, &comb_, &normed_, &normed_bf16_, &y_x_,
                                 &qr_bf16_, &y_q_, &kv_chunk_, &index_w_, &scores_, &selected_, &o_grouped_,
                                 &z_, &attn_out_, &router_logits_, &expert_ids_, &expert_weights_,
                                 &slot_count_, &slot_expert_, &slot_offset_, &row_order_, &expert_gate_, &expert_up_,
                                 &h_, &y_pairs_, &shared_y13_, &h_shared_, &shared_out_, &head_in_, &logits_,
-                                &attention_scratch_, &pair_weights_, &act_scratch_, &mix_partials_})
+                                &attention_scratch_, &pair_weights_, &act_scratch_, &mix_partials_, &mtp_e_,
+                                &mtp_h_bf16_})
     stats_.workspace_bytes += bytes_of(*b);
   pos_ = zeros(kCudaMaxChunk * sizeof(int64_t));
   DSV4_CUDA_CHECK(cudaMallocHost(&host_tokens_, C * sizeof(int32_t)));
@@ -778,6 +837,7 @@ SequenceDevice CudaRunner::make_sequence(size_t& state_bytes) const {
       st.index_compressor_score = floats(size_t(d.index_compressor->rows) * d.index_compressor->width);
     }
   }
+  if (mtp_) s.mtp_rows = floats(size_t(kMtpRows) * c_.hc_mult * c_.hidden_size);
   return s;
 }
 
@@ -808,6 +868,7 @@ CudaRunner::~CudaRunner() {
 void CudaRunner::reset() {
   SequenceDevice& s = seqs_[current_seq_];
   s.n_tokens = 0;
+  s.mtp_tokens = 0;
   if (snapshot_seq_ == current_seq_) snapshot_seq_ = -1;
   for (size_t l = 0; l < layers_.size(); ++l) {  // spec 3.5: kv 0, scores -inf at sequence start
     SequenceDevice::Layer& st = s.layers[l];
@@ -838,6 +899,7 @@ void CudaRunner::copy_sequence(int from, int to) {
     ++i;
   });
   seqs_[to].n_tokens = seqs_[from].n_tokens;
+  seqs_[to].mtp_tokens = seqs_[from].mtp_tokens;
   if (snapshot_seq_ == to) snapshot_seq_ = -1;
 }
 
@@ -882,6 +944,7 @@ void CudaRunner::rollback(int64_t n) {
       rebuild(*layers_[l].index_compressor, st.index_compressor_kv, st.index_compressor_score);
   }
   seq.n_tokens = n;
+  seq.mtp_tokens = std::min(seq.mtp_tokens, n);  // its kept rows past n are rewritten by position before use
 }
 
 void CudaRunner::check_draw(const TokenDraw& d, const char* what) const {
@@ -945,6 +1008,7 @@ std::vector<float> CudaRunner::run_sequence(std::span<const int32_t> tokens, Row
               drawn && last, logits);
     seq.n_tokens += len;
   }
+  mtp_after_forward(seq, true);
   stats_.launches_last_forward = launches_;
   return logits;
 }
@@ -986,7 +1050,10 @@ std::vector<float> CudaRunner::decode_rows(std::span<const int32_t> tokens, std:
   if (drawn) std::copy(draws.begin(), draws.end(), host_draws_);
   std::vector<float> logits;
   run_parts(B, Rows::All, drawn, options_.graph_decode, logits);
-  for (int b = 0; b < B; ++b) ++seqs_[b].n_tokens;
+  for (int b = 0; b < B; ++b) {
+    ++seqs_[b].n_tokens;
+    mtp_after_forward(seqs_[b], B == 1);
+  }
   stats_.launches_last_forward = launches_;
   return logits;
 }
@@ -1044,7 +1111,7 @@ void CudaRunner::run_parts(int n, Rows wanted, bool drawn, bool graph, std::vect
   if (wanted == Rows::All && n > kCudaMaxChunk) {  // the logits buffers hold kCudaMaxChunk rows
     for (int first = 0; first < n; first += kCudaMaxChunk) {
       const int rows = std::min(kCudaMaxChunk, n - first);
-      enqueue_head(first, rows, false);
+      enqueue_head(first, rows, false, *hc_head_, final_norm_);
       DSV4_CUDA_CHECK(cudaStreamSynchronize(stream_));
       logits.insert(logits.end(), host_logits_, host_logits_ + size_t(rows) * c_.vocab_size);
     }
@@ -1079,18 +1146,25 @@ void CudaRunner::enqueue_chunk(int n, Rows wanted, bool drawn) {
     ffn_block(l, n);
   }
   current_layer_ = -1;
-  if (wanted == Rows::Last) enqueue_head(n - 1, 1, drawn);
-  if (wanted == Rows::All && n <= kCudaMaxChunk) enqueue_head(0, n, drawn);  // larger: run_parts, 64 rows at a time
+  if (mtp_ && parts_.size() == 1) {  // the rows the MTP block trails by, by position (graph replays keep them too)
+    const ChunkPart& part = parts_.front();
+    gpu::window_store(streams_.as<float>(), n, hc * D, part.pos0, part.pos_device,
+                      seqs_[size_t(part.seq)].mtp_rows.as<float>(), kMtpRows, stream_);
+    launched("mtp: keep the final streams");
+  }
+  if (wanted == Rows::Last) enqueue_head(n - 1, 1, drawn, *hc_head_, final_norm_);
+  if (wanted == Rows::All && n <= kCudaMaxChunk)  // larger: run_parts, 64 rows at a time
+    enqueue_head(0, n, drawn, *hc_head_, final_norm_);
 }
 
-void CudaRunner::enqueue_head(int first, int rows, bool drawn) {
+void CudaRunner::enqueue_head(int first, int rows, bool drawn, const HcDevice& collapse, const DeviceBuffer& norm) {
   const ModelConfig& c = c_;
   const int D = c.hidden_size, hc = c.hc_mult, V = c.vocab_size;
   // 5: final collapse, norm, head for rows first .. first + rows - 1 (<= kCudaMaxChunk) into host_logits_
   const float* streams = streams_.as<float>() + size_t(first) * hc * D;
-  linear_f32("head: mHC mix", streams, hc_head_->fn, mix_.as<float>(), rows, hc, hc * D);
-  gpu::hc_head_norm(streams, mix_.as<float>(), hc_head_->base.as<float>(), hc_head_->scale.as<float>(),
-                    final_norm_.as<float>(), rows, hc, D, c.hc_eps, c.rms_norm_eps, head_in_.as<uint16_t>(), stream_);
+  linear_f32("head: mHC mix", streams, collapse.fn, mix_.as<float>(), rows, hc, hc * D);
+  gpu::hc_head_norm(streams, mix_.as<float>(), collapse.base.as<float>(), collapse.scale.as<float>(),
+                    norm.as<float>(), rows, hc, D, c.hc_eps, c.rms_norm_eps, head_in_.as<uint16_t>(), stream_);
   launched("head: mHC collapse + norm");
   linear("head: lm_head", head_, head_in_.data(), logits_.data(), rows, GemvOut::F32);
   if (drawn) {
@@ -1102,6 +1176,78 @@ void CudaRunner::enqueue_head(int first, int rows, bool drawn) {
   }
   DSV4_CUDA_CHECK(cudaMemcpyAsync(host_logits_, logits_.data(), size_t(rows) * V * sizeof(float),
                                   cudaMemcpyDeviceToHost, stream_));
+}
+
+void CudaRunner::run_mtp(std::span<const int32_t> next, bool drawn) {
+  const ModelConfig& c = c_;
+  DSV4_CHECK(mtp_, "mtp_draft: the model was loaded without its MTP block");
+  SequenceDevice& seq = seqs_[current_seq_];
+  const int n = int(next.size()), D = c.hidden_size, hc = c.hc_mult, L = c.n_layers;
+  DSV4_CHECK(n >= 1 && n <= mtp_pending(), "mtp_draft: {} tokens for {} pending", n, mtp_pending());
+  for (int32_t id : next)
+    DSV4_CHECK(id >= 0 && id < c.vocab_size, "token id {} is outside the vocabulary [0, {})", id, c.vocab_size);
+  if (upload_pending_) {  // host_tokens_ may still be read by a queued upload
+    DSV4_CUDA_CHECK(cudaEventSynchronize(tokens_uploaded_));
+    upload_pending_ = false;
+  }
+  cur_ = stream_;
+  side_pending_ = false;
+  launches_ = 0;
+  std::memcpy(host_tokens_, next.data(), size_t(n) * sizeof(int32_t));
+  DSV4_CUDA_CHECK(cudaMemcpyAsync(tokens_.data(), host_tokens_, size_t(n) * sizeof(int32_t), cudaMemcpyHostToDevice,
+                                  stream_));
+  if (drawn) {
+    host_draws_[0] = TokenDraw{};  // greedy over the whole vocabulary
+    host_draws_[0].vocab = c.vocab_size;
+    DSV4_CUDA_CHECK(cudaMemcpyAsync(draws_.data(), host_draws_, sizeof(TokenDraw), cudaMemcpyHostToDevice, stream_));
+  }
+  // The main model's final streams of positions p0 .. p0 + n - 1 (ring slots p % kMtpRows), in order.
+  const int64_t p0 = seq.mtp_tokens;
+  const size_t row_bytes = size_t(hc) * D * sizeof(float);
+  for (int t = 0; t < n;) {
+    const int slot = int((p0 + t) % kMtpRows), len = std::min(n - t, kMtpRows - slot);
+    DSV4_CUDA_CHECK(cudaMemcpyAsync(streams_.as<char>() + t * row_bytes, seq.mtp_rows.as<char>() + slot * row_bytes,
+                                    len * row_bytes, cudaMemcpyDeviceToDevice, stream_));
+    t += len;
+  }
+  // X' = e_proj(RMSNorm(embed(next); enorm)) on every stream + h_proj(RMSNorm(X_k; hnorm)) per stream k
+  gpu::RmsNormRowsParams h;
+  h.x = streams_.as<float>();
+  h.ld = D;
+  h.rows = n * hc;
+  h.dim = D;
+  h.weight = mtp_->hnorm.as<float>();
+  h.eps = c.rms_norm_eps;
+  h.y_bf16 = mtp_h_bf16_.as<uint16_t>();
+  gpu::rms_norm_rows(h, stream_);
+  launched("mtp: hnorm");
+  linear("mtp: h_proj", mtp_->h_proj, mtp_h_bf16_.data(), streams_.data(), n * hc, GemvOut::F32, true);
+  gpu::RmsNormRowsParams e = h;
+  e.x = nullptr;
+  e.table = embed_.w.as<uint16_t>();
+  e.ids = tokens_.as<int32_t>();
+  e.rows = n;
+  e.weight = mtp_->enorm.as<float>();
+  e.y_bf16 = normed_bf16_.as<uint16_t>();
+  gpu::rms_norm_rows(e, stream_);
+  launched("mtp: embed + enorm");
+  linear("mtp: e_proj", mtp_->e_proj, normed_bf16_.data(), mtp_e_.data(), n, GemvOut::F32, true);
+  gpu::add_to_streams(streams_.as<float>(), mtp_e_.as<float>(), n, hc, D, stream_);
+  launched("mtp: h + e");
+  // The block, at the MTP block's own positions p0.. (its window ring), then its head collapse and norm.
+  parts_.clear();
+  parts_.push_back({current_seq_, p0, nullptr});
+  current_layer_ = L;
+  attention_block(L, n);
+  ffn_block(L, n);
+  current_layer_ = -1;
+  if (drawn)
+    enqueue_head(n - 1, 1, true, mtp_->hc_head, mtp_->norm);
+  else
+    enqueue_head(0, n, false, mtp_->hc_head, mtp_->norm);
+  DSV4_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  seq.mtp_tokens += n;
+  stats_.launches_last_forward = launches_;
 }
 
 void CudaRunner::record_event(size_t index) {
@@ -1168,7 +1314,7 @@ void CudaRunner::attention_block(int l, int n) {
   float* y_q = y_q_.as<float>();
 
   // 2.3 mHC pre + attn_norm (the mix comes from the previous layer's hc_post when fused)
-  mhc_pre(Sublayer::Attention, d.hc_attn, d.attn_norm, n, l > 0 && fused_mix(n));
+  mhc_pre(Sublayer::Attention, d.hc_attn, d.attn_norm, n, l > 0 && l < c.n_layers && fused_mix(n));
 
   // 3.2 / 3.3 / 3.5 input projections in one GEMM, then q_norm and the q projections in another.
   linear("attn: gemv x-side [wq_a|wkv|compressors]", d.w_x, normed_bf16_.data(), y_x, n, c.q_lora_rank + hd);
@@ -1530,7 +1676,7 @@ CudaMemoryNeed cuda_memory_need(const Model& model, int max_context, const CudaR
   auto expert = [&](const ExpertWeights& e) {
     w += linear_bytes(e.w1, synthetic) + linear_bytes(e.w2, synthetic) + linear_bytes(e.w3, synthetic);
   };
-  for (const LayerWeights& L : W.layers) {
+  auto layer = [&](const LayerWeights& L) {
     w += f32_bytes(L.attn_norm) + f32_bytes(L.ffn_norm);
     for (const HyperConnWeights* h : {&L.hc_attn, &L.hc_ffn})
       w += f32_bytes(h->fn) + f32_bytes(h->base) + f32_bytes(h->scale);
@@ -1546,6 +1692,13 @@ CudaMemoryNeed cuda_memory_need(const Model& model, int max_context, const CudaR
     w += f32_bytes(M.gate) + f32_bytes(M.gate_bias) + M.tid2eid.size() * sizeof(int32_t);
     for (const ExpertWeights& e : M.experts) expert(e);
     if (M.shared) expert(*M.shared);
+  };
+  for (const LayerWeights& L : W.layers) layer(L);
+  if (W.mtp) {
+    layer(W.mtp->block);
+    w += linear_bytes(W.mtp->e_proj, synthetic) + linear_bytes(W.mtp->h_proj, synthetic) + f32_bytes(W.mtp->enorm) +
+         f32_bytes(W.mtp->hnorm) + f32_bytes(W.mtp->norm) + f32_bytes(W.mtp->hc_head.fn) +
+         f32_bytes(W.mtp->hc_head.base) + f32_bytes(W.mtp->hc_head.scale);
   }
   // A sequence's state, fp32 (model/state.h's layout): the window ring, then per compressed layer its entries, the
   // indexer's keys and both compressors' partial blocks.
@@ -1561,6 +1714,7 @@ CudaMemoryNeed cuda_memory_need(const Model& model, int max_context, const CudaR
     s += 2 * size_t(series * ratio) * size_t(series * c.head_dim);  // kv and score partials
     if (c.is_csa(l)) s += entries * c.index_head_dim + 2 * size_t(series * ratio) * size_t(series * c.index_head_dim);
   }
+  if (W.mtp) s += window + size_t(kMtpRows) * c.hc_mult * c.hidden_size;  // its window ring, the rows it trails by
   s *= sizeof(float);
   return need;
 }
@@ -1625,6 +1779,10 @@ std::vector<float> cuda_runner_decode_batch(SequenceRunner& runner, std::span<co
 std::vector<int32_t> cuda_runner_decode_batch_draw(SequenceRunner& runner, std::span<const int32_t> tokens,
                                                    std::span<const TokenDraw> draws) {
   return as_cuda(runner, "cuda_runner_decode_batch_draw").decode_batch_draw(tokens, draws);
+}
+
+std::vector<float> cuda_runner_mtp_logits(SequenceRunner& runner, std::span<const int32_t> next_tokens) {
+  return as_cuda(runner, "cuda_runner_mtp_logits").mtp_logits(next_tokens);
 }
 
 void cuda_runner_copy_sequence(SequenceRunner& runner, int from, int to) {

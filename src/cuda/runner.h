@@ -14,6 +14,9 @@
 //             rows: every linear layer reads its weights once for the B tokens; the state-bound kernels, i.e.
 //             compressors, indexer, attention and window store, run once over all rows, each row reaching its
 //             sequence's state through device pointer tables).
+//   MTP       a model loaded with its MTP block gets it on the GPU too (layers_[n_layers] plus e_proj / h_proj, its
+//             norms and head collapse): each forward keeps its final streams by position, mtp_draft runs the block on
+//             the pending pairs (direct launches) and draws its greedy guess on the device.
 //   drawing   forward_draw / cuda_runner_decode_batch_draw can draw the next tokens on the device after the lm_head
 //             (CudaRunnerOptions::draw_on_device): the draw parameters go up with the tokens, 4 bytes per row come
 //             back, all inside the captured decode graph.
@@ -32,6 +35,9 @@ namespace dsv4 {
 
 constexpr int kCudaMaxChunk = 64;       // rows of a decode batch, and of the logits buffers
 constexpr int kCudaPrefillChunk = 512;  // default tokens per prefill chunk
+// With the MTP block: the main model's final streams kept per sequence for it (its mtp_pending() never exceeds this;
+// older positions are skipped, which SequenceRunner allows).
+constexpr int kMtpRows = kCudaMaxChunk;
 
 struct CudaRunnerOptions {
   // Capture the 1-token decode step (token and position uploads, every kernel, the logits copy) once as a CUDA
@@ -135,6 +141,9 @@ void cuda_runner_set_draw_on_device(SequenceRunner& runner, bool on);
 // `switches` are ignored). Drops the captured decode graphs. For A/B timing in one process (dsv4 bench --switches).
 CudaRunnerOptions cuda_runner_options(const SequenceRunner& runner);
 void cuda_runner_set_step_switches(SequenceRunner& runner, const CudaRunnerOptions& switches);
+// The MTP block (a runner of a model loaded with it) on the selected sequence's next next_tokens.size() pending pairs,
+// as mtp_draft feeds them, returning their logits [n, vocab] instead of a guess (tests).
+std::vector<float> cuda_runner_mtp_logits(SequenceRunner& runner, std::span<const int32_t> next_tokens);
 // Sequence `to` becomes a copy of sequence `from` (state and length), on the device (benchmarks: B sequences at
 // one context without B prefills).
 void cuda_runner_copy_sequence(SequenceRunner& runner, int from, int to);

@@ -31,7 +31,7 @@ void SequenceRunner::rollback(int64_t n_tokens) {
 }
 
 int32_t SequenceRunner::mtp_draft(std::span<const int32_t>) {
-  throw Error("this backend has no MTP block (load the model with it: --speculate mtp on the cpu device)");
+  throw Error("this backend has no MTP block (load the model with it: --speculate mtp)");
 }
 
 namespace {

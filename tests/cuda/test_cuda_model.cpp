@@ -33,6 +33,7 @@
 #include "cpu/ops.h"
 #include "cuda/device.h"
 #include "cuda_test_util.h"
+#include "model_test_util.h"
 #include "cuda/ops.h"
 #include "cuda/runner.h"
 #include "formats/bf16.h"
@@ -321,40 +322,6 @@ Model tiny_model(const std::string& name, Numerics numerics, std::string* source
   *source = "random weights (no golden checkpoint yet)";
   const ModelConfig config = ModelConfig::from_json(tiny_config(name));
   return Model(config, random_weights(config, 1234), numerics);
-}
-
-// The linear weights of w in a fixed order (embedding and head first); W is ModelWeights or const ModelWeights.
-template <class W>
-auto linear_matrices(W& w) {
-  std::vector<decltype(&w.embed)> out = {&w.embed, &w.head};
-  for (auto& L : w.layers) {
-    auto& A = L.attn;
-    for (auto* m : {&A.wq_a, &A.wq_b, &A.wkv, &A.wo_a, &A.wo_b}) out.push_back(m);
-    if (A.compressor) out.push_back(&A.compressor->wkv), out.push_back(&A.compressor->wgate);
-    if (A.indexer)
-      for (auto* m : {&A.indexer->wq_b, &A.indexer->compressor.wkv, &A.indexer->compressor.wgate}) out.push_back(m);
-    for (auto& e : L.ffn.experts) out.push_back(&e.w1), out.push_back(&e.w2), out.push_back(&e.w3);
-    if (L.ffn.shared) out.push_back(&L.ffn.shared->w1), out.push_back(&L.ffn.shared->w2), out.push_back(&L.ffn.shared->w3);
-  }
-  return out;
-}
-
-// CPU only: how far do logits move when only the linear weights are rounded to bf16 (what the CUDA runner
-// stores)? This is the model's own sensitivity, the floor under the CUDA-vs-CPU tolerance. With `packed` (the
-// same checkpoint loaded KeepLinearsPacked), the matrices the runner keeps packed stay exact: it decodes them
-// exactly inside its kernels.
-ModelWeights bf16_linears(ModelWeights w, const ModelWeights* packed = nullptr) {
-  const std::vector<Matrix*> mats = linear_matrices(w);
-  std::vector<const Matrix*> kept;
-  if (packed) {
-    kept = linear_matrices(*packed);
-    EXPECT_EQ(kept.size(), mats.size());
-  }
-  for (size_t i = 0; i < mats.size(); ++i) {
-    if (i < kept.size() && kept[i]->packed.has_value()) continue;
-    for (float& v : mats[i]->data) v = round_bf16(v);
-  }
-  return w;
 }
 
 int argmax(const float* v, int n) { return int(std::max_element(v, v + n) - v); }

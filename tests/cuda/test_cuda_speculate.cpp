@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: MIT
 // Speculative decoding on the CUDA runner: rollback of a verify step (CudaRunner::rollback: the compressor rows
-// saved before it, rebuilt from the kept rows by gpu::compressor_state), and Session's verify loop on the GPU.
+// saved before it, rebuilt from the kept rows by gpu::compressor_state), Session's verify loop on the GPU, and the
+// MTP block on the GPU (its logits against the CPU block's, its drafts in Session).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -15,6 +16,7 @@
 #include "cuda/device.h"
 #include "cuda/runner.h"
 #include "cuda_test_util.h"
+#include "model_test_util.h"
 #include "model/model.h"
 #include "model/session.h"
 #include "model/speculate.h"
@@ -29,6 +31,8 @@ Model golden_model(const std::string& name, Numerics numerics) {
 }
 
 const Numerics kF32{cpu::KvStorage::F32, cpu::IndexerStorage::F32};
+
+int argmax_of(const float* v, int n) { return int(std::max_element(v, v + n) - v); }
 
 // Runners A and B feed the same real tokens, each step followed by junk drafts (different junk in A and B) that
 // are rolled back; C feeds the real tokens alone. The steps cross every compressor block boundary of the tiny
@@ -153,6 +157,115 @@ TEST(CudaRollback, SpeculationGivesPlainDecodingsTokens) {
     EXPECT_LT(margin, 1e-2) << "speculation changed a token that was not a near-tie";
   } else {
     EXPECT_EQ(spec.output_ids, plain.output_ids);
+  }
+}
+
+// The golden tiny-mtp checkpoint with its MTP block (random weights: its guesses are rarely kept).
+Model tiny_mtp(Numerics numerics) {
+  return Model::load((fs::path(DSV4_TEST_DATA) / "golden" / "tiny-mtp").string(), numerics, WeightLoad::DecodeAll,
+                     true);
+}
+
+// The MTP block on the GPU against the CPU block on the weights the GPU holds (linears rounded to bf16): 150 ids
+// fed to the main model in pieces of 1 to 40 tokens, each followed by the MTP block on every pair it trails by, so
+// its logits cover the pairs of positions 0..148 once (the CPU: one forward, one mtp_forward over all 149 pairs).
+// Bounds of the main model's tests (bf16 activations, fp32 order): >= 90 % of rows within 3e-2 of max|logit|, the
+// greedy guesses equal where the CPU's top-2 margin exceeds twice the row's difference; and mtp_draft (drawn on the
+// device) is the argmax of the same logits.
+TEST(CudaMtp, MatchesTheCpuBlock) {
+  DSV4_REQUIRE_CUDA();
+  const Model model = tiny_mtp(kF32);
+  ASSERT_TRUE(model.has_mtp());
+  const Model reference(model.config(), bf16_linears(model.weights()), kF32);
+  ASSERT_TRUE(reference.has_mtp());
+  const int V = model.config().vocab_size, n = 150;
+  std::vector<int32_t> ids(n);
+  for (int i = 0; i < n; ++i) ids[size_t(i)] = int32_t((i * 37 + 11) % V);
+  std::vector<float> streams;
+  SequenceState state = reference.new_sequence(200);
+  reference.forward(state, ids, true, &streams);
+  const std::vector<float> want =
+      reference.mtp_forward(state, streams.data(), std::span<const int32_t>(ids.data() + 1, n - 1), false);
+
+  auto gpu = make_cuda_runner(model, 200), drafter = make_cuda_runner(model, 200);
+  ASSERT_TRUE(gpu->has_mtp());
+  std::vector<float> got;
+  int guesses = 0, guesses_equal = 0;
+  const std::vector<int> pieces{1, 7, 2, 30, 40, 1, 13, 5, 26, 25};
+  for (size_t k = 0, at = 0; at < size_t(n); ++k) {
+    const size_t len = std::min<size_t>(pieces[k % pieces.size()], n - at);
+    const std::span<const int32_t> piece(ids.data() + at, len);
+    gpu->forward(piece, true);
+    drafter->forward(piece, true);
+    at += len;
+    const int64_t pending = gpu->mtp_pending(), first = gpu->n_tokens() - pending;
+    ASSERT_EQ(drafter->mtp_pending(), pending);
+    ASSERT_LE(pending, int64_t(len) + 1) << "the block trails by the unpaired rows only";
+    const int64_t pairs = at < size_t(n) ? pending : pending - 1;  // the last position has no next token
+    if (pairs == 0) continue;
+    const std::span<const int32_t> next(ids.data() + first + 1, size_t(pairs));
+    const std::vector<float> rows = cuda_runner_mtp_logits(*gpu, next);
+    ASSERT_EQ(rows.size(), size_t(pairs) * V);
+    got.insert(got.end(), rows.begin(), rows.end());
+    const int32_t guess = drafter->mtp_draft(next);
+    ++guesses;
+    guesses_equal += guess == argmax_of(rows.data() + size_t(pairs - 1) * V, V);
+    EXPECT_EQ(gpu->mtp_pending(), pending - pairs);
+  }
+  ASSERT_EQ(got.size(), want.size());
+  cuda_test::Diff diff;
+  diff.add(got, want, V);
+  int checked = 0, agree = 0;
+  for (int r = 0; r < n - 1; ++r) {
+    const float* w = want.data() + size_t(r) * V;
+    if (cuda_test::top2_margin(w, V) > 2 * diff.row_max[size_t(r)]) {
+      ++checked;
+      agree += argmax_of(got.data() + size_t(r) * V, V) == argmax_of(w, V);
+    }
+  }
+  std::printf("[cuda-mtp] %d pairs: max|gpu - cpu| %.3g of max|logit| %.3g (per-row median %.3g, p90 %.3g), rows "
+              "within 3e-2: %.0f%%; greedy %d/%d margin-checked rows agree; mtp_draft = argmax of the logits in "
+              "%d/%d calls\n", n - 1, diff.max_abs, diff.max_ref, diff.quantile(0.5), diff.quantile(0.9),
+              100 * diff.fraction_within(3e-2 * diff.max_ref), agree, checked, guesses_equal, guesses);
+  EXPECT_GT(diff.max_ref, 1.0);
+  EXPECT_GE(diff.fraction_within(3e-2 * diff.max_ref), 0.9);
+  EXPECT_EQ(agree, checked);
+  EXPECT_EQ(guesses_equal, guesses);
+}
+
+// Session with MTP drafts on the GPU: the tokens of plain decoding (up to a near-tie), one draft a step, and a
+// runner whose sequence was rolled back and reset drafts like a fresh one.
+TEST(CudaMtp, SpeculationGivesPlainDecodingsTokens) {
+  DSV4_REQUIRE_CUDA();
+  const Model model = tiny_mtp(kF32);
+  const int V = model.config().vocab_size;
+  std::vector<int32_t> prompt;
+  for (int i = 0; i < 30; ++i) prompt.push_back(int32_t((i * 53 + 7) % V));
+  GenerateOptions o;
+  o.max_new_tokens = 40;
+  o.stop_at_eos = false;
+  o.keep_logits = true;
+  auto plain_runner = make_cuda_runner(model, 128), spec_runner = make_cuda_runner(model, 128);
+  const GenerateResult plain = Session(*plain_runner).generate(prompt, o);
+  o.speculate.method = DraftMethod::Mtp;
+  o.speculate.max_draft = 1;
+  const GenerateResult spec = Session(*spec_runner).generate(prompt, o);
+  spec_runner->reset();
+  const GenerateResult again = Session(*spec_runner).generate(prompt, o);
+  EXPECT_EQ(again.output_ids, spec.output_ids);
+  EXPECT_EQ(again.accepted, spec.accepted);
+  size_t first_diff = 0;
+  while (first_diff < plain.output_ids.size() && first_diff < spec.output_ids.size() &&
+         plain.output_ids[first_diff] == spec.output_ids[first_diff])
+    ++first_diff;
+  std::printf("[cuda-mtp] Session: %d of %d MTP drafts kept, %d forwards for %zu tokens (plain %d); outputs agree "
+              "on %zu of %zu tokens\n", spec.accepted, spec.drafted, spec.decode_steps, spec.output_ids.size(),
+              plain.decode_steps, first_diff, plain.output_ids.size());
+  EXPECT_GE(spec.drafted, int(spec.output_ids.size()) - 2);  // a guess every step but the last
+  EXPECT_EQ(spec.decode_steps + spec.accepted, plain.decode_steps);
+  if (first_diff < plain.output_ids.size()) {
+    const double margin = cuda_test::top2_margin(plain.logits.data() + (prompt.size() - 1 + first_diff) * size_t(V), V);
+    EXPECT_LT(margin, 1e-2) << "MTP speculation changed a token that was not a near-tie";
   }
 }
 

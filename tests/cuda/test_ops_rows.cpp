@@ -12,6 +12,8 @@
 //   hc_head_norm: bf16 output within 2^-8 relative (+1e-5) of the fp32 reference.
 //   linear_f32: |got - want| <= 1e-5 · |scale| · Σ|x·w| against fp64 (reordered fp32 sums; the kernel's bound is
 //     (k / 256 + 16) · 2^-24, 4.8e-6 at k = 16384).
+//   rms_norm_rows: bf16 outputs within one bf16 rounding step of bf16(cpu::rms_norm) (the fp64 sum of squares is
+//     added in another order), from fp32 rows and from a gathered bf16 table; add_to_streams exact.
 //   row_op: like the CudaOps tests (no mismatch beyond 1e-5 without rounding, <= 0.5% of elements with FP8 / FP4 /
 //     bf16 rounding), and the rounded output must equal src/formats' block functions applied on the host to the
 //     kernel's own unrounded output, bit for bit.
@@ -799,6 +801,69 @@ TEST(OpsRowsRowOp, CompressorEntryEmit) {
   check_emit(512, 64, 4, gpu::RowRound::KvFp8, 91);
   check_emit(512, 64, 128, gpu::RowRound::KvFp8, 92);
   check_emit(128, 64, 4, gpu::RowRound::IndexerFp4, 93);
+}
+
+// The MTP block's input norms (any dim: 64, 4096, Pro's 7168, an odd 1001) and its broadcast add.
+TEST(OpsRowsMtpInput, RmsNormRowsAndAddToStreams) {
+  DSV4_REQUIRE_CUDA();
+  std::mt19937 rng(11);
+  for (const int dim : {64, 1001, 4096, 7168})
+    for (const bool gathered : {false, true}) {
+      const int rows = 6, vocab = 9, ld = dim + 3;  // fp32 rows with a stride past dim
+      const std::vector<float> weight = random_vector(size_t(dim), rng, 0.5f, 1.5f);
+      std::vector<float> x(size_t(rows) * ld), dense(size_t(rows) * dim);
+      std::vector<uint16_t> table(size_t(vocab) * dim);
+      std::vector<int32_t> ids(static_cast<size_t>(rows));
+      for (int r = 0; r < rows; ++r) {
+        ids[size_t(r)] = (r * 5 + 2) % vocab;
+        for (int i = 0; i < dim; ++i) x[size_t(r) * ld + i] = std::uniform_real_distribution<float>(-3, 3)(rng);
+      }
+      for (uint16_t& v : table) v = f32_to_bf16(std::uniform_real_distribution<float>(-2, 2)(rng));
+      for (int r = 0; r < rows; ++r)
+        for (int i = 0; i < dim; ++i)
+          dense[size_t(r) * dim + i] =
+              gathered ? bf16_to_f32(table[size_t(ids[size_t(r)]) * dim + i]) : x[size_t(r) * ld + i];
+      std::vector<float> want(dense.size());
+      cpu::rms_norm(dense.data(), weight.data(), want.data(), rows, dim, 1e-6f);
+      const DeviceBuffer d_x = to_device(x), d_w = to_device(weight), d_table = to_device(table), d_ids = to_device(ids);
+      DeviceBuffer d_y(dense.size() * sizeof(uint16_t));
+      d_y.fill_bytes(0xff);
+      gpu::RmsNormRowsParams p;
+      if (gathered) {
+        p.table = d_table.as<uint16_t>();
+        p.ids = d_ids.as<int32_t>();
+      } else {
+        p.x = d_x.as<float>();
+        p.ld = ld;
+      }
+      p.rows = rows;
+      p.dim = dim;
+      p.weight = d_w.as<float>();
+      p.eps = 1e-6f;
+      p.y_bf16 = d_y.as<uint16_t>();
+      gpu::rms_norm_rows(p, nullptr);
+      const std::vector<uint16_t> got = to_host<uint16_t>(d_y, dense.size());
+      int exact = 0, bad = 0;
+      for (size_t i = 0; i < got.size(); ++i) {
+        const float g = bf16_to_f32(got[i]), w = want[i];
+        exact += got[i] == f32_to_bf16(w);
+        bad += !(std::fabs(g - w) <= std::ldexp(std::fabs(w), -7));  // one bf16 step either way
+      }
+      EXPECT_EQ(bad, 0) << "dim " << dim << (gathered ? " gathered" : " fp32 rows");
+      EXPECT_GE(exact, int(0.99 * got.size())) << "dim " << dim;
+    }
+  const int n = 3, hc = 4, D = 1000;
+  const std::vector<float> streams = random_vector(size_t(n) * hc * D, rng), e = random_vector(size_t(n) * D, rng);
+  DeviceBuffer d_s = to_device(streams);
+  const DeviceBuffer d_e = to_device(e);
+  gpu::add_to_streams(d_s.as<float>(), d_e.as<float>(), n, hc, D, nullptr);
+  const std::vector<float> got = to_host<float>(d_s, streams.size());
+  for (int t = 0; t < n; ++t)
+    for (int k = 0; k < hc; ++k)
+      for (int d = 0; d < D; ++d) {
+        const size_t i = (size_t(t) * hc + k) * D + d;
+        ASSERT_EQ(got[i], streams[i] + e[size_t(t) * D + d]) << t << " " << k << " " << d;
+      }
 }
 
 }  // namespace
