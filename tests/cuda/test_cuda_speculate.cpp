@@ -113,6 +113,37 @@ TEST(CudaRollback, ForgottenDraftsLeaveNoTrace) {
   check_rollback("tiny-flash", Numerics{}, false);  // FP8 KV / FP4 indexer keys: the exact check only
 }
 
+// Greedy generation of max_new_tokens past any EOS, keeping the logits (plain decoding's, for near-tie checks).
+GenerateOptions greedy_with_logits(int max_new_tokens) {
+  GenerateOptions o;
+  o.max_new_tokens = max_new_tokens;
+  o.stop_at_eos = false;
+  o.keep_logits = true;
+  return o;
+}
+
+// A speculative run against plain decoding of the same prompt (greedy, plain with its logits): each kept draft
+// saves a forward, and the tokens are plain decoding's unless the two first differ at a near-tie of plain's logits
+// (a verify step's rows and a graph step's row round differently).
+void expect_plain_tokens(const char* what, const GenerateResult& plain, const GenerateResult& spec, size_t prompt_len,
+                         int V) {
+  size_t first_diff = 0;
+  while (first_diff < plain.output_ids.size() && first_diff < spec.output_ids.size() &&
+         plain.output_ids[first_diff] == spec.output_ids[first_diff])
+    ++first_diff;
+  std::printf("%s: %d of %d drafts kept, %d forwards for %zu tokens (plain %d); outputs agree on %zu of %zu tokens\n",
+              what, spec.accepted, spec.drafted, spec.decode_steps, spec.output_ids.size(), plain.decode_steps,
+              first_diff, plain.output_ids.size());
+  EXPECT_EQ(spec.decode_steps + spec.accepted, plain.decode_steps) << what;
+  if (first_diff < plain.output_ids.size()) {  // only at a near-tie of the plain run's logits
+    const double margin = cuda_test::top2_margin(plain.logits.data() + (prompt_len - 1 + first_diff) * size_t(V), V);
+    std::printf("%s: first difference at token %zu, plain top-2 margin %.3g\n", what, first_diff, margin);
+    EXPECT_LT(margin, 1e-2) << what << ": speculation changed a token that was not a near-tie";
+  } else {
+    EXPECT_EQ(spec.output_ids, plain.output_ids) << what;
+  }
+}
+
 // Session's verify loop on the GPU: n-gram drafts on a prompt that repeats itself, greedy. The tokens are plain
 // decoding's unless the two differ first at a near-tie (a verify step's rows and a graph step's row round
 // differently); drafts are kept, and each kept draft saves a forward.
@@ -123,10 +154,7 @@ TEST(CudaRollback, SpeculationGivesPlainDecodingsTokens) {
   std::vector<int32_t> prompt;
   for (int r = 0; r < 6; ++r)
     for (int32_t t : {5, 17, 99, 42, 7, 200, 12}) prompt.push_back(t);  // vocab 256
-  GenerateOptions o;
-  o.max_new_tokens = 80;
-  o.stop_at_eos = false;
-  o.keep_logits = true;
+  GenerateOptions o = greedy_with_logits(80);
   auto plain_runner = make_cuda_runner(model, 256), spec_runner = make_cuda_runner(model, 256);
   const GenerateResult plain = Session(*plain_runner).generate(prompt, o);
   o.speculate.method = DraftMethod::Ngram;
@@ -141,23 +169,9 @@ TEST(CudaRollback, SpeculationGivesPlainDecodingsTokens) {
   const GenerateResult drawn = Session(*device_runner).generate(prompt, o);
   EXPECT_EQ(drawn.output_ids, spec.output_ids);
   EXPECT_EQ(drawn.accepted, spec.accepted);
-  size_t first_diff = 0;
-  while (first_diff < plain.output_ids.size() && first_diff < spec.output_ids.size() &&
-         plain.output_ids[first_diff] == spec.output_ids[first_diff])
-    ++first_diff;
-  std::printf("[cuda-speculate] %d of %d drafts kept, %d forwards for %zu tokens (plain %d); outputs agree on %zu "
-              "of %zu tokens\n", spec.accepted, spec.drafted, spec.decode_steps, spec.output_ids.size(),
-              plain.decode_steps, first_diff, plain.output_ids.size());
+  expect_plain_tokens("[cuda-speculate] n-gram", plain, spec, prompt.size(), V);
   EXPECT_GT(spec.drafted, 0);
   EXPECT_GT(spec.accepted, 0);
-  EXPECT_EQ(spec.decode_steps + spec.accepted, plain.decode_steps);
-  if (first_diff < plain.output_ids.size()) {  // only at a near-tie of the plain run's logits
-    const double margin = cuda_test::top2_margin(plain.logits.data() + (prompt.size() - 1 + first_diff) * size_t(V), V);
-    std::printf("[cuda-speculate] first difference at token %zu, plain top-2 margin %.3g\n", first_diff, margin);
-    EXPECT_LT(margin, 1e-2) << "speculation changed a token that was not a near-tie";
-  } else {
-    EXPECT_EQ(spec.output_ids, plain.output_ids);
-  }
 }
 
 // The golden tiny-mtp checkpoint with its MTP block (random weights: its guesses are rarely kept).
@@ -241,10 +255,7 @@ TEST(CudaMtp, SpeculationGivesPlainDecodingsTokens) {
   const int V = model.config().vocab_size;
   std::vector<int32_t> prompt;
   for (int i = 0; i < 30; ++i) prompt.push_back(int32_t((i * 53 + 7) % V));
-  GenerateOptions o;
-  o.max_new_tokens = 40;
-  o.stop_at_eos = false;
-  o.keep_logits = true;
+  GenerateOptions o = greedy_with_logits(40);
   auto plain_runner = make_cuda_runner(model, 128), spec_runner = make_cuda_runner(model, 128);
   const GenerateResult plain = Session(*plain_runner).generate(prompt, o);
   o.speculate.method = DraftMethod::Mtp;
@@ -254,19 +265,8 @@ TEST(CudaMtp, SpeculationGivesPlainDecodingsTokens) {
   const GenerateResult again = Session(*spec_runner).generate(prompt, o);
   EXPECT_EQ(again.output_ids, spec.output_ids);
   EXPECT_EQ(again.accepted, spec.accepted);
-  size_t first_diff = 0;
-  while (first_diff < plain.output_ids.size() && first_diff < spec.output_ids.size() &&
-         plain.output_ids[first_diff] == spec.output_ids[first_diff])
-    ++first_diff;
-  std::printf("[cuda-mtp] Session: %d of %d MTP drafts kept, %d forwards for %zu tokens (plain %d); outputs agree "
-              "on %zu of %zu tokens\n", spec.accepted, spec.drafted, spec.decode_steps, spec.output_ids.size(),
-              plain.decode_steps, first_diff, plain.output_ids.size());
+  expect_plain_tokens("[cuda-mtp] Session, MTP", plain, spec, prompt.size(), V);
   EXPECT_GE(spec.drafted, int(spec.output_ids.size()) - 2);  // a guess every step but the last
-  EXPECT_EQ(spec.decode_steps + spec.accepted, plain.decode_steps);
-  if (first_diff < plain.output_ids.size()) {
-    const double margin = cuda_test::top2_margin(plain.logits.data() + (prompt.size() - 1 + first_diff) * size_t(V), V);
-    EXPECT_LT(margin, 1e-2) << "MTP speculation changed a token that was not a near-tie";
-  }
 }
 
 }  // namespace
