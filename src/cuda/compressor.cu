@@ -127,26 +127,27 @@ __global__ void compressor_entries_kernel(CompressorParams p, int64_t b_first) {
   p.entries[b * d + j] = acc / sum;
 }
 
-// Not overlapped: the partial block at the end of the chunk is a plain copy of chunk rows (score = gate + ape), one
-// thread per (column, position) of it.
-__global__ void compressor_state_copy_kernel(CompressorParams p, int64_t from) {
-  gpu::dependent_enter();
-  const int col = blockIdx.x * blockDim.x + threadIdx.x;
-  if (col >= p.dim) return;
-  const int64_t pos = from + blockIdx.y, t = pos - p.pos0;
+// Not overlapped: the partial block at the end of the chunk is a plain copy of chunk rows (score = gate + ape); one
+// (column, position) of it.
+__device__ void state_copy_cell(const CompressorParams& p, int col, int64_t pos) {
+  const int64_t t = pos - p.pos0;
   const int i = int(pos % p.ratio);
   p.state_kv[i * p.dim + col] = p.kv_in[t * p.in_stride + col];
   p.state_score[i * p.dim + col] = p.gate_in[t * p.in_stride + col] + p.ape[i * p.dim + col];
 }
 
-// After the entries: the state the walk would leave, per column col < width. Overlapped: rows 0..r-1 = the last
-// complete block (moved from the partial-block rows or taken from the chunk), rows r.. = the new partial block.
-// Rows the walk leaves stale are never read before being rewritten, so they are not touched.
-__global__ void compressor_state_kernel(CompressorParams p) {
+__global__ void compressor_state_copy_kernel(CompressorParams p, int64_t from) {
   gpu::dependent_enter();
   const int col = blockIdx.x * blockDim.x + threadIdx.x;
+  if (col >= p.dim) return;
+  state_copy_cell(p, col, from + blockIdx.y);
+}
+
+// After the entries: the state the walk would leave, in column col < width. Overlapped: rows 0..r-1 = the last
+// complete block (moved from the partial-block rows or taken from the chunk), rows r.. = the new partial block.
+// Rows the walk leaves stale are never read before being rewritten, so they are not touched.
+__device__ void state_column(const CompressorParams& p, int col) {
   const int r = p.ratio, width = p.overlap ? 2 * p.dim : p.dim;
-  if (col >= width) return;
   const ChunkRows rows{p, r, width, (p.pos0 / r) * r};
   const int64_t end = p.pos0 + p.n, last_block = end / r * r;  // first position of the partial block at the end
   if (p.overlap && last_block > (p.pos0 / r) * r) {  // a block completed in this chunk
@@ -164,6 +165,29 @@ __global__ void compressor_state_kernel(CompressorParams p) {
     p.state_kv[row * width + col] = kv;
     p.state_score[row * width + col] = score;
   }
+}
+
+__global__ void compressor_state_kernel(CompressorParams p) {
+  gpu::dependent_enter();
+  const int col = blockIdx.x * blockDim.x + threadIdx.x;
+  if (col < (p.overlap ? 2 * p.dim : p.dim)) state_column(p, col);
+}
+
+// compressor_states: block row blockIdx.y rebuilds table[blockIdx.y] with the shared n and pos0, like
+// compressor_state (the same cells, the same operations).
+__global__ void compressor_states_kernel(const CompressorParams* table, int n, int64_t pos0) {
+  gpu::dependent_enter();
+  CompressorParams p = table[blockIdx.y];
+  p.n = n;
+  p.pos0 = pos0;
+  const int col = blockIdx.x * blockDim.x + threadIdx.x;
+  if (p.overlap) {
+    if (col < 2 * p.dim) state_column(p, col);
+    return;
+  }
+  if (col >= p.dim) return;
+  const int64_t end = p.pos0 + p.n, from = max(end / p.ratio * p.ratio, p.pos0);
+  for (int64_t pos = from; pos < end; ++pos) state_copy_cell(p, col, pos);
 }
 
 }  // namespace
@@ -213,6 +237,16 @@ void compressor_state(const CompressorParams& p, cudaStream_t stream) {
   }
   const int width = p.overlap ? 2 * p.dim : p.dim;
   gpu::launch(compressor_state_kernel, blocks_for(width, kColumnThreads), kColumnThreads, 0, stream, p);
+  DSV4_CUDA_LAUNCHED();
+}
+
+void compressor_states(const CompressorParams* table, int count, int n, int64_t pos0, int max_width,
+                       cudaStream_t stream) {
+  OPS_CHECK(count >= 0 && count <= 65535 && n >= 0 && max_width > 0,
+            "compressor_states: %d compressors, n %d, max width %d", count, n, max_width);
+  if (count == 0 || n == 0) return;
+  gpu::launch(compressor_states_kernel, dim3(blocks_for(max_width, kColumnThreads), count), kColumnThreads, 0, stream,
+              table, n, pos0);
   DSV4_CUDA_LAUNCHED();
 }
 

@@ -174,6 +174,13 @@ void compressor_advance(const CompressorParams& p, cudaStream_t stream);
 // is written, p.entries is not read; plain launches, n >= 1): speculative decoding's rollback rebuilds a state from
 // the one saved before a verify step and the kept rows of its input.
 void compressor_state(const CompressorParams& p, cudaStream_t stream);
+// compressor_state for `count` compressors in one launch (a rollback rebuilds ~60): table[i] (a device array; plain,
+// not batched) with n and pos0 replaced by the arguments. max_width >= every (overlap ? 2 : 1) · dim. Same bits.
+void compressor_states(const CompressorParams* table, int count, int n, int64_t pos0, int max_width,
+                       cudaStream_t stream);
+// dst[r · dst_ld + c] = src[r · src_ld + c] for r < rows, c < width (a kernel, so programmatic launches stay chained;
+// the CUDA runner keeps a verify step's compressor input rows with it).
+void copy_rows(float* dst, int64_t dst_ld, const float* src, int64_t src_ld, int rows, int width, cudaStream_t stream);
 
 // 3.6 lightning indexer, for query t at p = pos0 + t and its n_visible = min((p+1) / ratio, max_entries) keys s:
 //   indexer_scores writes scores[t, s] = Σ_h w_scale · w[t, h] · max(q[t, h] · keys[s], 0) for s < n_visible

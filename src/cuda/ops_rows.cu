@@ -1078,6 +1078,21 @@ void window_store(const float* kv_chunk, int n, int dim, int64_t pos0, const int
   DSV4_CUDA_LAUNCHED();
 }
 
+__global__ void copy_rows_kernel(float* dst, int64_t dst_ld, const float* src, int64_t src_ld, int rows, int width) {
+  gpu::dependent_enter();
+  const int r = blockIdx.y;
+  for (int c = blockIdx.x * blockDim.x + threadIdx.x; c < width; c += gridDim.x * blockDim.x)
+    dst[r * dst_ld + c] = src[r * src_ld + c];
+}
+
+void copy_rows(float* dst, int64_t dst_ld, const float* src, int64_t src_ld, int rows, int width, cudaStream_t stream) {
+  OPS_CHECK(rows >= 0 && rows <= 65535 && width >= 0, "copy_rows: %d rows of %d", rows, width);
+  if (int64_t(rows) * width == 0) return;
+  gpu::launch(copy_rows_kernel, dim3(blocks_for(width, 256), rows), 256, 0, stream, dst, dst_ld, src, src_ld, rows,
+              width);
+  DSV4_CUDA_LAUNCHED();
+}
+
 __global__ void copy_spans_kernel(const CopySpan* spans, int n_spans) {
   gpu::dependent_enter();
   const CopySpan s = spans[blockIdx.y];

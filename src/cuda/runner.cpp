@@ -221,6 +221,22 @@ class CudaRunner final : public SequenceRunner {
   // entries / indexer keys past the kept positions are never read before being rewritten (model/state.h).
   void save_snapshot();
   std::vector<gpu::CopySpan> snapshot_spans(int seq, bool restore) const;
+  // The compressor_states table of a rollback of sequence seq: each compressor's history rows and seq's state (n and
+  // pos0 are set per rollback).
+  std::vector<gpu::CompressorParams> rollback_params(int seq) const {
+    std::vector<gpu::CompressorParams> table;
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      const SequenceDevice::Layer& st = seqs_[size_t(seq)].layers[l];
+      auto add = [&](const CompressorDevice& cd, const DeviceBuffer& kv, const DeviceBuffer& score) {
+        const float* rows = cd.history.as<float>();
+        table.push_back({rows, rows + cd.width, 2 * int64_t(cd.width), cd.ape.as<float>(), kv.as<float>(),
+                         score.as<float>(), nullptr, cd.ratio, cd.dim, 0, cd.overlap, 0});
+      };
+      if (layers_[l].compressor) add(*layers_[l].compressor, st.compressor_kv, st.compressor_score);
+      if (layers_[l].index_compressor) add(*layers_[l].index_compressor, st.index_compressor_kv, st.index_compressor_score);
+    }
+    return table;
+  }
   void check_draw(const TokenDraw& d, const char* what) const;  // its vocab is within the model's
   // The selected sequence consumes tokens in chunks; rows: the logits wanted (All, or Last of the last chunk), or
   // with `drawn` the last row's token drawn by host_draws_[0] into host_drawn_[0].
@@ -495,6 +511,8 @@ class CudaRunner final : public SequenceRunner {
   float* host_logits_ = nullptr;    // pinned [kCudaMaxChunk, vocab]
   DeviceBuffer snapshot_;                               // one sequence's compressor rows (save_snapshot)
   std::vector<DeviceBuffer> save_spans_, restore_spans_;  // per sequence: gpu::CopySpan tables into / out of it
+  std::vector<DeviceBuffer> rollback_tables_;           // per sequence: rollback_params on the device
+  int rollback_count_ = 0, rollback_max_width_ = 1;     // compressors in a table, widest state row
   int snapshot_seq_ = -1;                               // whose rows snapshot_ holds, -1: none
   int snapshot_span_count_ = 0;                         // buffers per sequence it covers
   int64_t snapshot_pos_ = 0;                            // the position they were saved at
@@ -808,6 +826,15 @@ CudaRunner::CudaRunner(const Model& model, int max_context, CudaRunnerOptions op
       if (!spans.empty()) table.upload(spans.data(), spans.size() * sizeof(gpu::CopySpan));
       (restore ? restore_spans_ : save_spans_).push_back(std::move(table));
     }
+  for (int s = 0; s < sequences(); ++s) {
+    const std::vector<gpu::CompressorParams> params = rollback_params(s);
+    rollback_count_ = int(params.size());
+    for (const gpu::CompressorParams& p : params)
+      rollback_max_width_ = std::max(rollback_max_width_, p.overlap ? 2 * p.dim : p.dim);
+    DeviceBuffer table(std::max<size_t>(params.size(), 1) * sizeof(gpu::CompressorParams));
+    if (!params.empty()) table.upload(params.data(), params.size() * sizeof(gpu::CompressorParams));
+    rollback_tables_.push_back(std::move(table));
+  }
   DSV4_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
@@ -930,19 +957,10 @@ void CudaRunner::rollback(int64_t n) {
              "cuda runner: cannot roll back to {} tokens (holding {}): only tokens of the last forward, when it fed "
              "2 to {} tokens, can be forgotten", n, seq.n_tokens, kMaxRollback + 1);
   gpu::copy_spans(restore_spans_[size_t(current_seq_)].as<gpu::CopySpan>(), snapshot_span_count_, stream_);
-  const int kept = int(n - snapshot_pos_);
-  for (size_t l = 0; l < layers_.size() && kept > 0; ++l) {
-    SequenceDevice::Layer& st = seq.layers[l];
-    auto rebuild = [&](CompressorDevice& cd, DeviceBuffer& kv, DeviceBuffer& score) {
-      const float* rows = cd.history.as<float>();
-      gpu::CompressorParams cp{rows, rows + cd.width, 2 * int64_t(cd.width), cd.ape.as<float>(), kv.as<float>(),
-                               score.as<float>(), nullptr, cd.ratio, cd.dim, kept, cd.overlap, snapshot_pos_};
-      gpu::compressor_state(cp, stream_);
-    };
-    if (layers_[l].compressor) rebuild(*layers_[l].compressor, st.compressor_kv, st.compressor_score);
-    if (layers_[l].index_compressor)
-      rebuild(*layers_[l].index_compressor, st.index_compressor_kv, st.index_compressor_score);
-  }
+  // Every compressor's state from the kept rows, in one launch (rollback_params: the history rows, this sequence's
+  // state buffers).
+  gpu::compressor_states(rollback_tables_[size_t(current_seq_)].as<gpu::CompressorParams>(), rollback_count_,
+                         int(n - snapshot_pos_), snapshot_pos_, rollback_max_width_, stream_);
   seq.n_tokens = n;
   seq.mtp_tokens = std::min(seq.mtp_tokens, n);  // its kept rows past n are rewritten by position before use
 }
@@ -1367,8 +1385,8 @@ void CudaRunner::attention_block(int l, int n) {
     if (recording_) {  // keep the rows for rollback (kv and gate are adjacent in y_x) and read them from there
       DSV4_CHECK(off_gate == off_kv + cd.width && n <= kMaxRollback + 1, "cuda runner: compressor rows layout");
       float* rows = cd.history.as<float>();
-      DSV4_CUDA_CHECK(cudaMemcpy2DAsync(rows, 2 * cd.width * sizeof(float), y_x + off_kv, d.n_x * sizeof(float),
-                                        2 * cd.width * sizeof(float), n, cudaMemcpyDeviceToDevice, cur_));
+      gpu::copy_rows(rows, 2 * cd.width, y_x + off_kv, d.n_x, n, 2 * cd.width, cur_);  // a kernel: PDL stays chained
+      launched("attn: keep compressor rows");
       cp.kv_in = rows;
       cp.gate_in = rows + cd.width;
       cp.in_stride = 2 * cd.width;
