@@ -682,7 +682,7 @@ CudaRunner::CudaRunner(const Model& model, int max_context, CudaRunnerOptions op
   }
   if (shared_grouped_layers)
     spdlog::info("cuda runner: the shared expert runs as one more grouped expert in {} of {} layers (same shape and "
-                 "encoding as the routed ones)", shared_grouped_layers, c.n_layers);
+                 "encoding as the routed ones)", shared_grouped_layers, layers_.size());
   else if (!options.group_shared_expert)
     spdlog::info("cuda runner: the shared expert runs through its own gemvs (group_shared_expert off){}",
                  options.overlap_branches ? ", beside the routing on a second stream" : "");
