@@ -887,6 +887,26 @@ TEST(ActQuant, MatchesFp8SimulateBlock) {
   }
 }
 
+// The test-only split override takes 0 (the heuristic) or a power of two up to the warps of a block; the copy-engine
+// mode 'dense' leaves the grouped launches on the register kernel (no GPU needed: the choice is host arithmetic).
+TEST(GemvArgs, ForcedSplitAndBulkModes) {
+  for (const int bad : {-1, 3, 6, 16, 1 << 20}) EXPECT_THROW(set_gemv_forced_split(bad), Error) << bad;
+  for (const int good : {1, 2, 4, 8, 0}) EXPECT_NO_THROW(set_gemv_forced_split(good)) << good;
+  const GemvBulk before = gemv_bulk_mode();
+  GemvGroupedParams g;
+  g.base = fake_params(GemvWeight::NVFP4, 1, 2048, 4096);
+  g.w_expert_stride = g.scale_expert_stride = 4096;
+  set_gemv_bulk(GemvBulk::Dense);
+  EXPECT_TRUE(gemv_bulk_enabled());
+  EXPECT_TRUE(detail::gemv_bulk_supported(g.base));
+  EXPECT_FALSE(detail::gemv_bulk_grouped_supported(g));
+  set_gemv_bulk(GemvBulk::All);
+  EXPECT_TRUE(detail::gemv_bulk_grouped_supported(g));
+  set_gemv_bulk(GemvBulk::Off);
+  EXPECT_FALSE(detail::gemv_bulk_supported(g.base));
+  set_gemv_bulk(before);
+}
+
 TEST(GemvArgs, RejectsBadShapesAndPointers) {
   EXPECT_THROW(gemv(fake_params(GemvWeight::BF16, kGemvMaxRows + 1, 16, 64)), Error);  // m too large
   EXPECT_THROW(gemv(fake_params(GemvWeight::BF16, -1, 16, 64)), Error);
