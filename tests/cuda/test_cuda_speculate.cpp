@@ -183,9 +183,10 @@ Model tiny_mtp(Numerics numerics) {
 // The MTP block on the GPU against the CPU block on the weights the GPU holds (linears rounded to bf16): 150 ids
 // fed to the main model in pieces of 1 to 40 tokens, each followed by the MTP block on every pair it trails by, so
 // its logits cover the pairs of positions 0..148 once (the CPU: one forward, one mtp_forward over all 149 pairs).
-// Bounds of the main model's tests (bf16 activations, fp32 order): >= 90 % of rows within 3e-2 of max|logit|, the
-// greedy guesses equal where the CPU's top-2 margin exceeds twice the row's difference; and mtp_draft (drawn on the
-// device) is the argmax of the same logits.
+// The block reads the main model's final streams, so it carries their differences too: >= 90 % of rows within 5e-2
+// of max|logit| (the FP8 models' bound in test_cuda_model.cpp; on the H100 91 % were within 3e-2 and 90 % within
+// 2.6e-2, so another GPU's split-k choices keep a margin), the greedy guesses equal where the CPU's top-2 margin
+// exceeds twice the row's difference; and mtp_draft (drawn on the device) is the argmax of the same logits.
 TEST(CudaMtp, MatchesTheCpuBlock) {
   DSV4_REQUIRE_CUDA();
   const Model model = tiny_mtp(kF32);
@@ -238,11 +239,12 @@ TEST(CudaMtp, MatchesTheCpuBlock) {
     }
   }
   std::printf("[cuda-mtp] %d pairs: max|gpu - cpu| %.3g of max|logit| %.3g (per-row median %.3g, p90 %.3g), rows "
-              "within 3e-2: %.0f%%; greedy %d/%d margin-checked rows agree; mtp_draft = argmax of the logits in "
-              "%d/%d calls\n", n - 1, diff.max_abs, diff.max_ref, diff.quantile(0.5), diff.quantile(0.9),
-              100 * diff.fraction_within(3e-2 * diff.max_ref), agree, checked, guesses_equal, guesses);
+              "within 3e-2: %.0f%%, within 5e-2: %.0f%%; greedy %d/%d margin-checked rows agree; mtp_draft = argmax "
+              "of the logits in %d/%d calls\n", n - 1, diff.max_abs, diff.max_ref, diff.quantile(0.5),
+              diff.quantile(0.9), 100 * diff.fraction_within(3e-2 * diff.max_ref),
+              100 * diff.fraction_within(5e-2 * diff.max_ref), agree, checked, guesses_equal, guesses);
   EXPECT_GT(diff.max_ref, 1.0);
-  EXPECT_GE(diff.fraction_within(3e-2 * diff.max_ref), 0.9);
+  EXPECT_GE(diff.fraction_within(5e-2 * diff.max_ref), 0.9);
   EXPECT_EQ(agree, checked);
   EXPECT_EQ(guesses_equal, guesses);
 }
