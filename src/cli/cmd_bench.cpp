@@ -66,6 +66,7 @@ struct BenchArgs {
   std::vector<int> decode_batch = {1, 8, 32};
   int max_context = 0;  // 0 = max(prefill lengths, decode context + warm-up + steps)
   std::vector<int> verify_rows;  // --verify-rows: speculative decoding's verify step of K rows at batch 1
+  bool mtp = false;  // --mtp: the model gets a synthetic MTP block, and a decode step + its draft is timed
   uint64_t seed = 1;
   std::string json_path;
   bool plan_only = false;
@@ -306,7 +307,8 @@ void validate(BenchArgs& a) {
                                   // one holds K - 1 more before its rollback
                                   (a.verify_rows.empty() ? 0 : int(a.verify_rows.size() + 1) *
                                                                    (kDecodeWarmupSteps + a.decode_steps) +
-                                                               kMaxRollback + 1)});
+                                                               kMaxRollback + 1) +
+                                  (a.mtp ? kDecodeWarmupSteps + a.decode_steps : 0)});
   for (int k : a.verify_rows)
     DSV4_CHECK(k >= 2 && k <= kMaxRollback + 1, "dsv4 bench: --verify-rows {} must be in [2, {}]", k,
                kMaxRollback + 1);
@@ -619,6 +621,28 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
     }
   }
   report["verify"] = verifies;
+  // --mtp: a decode step followed by the MTP block's draft for the token it drew (what MTP speculation adds to each
+  // step besides the verify's second row), against the decode step alone.
+  if (a.mtp) {
+    use_switches(a.switches.front());
+    set_launch_mode(a.launch_modes.front());
+    cuda_runner_set_draw_on_device(*runner, true);
+    const TokenDraw draw{1.0f, 1.0f, 0, 0, 0.5};
+    auto time_steps = [&](auto&& step) {
+      for (int i = 0; i < kDecodeWarmupSteps; ++i) step();
+      start = std::chrono::steady_clock::now();
+      for (int i = 0; i < a.decode_steps; ++i) step();
+      return 1e3 * seconds_since(start) / a.decode_steps;
+    };
+    const double both_ms = time_steps([&] {
+      const int32_t id = runner->forward_draw(std::span<const int32_t>(tokens.data(), 1), draw);
+      runner->mtp_draft(std::span<const int32_t>(&id, 1));
+    });
+    const double step_ms = time_steps([&] { runner->forward_draw(std::span<const int32_t>(tokens.data(), 1), draw); });
+    fmt::print("\nMTP draft at batch 1: decode step + draft {:.3f} ms, decode step {:.3f} ms: the draft costs {:.3f} "
+               "ms = {:.3f} decode steps\n", both_ms, step_ms, both_ms - step_ms, (both_ms - step_ms) / step_ms);
+    report["mtp_draft"] = {{"step_and_draft_ms", both_ms}, {"step_ms", step_ms}, {"draft_ms", both_ms - step_ms}};
+  }
   set_gemv_bulk(built_bulk);
   return report;
 }
@@ -634,7 +658,7 @@ int run_bench(const BenchArgs& a) {
 
   auto start = std::chrono::steady_clock::now();
   ModelConfig config = flash_shaped_config(a.experts);
-  ModelWeights weights = synthetic_weights(config, a.seed);
+  ModelWeights weights = synthetic_weights(config, a.seed, SyntheticLinears::ShapeOnly, a.mtp);
   Numerics numerics;
   numerics.act = parse_act_quant(a.act_quant);
   const Model model(std::move(config), std::move(weights), numerics);
@@ -700,6 +724,8 @@ void add_bench_command(CLI::App& app, Handler& handler) {
                   "stream; serial: off), mhc (hc_post with the next mix), routing (router + slots in one launch), qnorm (q norm + "
                   "RoPE inside attention), e.g. default,bulk,overlap,mhc+routing+qnorm,bulk+overlap+mhc+routing+qnorm")
       ->delimiter(',')->capture_default_str();
+  cmd->add_flag("--mtp", args->mtp,
+                "Give the model a synthetic MTP block and time a decode step followed by the block's draft");
   cmd->add_option("--verify-rows", args->verify_rows,
                   "Also time speculative decoding's verify step of K rows at batch 1 (K - 1 drafts, drawn on the "
                   "device and rolled back), e.g. 2,4,8,17")

@@ -172,7 +172,7 @@ ModelConfig small_synthetic_config() {
   return c;
 }
 
-ModelWeights synthetic_weights(const ModelConfig& c, uint64_t seed, SyntheticLinears linears) {
+ModelWeights synthetic_weights(const ModelConfig& c, uint64_t seed, SyntheticLinears linears, bool mtp) {
   c.validate();
   Filler f(seed, linears);
   const int D = c.hidden_size, hc = c.hc_mult, n_mix = (2 + hc) * hc, H = c.n_heads, hd = c.head_dim;
@@ -181,9 +181,9 @@ ModelWeights synthetic_weights(const ModelConfig& c, uint64_t seed, SyntheticLin
   w.head = f.linear(c.vocab_size, D);
   w.norm = f.around_one(D);
   w.hc_head = f.hyper_conn(hc, 1, hc * D);
-  w.layers.resize(c.n_layers);
-  for (int l = 0; l < c.n_layers; ++l) {
-    LayerWeights& L = w.layers[l];
+  // Block l (l = n_layers: the MTP block's, sliding window only, through ModelConfig's accessors).
+  auto block = [&](int l) {
+    LayerWeights L;
     L.attn_norm = f.around_one(D);
     L.ffn_norm = f.around_one(D);
     L.hc_attn = f.hyper_conn(n_mix, 3, hc * D);
@@ -198,22 +198,36 @@ ModelWeights synthetic_weights(const ModelConfig& c, uint64_t seed, SyntheticLin
     A.wo_a = f.linear(c.o_groups * c.o_lora_rank, H * hd / c.o_groups);
     A.wo_b = f.linear(D, c.o_groups * c.o_lora_rank);
     A.sink = f.small(H, 0.01f);
-    if (c.has_compressor(l)) A.compressor = f.compressor(c.compress_ratio[l], c.is_csa(l), hd, D);
+    if (c.has_compressor(l)) A.compressor = f.compressor(c.ratio(l), c.is_csa(l), hd, D);
     if (c.is_csa(l)) {
       IndexerWeights I;
       I.wq_b = f.linear(c.index_n_heads * c.index_head_dim, c.q_lora_rank);
       I.weights_proj = f.dense(c.index_n_heads, D);
-      I.compressor = f.compressor(c.compress_ratio[l], /*overlap=*/true, c.index_head_dim, D);
+      I.compressor = f.compressor(c.ratio(l), /*overlap=*/true, c.index_head_dim, D);
       A.indexer = std::move(I);
     }
 
     MoEWeights& M = L.ffn;
     M.gate = f.dense(c.n_routed_experts, D);
-    if (c.hash_routed[l]) M.tid2eid = f.tid2eid(c.vocab_size, c.n_experts_per_tok, c.n_routed_experts);
+    if (c.hashed(l)) M.tid2eid = f.tid2eid(c.vocab_size, c.n_experts_per_tok, c.n_routed_experts);
     else M.gate_bias = f.small(c.n_routed_experts, 0.01f);
     M.experts.reserve(c.n_routed_experts);
     for (int e = 0; e < c.n_routed_experts; ++e) M.experts.push_back(f.expert(c.moe_inter, D));
     if (c.n_shared_experts > 0) M.shared = f.expert(c.moe_inter * c.n_shared_experts, D);
+    return L;
+  };
+  w.layers.reserve(c.n_layers);
+  for (int l = 0; l < c.n_layers; ++l) w.layers.push_back(block(l));
+  if (mtp) {  // drawn after the model's weights, which stay those of a model without it
+    MtpWeights m;
+    m.block = block(c.n_layers);
+    m.e_proj = f.linear(D, D);
+    m.h_proj = f.linear(D, D);
+    m.enorm = f.around_one(D);
+    m.hnorm = f.around_one(D);
+    m.norm = f.around_one(D);
+    m.hc_head = f.hyper_conn(hc, 1, hc * D);
+    w.mtp = std::move(m);
   }
   return w;
 }

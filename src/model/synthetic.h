@@ -28,8 +28,9 @@ enum class SyntheticLinears {
   Filled,     // U(-1/sqrt(cols), 1/sqrt(cols)) host data too, so the CPU reference can run a small model
 };
 
-// Deterministic for a given (config, seed, linears).
+// Deterministic for a given (config, seed, linears); `mtp` adds an MTP block (spec 5) after the model's weights,
+// which stay the same bits.
 ModelWeights synthetic_weights(const ModelConfig& config, uint64_t seed,
-                               SyntheticLinears linears = SyntheticLinears::ShapeOnly);
+                               SyntheticLinears linears = SyntheticLinears::ShapeOnly, bool mtp = false);
 
 }  // namespace dsv4

@@ -242,6 +242,36 @@ TEST(Synthetic, FilledSmallModelRunsOnTheCpuReference) {
             std::vector<float>(logits.end() - c.vocab_size, logits.end()));
 }
 
+// With `mtp` the weights get an MTP block after the model's own, which keep their bits; the filled small model's
+// block runs on the CPU reference on the main model's final streams and gives finite, O(1) logits.
+TEST(Synthetic, MtpBlockComesAfterTheModelsWeights) {
+  const ModelConfig c = small_synthetic_config();
+  const ModelWeights with = synthetic_weights(c, 3, SyntheticLinears::Filled, true);
+  const ModelWeights without = synthetic_weights(c, 3, SyntheticLinears::Filled);
+  ASSERT_TRUE(with.mtp.has_value());
+  EXPECT_FALSE(without.mtp.has_value());
+  EXPECT_EQ(with.layers[4].ffn.experts[7].w3.data, without.layers[4].ffn.experts[7].w3.data);
+  EXPECT_EQ(with.mtp->e_proj.rows, c.hidden_size);
+  EXPECT_FALSE(with.mtp->block.attn.compressor.has_value());  // the block is sliding-window only
+  const Model model(c, synthetic_weights(c, 3, SyntheticLinears::Filled, true));
+  ASSERT_TRUE(model.has_mtp());
+  std::vector<int32_t> ids;
+  for (int i = 0; i < 20; ++i) ids.push_back((i * 41 + 3) % c.vocab_size);
+  SequenceState state = model.new_sequence(64);
+  std::vector<float> streams;
+  model.forward(state, ids, true, &streams);
+  const std::vector<float> logits =
+      model.mtp_forward(state, streams.data(), std::span<const int32_t>(ids.data() + 1, ids.size() - 1), false);
+  ASSERT_EQ(logits.size(), size_t(19) * c.vocab_size);
+  double max_abs = 0;
+  for (float v : logits) {
+    ASSERT_TRUE(std::isfinite(v));
+    max_abs = std::max(max_abs, double(std::abs(v)));
+  }
+  EXPECT_GT(max_abs, 1e-3);
+  EXPECT_LT(max_abs, 100.0);
+}
+
 TEST(SyntheticBenchCli, RejectsTooFewExpertsBeforeAnyCudaCall) {
   const RunResult r = run_dsv4("bench --experts 3");
   EXPECT_EQ(r.exit_code, 1) << r.out;
