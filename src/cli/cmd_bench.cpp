@@ -593,18 +593,19 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
   // Speculative decoding's verify step at batch 1: K rows (the last token and K - 1 drafts) drawn on the device,
   // then the K - 1 drafts rolled back as if all were rejected (the rollback's full cost). A step that keeps j
   // drafts emits j + 1 tokens for this time, so its ratio to a decode step is what a kept draft must beat.
-  json verifies = json::array();
-  if (!a.verify_rows.empty()) {
+  // Batch-1 steps drawn on the device with the first switches and launch mode: ms per call of `step`, after warm-up.
+  const TokenDraw draw{1.0f, 1.0f, 0, 0, 0.5};
+  auto time_steps = [&](auto&& step) {
     use_switches(a.switches.front());
     set_launch_mode(a.launch_modes.front());
     cuda_runner_set_draw_on_device(*runner, true);
-    auto time_steps = [&](auto&& step) {
-      for (int i = 0; i < kDecodeWarmupSteps; ++i) step();
-      start = std::chrono::steady_clock::now();
-      for (int i = 0; i < a.decode_steps; ++i) step();
-      return 1e3 * seconds_since(start) / a.decode_steps;
-    };
-    const TokenDraw draw{1.0f, 1.0f, 0, 0, 0.5};
+    for (int i = 0; i < kDecodeWarmupSteps; ++i) step();
+    start = std::chrono::steady_clock::now();
+    for (int i = 0; i < a.decode_steps; ++i) step();
+    return 1e3 * seconds_since(start) / a.decode_steps;
+  };
+  json verifies = json::array();
+  if (!a.verify_rows.empty()) {
     const double step_ms = time_steps([&] { runner->forward_draw(std::span<const int32_t>(tokens.data(), 1), draw); });
     fmt::print("\nverify steps at batch 1 (drawn on the device; all drafts rolled back), decode step {:.3f} ms:\n",
                step_ms);
@@ -624,16 +625,6 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
   // --mtp: a decode step followed by the MTP block's draft for the token it drew (what MTP speculation adds to each
   // step besides the verify's second row), against the decode step alone.
   if (a.mtp) {
-    use_switches(a.switches.front());
-    set_launch_mode(a.launch_modes.front());
-    cuda_runner_set_draw_on_device(*runner, true);
-    const TokenDraw draw{1.0f, 1.0f, 0, 0, 0.5};
-    auto time_steps = [&](auto&& step) {
-      for (int i = 0; i < kDecodeWarmupSteps; ++i) step();
-      start = std::chrono::steady_clock::now();
-      for (int i = 0; i < a.decode_steps; ++i) step();
-      return 1e3 * seconds_since(start) / a.decode_steps;
-    };
     const double both_ms = time_steps([&] {
       const int32_t id = runner->forward_draw(std::span<const int32_t>(tokens.data(), 1), draw);
       runner->mtp_draft(std::span<const int32_t>(&id, 1));
