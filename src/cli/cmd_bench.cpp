@@ -590,20 +590,23 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
   }
   report["decode"] = decodes;
 
-  // Speculative decoding's verify step at batch 1: K rows (the last token and K - 1 drafts) drawn on the device,
-  // then the K - 1 drafts rolled back as if all were rejected (the rollback's full cost). A step that keeps j
-  // drafts emits j + 1 tokens for this time, so its ratio to a decode step is what a kept draft must beat.
-  // Batch-1 steps drawn on the device with the first switches and launch mode: ms per call of `step`, after warm-up.
+  // Batch-1 steps drawn on the device with the first switches and launch mode (set once, below): ms per call of
+  // `step`, after warm-up.
   const TokenDraw draw{1.0f, 1.0f, 0, 0, 0.5};
   auto time_steps = [&](auto&& step) {
-    use_switches(a.switches.front());
-    set_launch_mode(a.launch_modes.front());
-    cuda_runner_set_draw_on_device(*runner, true);
     for (int i = 0; i < kDecodeWarmupSteps; ++i) step();
     start = std::chrono::steady_clock::now();
     for (int i = 0; i < a.decode_steps; ++i) step();
     return 1e3 * seconds_since(start) / a.decode_steps;
   };
+  if (!a.verify_rows.empty() || a.mtp) {
+    use_switches(a.switches.front());
+    set_launch_mode(a.launch_modes.front());
+    cuda_runner_set_draw_on_device(*runner, true);
+  }
+  // Speculative decoding's verify step at batch 1: K rows (the last token and K - 1 drafts) drawn on the device,
+  // then the K - 1 drafts rolled back as if all were rejected (the rollback's full cost). A step that keeps j
+  // drafts emits j + 1 tokens for this time, so its ratio to a decode step is what a kept draft must beat.
   json verifies = json::array();
   if (!a.verify_rows.empty()) {
     const double step_ms = time_steps([&] { runner->forward_draw(std::span<const int32_t>(tokens.data(), 1), draw); });

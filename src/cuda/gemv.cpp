@@ -49,6 +49,12 @@ void for_row_pieces(const GemvParams& p, Fn&& fn) {
 
 int forced_split = 0;  // set_gemv_forced_split
 
+// The split_k of a launch: the caller's, else the tests' forced one, else the heuristic for `shape` (all the rows
+// that share the grid).
+int launch_split(int requested, const GemvParams& shape) {
+  return requested ? requested : forced_split ? forced_split : gemv_default_split_k(shape, current_sm_count());
+}
+
 // The weight stream of fp4 / fp8 skinny launches (a GemvBulk, set_gemv_bulk); -1 = not yet read from the environment.
 int bulk_mode = -1;
 
@@ -208,7 +214,7 @@ void gemv(const GemvParams& p) {
     });
     return;
   }
-  const int split = q.split_k ? q.split_k : forced_split ? forced_split : gemv_default_split_k(q, current_sm_count());
+  const int split = launch_split(q.split_k, q);
   note_bulk_choice(q, detail::gemv_bulk_supported(q));
   DSV4_CUDA_CHECK(detail::gemv_launch(q, split));
 }
@@ -234,9 +240,7 @@ void gemv_batched(const GemvBatchedParams& b) {
   // The split is chosen for all batches' rows together: they share the grid.
   GemvParams whole = b.base;
   whole.n = b.base.n * b.batch;
-  const int split = b.base.split_k   ? b.base.split_k
-                    : forced_split ? forced_split
-                                   : gemv_default_split_k(whole, current_sm_count());
+  const int split = launch_split(b.base.split_k, whole);
   note_bulk_choice(b.base, detail::gemv_bulk_supported(b.base));
   DSV4_CUDA_CHECK(detail::gemv_batched_launch(b, split));
 }
@@ -264,9 +268,7 @@ void gemv_grouped(const GemvGroupedParams& g) {
   GemvParams all = g.base;
   const int active = g.active_slots_hint > 0 ? std::min(g.active_slots_hint, g.max_slots) : g.max_slots;
   all.n = int(std::min<int64_t>(int64_t(g.base.n) * active * (g.second.w ? 2 : 1), 1 << 30));
-  const int split = g.base.split_k   ? g.base.split_k
-                    : forced_split ? forced_split
-                                   : gemv_default_split_k(all, current_sm_count());
+  const int split = launch_split(g.base.split_k, all);
   if (g.base.act == GemvAct::FP8 && !detail::gemv_w4a8_supported(g.base)) {
     DSV4_CHECK(g.x_rows > 0, "gemv_grouped: act fp8 without the W4A8 kernel needs x_rows (got {})", g.x_rows);
     GemvGroupedParams q = g;

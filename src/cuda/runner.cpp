@@ -1219,13 +1219,15 @@ void CudaRunner::run_mtp(std::span<const int32_t> next, bool drawn) {
     host_draws_[0].vocab = c.vocab_size;
     DSV4_CUDA_CHECK(cudaMemcpyAsync(draws_.data(), host_draws_, sizeof(TokenDraw), cudaMemcpyHostToDevice, stream_));
   }
-  // The main model's final streams of positions p0 .. p0 + n - 1 (ring slots p % kMtpRows), in order.
+  // The main model's final streams of positions p0 .. p0 + n - 1 (ring slots p % kMtpRows), in order (kernels, like
+  // the verify step's row copies: programmatic launches stay chained).
   const int64_t p0 = seq.mtp_tokens;
-  const size_t row_bytes = size_t(hc) * D * sizeof(float);
+  const int row = hc * D;
   for (int t = 0; t < n;) {
     const int slot = int((p0 + t) % kMtpRows), len = std::min(n - t, kMtpRows - slot);
-    DSV4_CUDA_CHECK(cudaMemcpyAsync(streams_.as<char>() + t * row_bytes, seq.mtp_rows.as<char>() + slot * row_bytes,
-                                    len * row_bytes, cudaMemcpyDeviceToDevice, stream_));
+    gpu::copy_rows(streams_.as<float>() + size_t(t) * row, row, seq.mtp_rows.as<float>() + size_t(slot) * row, row,
+                   len, row, stream_);
+    launched("mtp: main streams");
     t += len;
   }
   // X' = e_proj(RMSNorm(embed(next); enorm)) on every stream + h_proj(RMSNorm(X_k; hnorm)) per stream k
