@@ -83,16 +83,14 @@ struct BenchArgs {
   // Decode is also timed once per set of step switches: "default" (as the runner was built, environment included),
   // or '+'-joined names turned on: bulk (fp4 / fp8 GEMVs through the copy engine, set_gemv_bulk), bulkdense (the same
   // for the plain and batched launches only, the grouped experts stay on the register kernel), overlap
-  // (CudaRunnerOptions::overlap_branches; serial turns it off), mhc (fuse_mhc_mix), routing (fuse_moe_routing), qnorm (fuse_q_norm_rope),
-  // prefetch (prefetch_weights).
+  // (CudaRunnerOptions::overlap_branches; serial turns it off), mhc (fuse_mhc_mix), routing (fuse_moe_routing), qnorm (fuse_q_norm_rope).
   // Prefill and --profile use the first.
   std::vector<std::string> switches = {"default"};
 };
 
 // One entry of --switches.
 struct StepSwitches {
-  bool bulk = false, bulk_dense = false, overlap = false, serial = false, mhc = false, routing = false, qnorm = false,
-       prefetch = false;
+  bool bulk = false, bulk_dense = false, overlap = false, serial = false, mhc = false, routing = false, qnorm = false;
 };
 
 StepSwitches parse_switches(const std::string& spec) {
@@ -109,9 +107,8 @@ StepSwitches parse_switches(const std::string& spec) {
     else if (name == "mhc") s.mhc = true;
     else if (name == "routing") s.routing = true;
     else if (name == "qnorm") s.qnorm = true;
-    else if (name == "prefetch") s.prefetch = true;
     else DSV4_FAIL("dsv4 bench: --switches entry '{}' has '{}' (expected default, or bulk, bulkdense, overlap, "
-                   "serial, mhc, routing, qnorm and prefetch joined by '+')", spec, name);
+                   "serial, mhc, routing and qnorm joined by '+')", spec, name);
     from = to + 1;
   }
   return s;
@@ -468,7 +465,6 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
     o.fuse_mhc_mix = o.fuse_mhc_mix || s.mhc;
     o.fuse_moe_routing = o.fuse_moe_routing || s.routing;
     o.fuse_q_norm_rope = o.fuse_q_norm_rope || s.qnorm;
-    o.prefetch_weights = o.prefetch_weights || s.prefetch;
     cuda_runner_set_step_switches(*runner, o);
     set_gemv_bulk(s.bulk ? GemvBulk::All
                   : s.bulk_dense && built_bulk == GemvBulk::Off ? GemvBulk::Dense
@@ -720,8 +716,7 @@ void add_bench_command(CLI::App& app, Handler& handler) {
                   "bulk (fp4 / fp8 GEMVs through the copy engine), bulkdense (the same but not for the grouped "
                   "experts), overlap (the attention state side on a second "
                   "stream; serial: off), mhc (hc_post with the next mix), routing (router + slots in one launch), qnorm (q norm + "
-                  "RoPE inside attention), prefetch (the next GEMVs' weights to L2 beside latency-bound kernels), e.g. "
-                  "default,bulk,overlap,mhc+routing+qnorm,bulk+overlap+mhc+routing+qnorm,prefetch")
+                  "RoPE inside attention), e.g. default,bulk,overlap,mhc+routing+qnorm,bulk+overlap+mhc+routing+qnorm")
       ->delimiter(',')->capture_default_str();
   cmd->add_flag("--mtp", args->mtp,
                 "Give the model a synthetic MTP block and time a decode step followed by the block's draft");

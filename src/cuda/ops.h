@@ -336,22 +336,6 @@ struct CopySpan {
 };
 void copy_spans(const CopySpan* spans, int n_spans, cudaStream_t stream);
 
-// Asks the L2 cache to fetch byte ranges of weights that a later kernel of the step will stream (cp.async.bulk
-// .prefetch.L2: a hint, nothing is written, and the kernel returns without waiting for the lines). Launched on a
-// stream of its own beside latency-bound kernels, it turns idle DRAM time into L2 hits for the next GEMVs. Each
-// span's start is rounded down and its end up to 16 bytes; spans must lie inside allocations with that slack
-// (cudaMalloc's 256-byte alignment gives it). Empty spans are skipped.
-constexpr int kMaxPrefetchSpans = 8;
-struct PrefetchSpan {
-  const void* ptr = nullptr;
-  size_t bytes = 0;
-};
-struct PrefetchParams {
-  PrefetchSpan spans[kMaxPrefetchSpans];
-  int n = 0;
-};
-void prefetch_l2(const PrefetchParams& p, cudaStream_t stream);
-
 // The next token of each row by the draw contract of formats/token_draw.h (the same id as the host's
 // Sampler::draw for the same logits and TokenDraw): ids[r] is drawn from logits[r · ld, r · ld + n) with draws[r],
 // where n = draws[r].vocab when it is set (at most `vocab`), else `vocab`. One block of 1024 threads per row: the

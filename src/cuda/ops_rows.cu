@@ -1107,35 +1107,6 @@ void copy_spans(const CopySpan* spans, int n_spans, cudaStream_t stream) {
   DSV4_CUDA_LAUNCHED();
 }
 
-constexpr uint32_t kPrefetchChunk = 64 << 10;
-
-// Thread i of the grid takes chunks i, i + threads, .. of every span: the requests of one launch spread over the
-// memory channels from the start.
-__global__ void prefetch_l2_kernel(__grid_constant__ const PrefetchParams p) {
-  const int64_t threads = int64_t(gridDim.x) * blockDim.x;
-  for (int s = 0; s < p.n; ++s) {
-    const uintptr_t begin = reinterpret_cast<uintptr_t>(p.spans[s].ptr) & ~uintptr_t(15);
-    const uintptr_t end = (reinterpret_cast<uintptr_t>(p.spans[s].ptr) + p.spans[s].bytes + 15) & ~uintptr_t(15);
-    for (uintptr_t at = begin + (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * kPrefetchChunk; at < end;
-         at += threads * kPrefetchChunk) {
-      const uint32_t bytes = uint32_t(end - at < kPrefetchChunk ? end - at : kPrefetchChunk);
-      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(at), "r"(bytes) : "memory");
-    }
-  }
-}
-
-void prefetch_l2(const PrefetchParams& p, cudaStream_t stream) {
-  OPS_CHECK(p.n >= 0 && p.n <= kMaxPrefetchSpans, "prefetch_l2: %d spans (at most %d)", p.n, kMaxPrefetchSpans);
-  size_t bytes = 0;
-  for (int s = 0; s < p.n; ++s) bytes += p.spans[s].ptr ? p.spans[s].bytes : 0;
-  if (bytes == 0) return;
-  const int threads = 128;
-  const int blocks = int(std::min<size_t>(16, (bytes / kPrefetchChunk + threads) / threads));
-  // A plain launch: it waits for nothing of the step (weights only) and nothing waits for it.
-  prefetch_l2_kernel<<<blocks, threads, 0, stream>>>(p);
-  DSV4_CUDA_LAUNCHED();
-}
-
 void fill_f32(float* x, int64_t n, float value, cudaStream_t stream) {
   if (n == 0) return;
   gpu::launch(fill_kernel, std::min(blocks_for(n, 256), 1024), 256, 0, stream, x, n, value);

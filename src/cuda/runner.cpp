@@ -16,7 +16,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -69,25 +68,6 @@ DeviceBuffer zeros(size_t bytes) {
   b.fill_bytes(0);
   return b;
 }
-
-// Byte ranges of weights for one gpu::prefetch_l2 request (CudaRunnerOptions::prefetch_weights).
-struct PrefetchList {
-  std::array<gpu::PrefetchSpan, 24> spans{};
-  int n = 0;
-  void add(const void* p, size_t bytes) {
-    if (!p || bytes == 0) return;
-    DSV4_CHECK(n < int(spans.size()), "prefetch list: more than {} spans", spans.size());
-    spans[size_t(n++)] = {p, bytes};
-  }
-  void add(const DeviceBuffer& b) { add(b.data(), b.size()); }
-  void add(const DeviceLinear& w) {
-    add(w.w);
-    add(w.scale);
-  }
-  void add(const FusedLinear& f) {
-    for (const FusedLinear::Part& part : f.parts) add(part.weight);
-  }
-};
 
 // ---- device model -------------------------------------------------------------------------------------------
 
@@ -214,7 +194,6 @@ class CudaRunner final : public SequenceRunner {
     options_.fuse_moe_routing = o.fuse_moe_routing;
     options_.overlap_branches = o.overlap_branches;
     options_.fuse_q_norm_rope = o.fuse_q_norm_rope;
-    options_.prefetch_weights = o.prefetch_weights;
     if (o.overlap_branches) make_side_stream();
   }
   std::vector<LaunchTiming> profile_step(std::span<const int32_t> tokens, bool prefill = false);
@@ -333,34 +312,6 @@ class CudaRunner final : public SequenceRunner {
     DSV4_CUDA_CHECK(cudaStreamWaitEvent(stream_, join_event_, 0));
     cur_ = stream_;
     side_pending_ = false;
-  }
-  // CudaRunnerOptions::prefetch_weights: prefetch() asks L2 for `weights` on prefetch_, after everything queued on
-  // the main stream so far (under capture: a branch of the graph that nothing waits for until join_prefetches(),
-  // at the end of the chunk, since a captured graph must end on its origin stream). Decode-sized chunks only, and
-  // not while profiling (serialised sites would only add the prefetch's time).
-  bool prefetching(int n) const { return options_.prefetch_weights && !profiling_ && n <= kCudaMaxChunk; }
-  void prefetch(const PrefetchList& weights) {
-    if (!prefetch_) {
-      DSV4_CUDA_CHECK(cudaStreamCreateWithFlags(&prefetch_, cudaStreamNonBlocking));
-      DSV4_CUDA_CHECK(cudaEventCreateWithFlags(&prefetch_fork_, cudaEventDisableTiming));
-      DSV4_CUDA_CHECK(cudaEventCreateWithFlags(&prefetch_join_, cudaEventDisableTiming));
-    }
-    DSV4_CUDA_CHECK(cudaEventRecord(prefetch_fork_, stream_));
-    DSV4_CUDA_CHECK(cudaStreamWaitEvent(prefetch_, prefetch_fork_, 0));
-    for (int first = 0; first < weights.n; first += gpu::kMaxPrefetchSpans) {
-      gpu::PrefetchParams p;
-      p.n = std::min(gpu::kMaxPrefetchSpans, weights.n - first);
-      std::copy_n(weights.spans.begin() + first, p.n, p.spans);
-      gpu::prefetch_l2(p, prefetch_);
-      ++launches_;
-    }
-    prefetch_pending_ = true;
-  }
-  void join_prefetches() {
-    if (!prefetch_pending_) return;
-    DSV4_CUDA_CHECK(cudaEventRecord(prefetch_join_, prefetch_));
-    DSV4_CUDA_CHECK(cudaStreamWaitEvent(stream_, prefetch_join_, 0));
-    prefetch_pending_ = false;
   }
   void row_op(const char* site, const RowOpParams& p) {
     gpu::row_op(p, cur_);
@@ -531,9 +482,6 @@ class CudaRunner final : public SequenceRunner {
   cudaStream_t side_ = nullptr;  // CudaRunnerOptions::overlap_branches
   cudaEvent_t fork_event_ = nullptr, join_event_ = nullptr;
   bool side_pending_ = false;  // launches on side_ that the main stream has not joined yet
-  cudaStream_t prefetch_ = nullptr;  // CudaRunnerOptions::prefetch_weights
-  cudaEvent_t prefetch_fork_ = nullptr, prefetch_join_ = nullptr;
-  bool prefetch_pending_ = false;  // prefetches the main stream has not joined yet
   CudaRunnerOptions options_;
   std::map<std::tuple<int, int, bool>, DecodeGraph> decode_graphs_;  // by (first sequence, count, drawn)
   cudaEvent_t tokens_uploaded_ = nullptr;  // host_tokens_ may be rewritten once this has completed
@@ -938,10 +886,9 @@ CudaRunner::~CudaRunner() {
   if (host_drawn_) cudaFreeHost(host_drawn_);
   if (tokens_uploaded_) cudaEventDestroy(tokens_uploaded_);
   for (cudaEvent_t e : events_) cudaEventDestroy(e);
-  for (cudaEvent_t e : {fork_event_, join_event_, prefetch_fork_, prefetch_join_})
+  for (cudaEvent_t e : {fork_event_, join_event_})
     if (e) cudaEventDestroy(e);
   if (side_) cudaStreamDestroy(side_);
-  if (prefetch_) cudaStreamDestroy(prefetch_);
   if (stream_) cudaStreamDestroy(stream_);
 }
 
@@ -1200,7 +1147,6 @@ void CudaRunner::enqueue_chunk(int n, Rows wanted, bool drawn) {
              "cuda runner: a drawn chunk draws its last row or up to {} rows", kCudaMaxChunk);
   cur_ = stream_;  // also after a chunk that threw between fork_side() and join_side()
   side_pending_ = false;
-  prefetch_pending_ = false;
   DSV4_CUDA_CHECK(cudaMemcpyAsync(tokens_.data(), host_tokens_, n * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
   if (drawn)
     DSV4_CUDA_CHECK(cudaMemcpyAsync(draws_.data(), host_draws_, (wanted == Rows::All ? n : 1) * sizeof(TokenDraw),
@@ -1218,7 +1164,6 @@ void CudaRunner::enqueue_chunk(int n, Rows wanted, bool drawn) {
     ffn_block(l, n);
   }
   current_layer_ = -1;
-  join_prefetches();
   if (mtp_ && parts_.size() == 1) {  // the rows the MTP block trails by, by position (graph replays keep them too)
     const ChunkPart& part = parts_.front();
     gpu::window_store(streams_.as<float>(), n, hc * D, part.pos0, part.pos_device,
@@ -1265,7 +1210,6 @@ void CudaRunner::run_mtp(std::span<const int32_t> next, bool drawn) {
   }
   cur_ = stream_;
   side_pending_ = false;
-  prefetch_pending_ = false;
   launches_ = 0;
   std::memcpy(host_tokens_, next.data(), size_t(n) * sizeof(int32_t));
   DSV4_CUDA_CHECK(cudaMemcpyAsync(tokens_.data(), host_tokens_, size_t(n) * sizeof(int32_t), cudaMemcpyHostToDevice,
@@ -1317,7 +1261,6 @@ void CudaRunner::run_mtp(std::span<const int32_t> next, bool drawn) {
   attention_block(L, n);
   ffn_block(L, n);
   current_layer_ = -1;
-  join_prefetches();
   if (drawn)
     enqueue_head(n - 1, 1, true, mtp_->hc_head, mtp_->norm);
   else
@@ -1390,12 +1333,6 @@ void CudaRunner::attention_block(int l, int n) {
   float* y_x = y_x_.as<float>();
   float* y_q = y_q_.as<float>();
 
-  if (prefetching(n)) {  // streamed after the mHC pre and the norm
-    PrefetchList next;
-    next.add(d.w_x);
-    next.add(d.w_q);
-    prefetch(next);
-  }
   // 2.3 mHC pre + attn_norm (the mix comes from the previous layer's hc_post when fused)
   mhc_pre(Sublayer::Attention, d.hc_attn, d.attn_norm, n, l > 0 && l < c.n_layers && fused_mix(n));
 
@@ -1509,12 +1446,6 @@ void CudaRunner::attention_block(int l, int n) {
   if (side) to_main();
 
   linear("attn: gemv q-side [wq_b|indexer wq_b]", d.w_q, qr_bf16_.data(), y_q, n, d.n_q);
-  if (prefetching(n)) {  // streamed after the q norms, the indexer and the attention
-    PrefetchList next;
-    next.add(d.wo_a);
-    next.add(d.wo_b);
-    prefetch(next);
-  }
 
   // Per-head norm (no weight) + RoPE of q: in place, or (fuse_q_norm_rope) inside the attention kernel.
   const bool q_in_attention = options_.fuse_q_norm_rope && gpu::attention_can_norm_q(hd, rd);
@@ -1642,21 +1573,6 @@ void CudaRunner::ffn_block(int l, int n) {
   const int D = c.hidden_size, E = c.n_routed_experts;
   const int k = c.n_experts_per_tok;
 
-  if (prefetching(n)) {  // streamed after the mHC pre and the norm (the gate), or the routing (the shared expert)
-    PrefetchList next;
-    next.add(d.gate);
-    if (d.shared_grouped) {
-      for (const DeviceExperts* w : {&d.w1, &d.w3, &d.w2}) {
-        next.add(static_cast<const char*>(w->w.data()) + size_t(E) * w->w_stride, w->w_stride);
-        if (w->scale.data())
-          next.add(static_cast<const char*>(w->scale.data()) + size_t(E) * w->scale_stride, w->scale_stride);
-      }
-    } else {
-      next.add(d.shared_w13);
-      next.add(d.shared_w2);
-    }
-    prefetch(next);
-  }
   mhc_pre(Sublayer::Ffn, d.hc_ffn, d.ffn_norm, n, fused_mix(n));
 
   // The shared expert apart from the grouped launches (group_shared_expert off, or another shape or encoding): its
@@ -1858,7 +1774,6 @@ std::unique_ptr<SequenceRunner> make_cuda_runner(const Model& model, int max_con
                                  {"DSV4_FUSED_ROUTING", &options.fuse_moe_routing},
                                  {"DSV4_OVERLAP", &options.overlap_branches},
                                  {"DSV4_FUSED_QNORM", &options.fuse_q_norm_rope},
-                                 {"DSV4_PREFETCH", &options.prefetch_weights},
                                  {"DSV4_GROUP_SHARED", &options.group_shared_expert}})
     if (const std::optional<bool> env = env_switch(name)) *on = *env;
   return std::make_unique<CudaRunner>(model, max_context, options);

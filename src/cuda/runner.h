@@ -80,11 +80,6 @@ struct CudaRunnerOptions {
   // dims 512 and 128), so the q row op no longer runs on its own: one launch fewer per layer. Same arithmetic as the
   // row op. Off until measured; DSV4_FUSED_QNORM=1 / 0 sets it.
   bool fuse_q_norm_rope = false;
-  // Decode-sized chunks: while the chain runs latency-bound kernels (mHC, norms, rope, indexer, attention, router),
-  // a third stream asks L2 for the weights the next GEMVs stream: each layer's x- and q-side projections before its
-  // mHC pre, wo_a and wo_b after the q-side GEMV, the router gate and the shared expert before the FFN's mHC pre
-  // (gpu::prefetch_l2; hints only, same results). Off until measured; DSV4_PREFETCH=1 / 0 sets it.
-  bool prefetch_weights = false;
   // Decided at construction: the shared expert as one more expert of the grouped launches when its shape and
   // encoding match the routed ones' (the default: one launch fewer per projection), or apart, through its own
   // gemvs (which overlap_branches can run beside the routing). DSV4_GROUP_SHARED=0 / 1 sets it.
@@ -142,8 +137,8 @@ std::vector<int32_t> cuda_runner_decode_batch_draw(SequenceRunner& runner, std::
 bool cuda_runner_draws_on_device(const SequenceRunner& runner);
 void cuda_runner_set_draw_on_device(SequenceRunner& runner, bool on);
 // The options the runner holds (after the environment's overrides), and a change of the ones it reads at every
-// step: draw_on_device, fuse_mhc_mix, fuse_moe_routing, overlap_branches, fuse_q_norm_rope and prefetch_weights
-// (the others of `switches` are ignored). Drops the captured decode graphs. For A/B timing in one process (dsv4 bench --switches).
+// step: draw_on_device, fuse_mhc_mix, fuse_moe_routing, overlap_branches and fuse_q_norm_rope (the others of
+// `switches` are ignored). Drops the captured decode graphs. For A/B timing in one process (dsv4 bench --switches).
 CudaRunnerOptions cuda_runner_options(const SequenceRunner& runner);
 void cuda_runner_set_step_switches(SequenceRunner& runner, const CudaRunnerOptions& switches);
 // The MTP block (a runner of a model loaded with it) on the selected sequence's next next_tokens.size() pending pairs,

@@ -997,35 +997,6 @@ TEST(CudaModel, OverlappedBranchesChangeNoBits) {
   }
 }
 
-// CudaRunnerOptions::prefetch_weights only asks L2 for weights on a third stream (gpu::prefetch_l2 writes nothing):
-// prefill chunks and graph-replayed decode at batch 1 and 5 give the same bits with it, the shared expert grouped
-// (its rows inside the grouped buffers) and apart (its own linears), and each decode step runs at least three
-// prefetch launches per layer.
-TEST(CudaModel, PrefetchedWeightsChangeNoBits) {
-  DSV4_REQUIRE_CUDA();
-  for (const char* name : {"tiny-flash", "tiny-pro"}) {
-    std::string source;
-    const Model model = tiny_model(name, kDefault, &source);
-    const int V = model.config().vocab_size, n = 100, steps = 8, B = 5;
-    const auto [prompt, fed] = random_prompt_and_fed(V, n, steps, 31);
-    for (const bool grouped : {true, false}) {
-      auto run = [&](bool prefetch) {
-        CudaRunnerOptions options;
-        options.prefetch_weights = prefetch;
-        options.group_shared_expert = grouped;
-        options.sequences = B;
-        options.prefill_chunk = 64;
-        std::unique_ptr<SequenceRunner> r = make_cuda_runner(model, n + 2 * steps + 1, options);
-        return prefill_and_decode(*r, prompt, fed, B);
-      };
-      const DecodeRun with = run(true), without = run(false);
-      ASSERT_EQ(with.logits.size(), without.logits.size());
-      EXPECT_TRUE(with.logits == without.logits) << name << (grouped ? "" : " (shared expert apart)");
-      EXPECT_GE(with.graph_kernels - without.graph_kernels, 3 * model.config().n_layers) << name;
-    }
-  }
-}
-
 // CudaRunnerOptions::fuse_q_norm_rope: the attention kernel normalises and rotates q while loading it, with the q
 // row op's arithmetic, so the q row op no longer runs (one kernel fewer per layer). Prefill chunks (64 rows and one
 // chunk of 100) and graph-replayed decode at batch 1 and 5; the sum of squares is reduced in another order (fp64),
