@@ -308,7 +308,8 @@ void validate(BenchArgs& a) {
                                   (a.verify_rows.empty() ? 0 : int(a.verify_rows.size() + 1) *
                                                                    (kDecodeWarmupSteps + a.decode_steps) +
                                                                kMaxRollback + 1) +
-                                  (a.mtp ? kDecodeWarmupSteps + a.decode_steps : 0)});
+                                  // --mtp times the step with its draft, then the step alone
+                                  (a.mtp ? 2 * (kDecodeWarmupSteps + a.decode_steps) : 0)});
   for (int k : a.verify_rows)
     DSV4_CHECK(k >= 2 && k <= kMaxRollback + 1, "dsv4 bench: --verify-rows {} must be in [2, {}]", k,
                kMaxRollback + 1);
