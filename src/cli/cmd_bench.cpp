@@ -83,7 +83,8 @@ struct BenchArgs {
   // Decode is also timed once per set of step switches: "default" (as the runner was built, environment included),
   // or '+'-joined names turned on: bulk (fp4 / fp8 GEMVs through the copy engine, set_gemv_bulk), bulkdense (the same
   // for the plain and batched launches only, the grouped experts stay on the register kernel), overlap
-  // (CudaRunnerOptions::overlap_branches; serial turns it off), mhc (fuse_mhc_mix), routing (fuse_moe_routing), qnorm (fuse_q_norm_rope).
+  // (CudaRunnerOptions::overlap_branches; serial turns it off), mhc (fuse_mhc_mix), routing (fuse_moe_routing), qnorm (fuse_q_norm_rope),
+  // heads16 / heads64 (the decode attention's heads per block, gpu::set_attention_decode_block_heads).
   // Prefill and --profile use the first.
   std::vector<std::string> switches = {"default"};
 };
@@ -91,6 +92,7 @@ struct BenchArgs {
 // One entry of --switches.
 struct StepSwitches {
   bool bulk = false, bulk_dense = false, overlap = false, serial = false, mhc = false, routing = false, qnorm = false;
+  int attention_heads = 0;  // heads16 / heads64: the tensor-core attention's heads per block at decode (0: its rule)
 };
 
 StepSwitches parse_switches(const std::string& spec) {
@@ -107,8 +109,10 @@ StepSwitches parse_switches(const std::string& spec) {
     else if (name == "mhc") s.mhc = true;
     else if (name == "routing") s.routing = true;
     else if (name == "qnorm") s.qnorm = true;
+    else if (name == "heads16") s.attention_heads = 16;
+    else if (name == "heads64") s.attention_heads = 64;
     else DSV4_FAIL("dsv4 bench: --switches entry '{}' has '{}' (expected default, or bulk, bulkdense, overlap, "
-                   "serial, mhc, routing and qnorm joined by '+')", spec, name);
+                   "serial, mhc, routing, qnorm, heads16 and heads64 joined by '+')", spec, name);
     from = to + 1;
   }
   return s;
@@ -466,6 +470,7 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
     o.fuse_mhc_mix = o.fuse_mhc_mix || s.mhc;
     o.fuse_moe_routing = o.fuse_moe_routing || s.routing;
     o.fuse_q_norm_rope = o.fuse_q_norm_rope || s.qnorm;
+    gpu::set_attention_decode_block_heads(s.attention_heads);
     cuda_runner_set_step_switches(*runner, o);
     set_gemv_bulk(s.bulk ? GemvBulk::All
                   : s.bulk_dense && built_bulk == GemvBulk::Off ? GemvBulk::Dense
@@ -717,7 +722,8 @@ void add_bench_command(CLI::App& app, Handler& handler) {
                   "bulk (fp4 / fp8 GEMVs through the copy engine), bulkdense (the same but not for the grouped "
                   "experts), overlap (the attention state side on a second "
                   "stream; serial: off), mhc (hc_post with the next mix), routing (router + slots in one launch), qnorm (q norm + "
-                  "RoPE inside attention), e.g. default,bulk,overlap,mhc+routing+qnorm,bulk+overlap+mhc+routing+qnorm")
+                  "RoPE inside attention), heads16 / heads64 (decode attention blocks of 16 / 64 heads), e.g. "
+                  "default,bulk,overlap,mhc+routing+qnorm,bulk+overlap+mhc+routing+qnorm,heads64")
       ->delimiter(',')->capture_default_str();
   cmd->add_flag("--mtp", args->mtp,
                 "Give the model a synthetic MTP block and time a decode step followed by the block's draft");

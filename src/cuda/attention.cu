@@ -397,17 +397,25 @@ __global__ void attention_merge_kernel(AttentionParams p, int splits) {
 // shared memory (cluster_merge); prefill chunks fill the GPU with one block per (token, head group).
 constexpr int kMmaHeads = 64, kMmaKeys = 64, kMmaWarps = 8;
 constexpr int kMmaMinRows = 65;  // rows from which a (head group, token) block takes all of the token's keys
+// Decode rows can run 16 heads per block instead of 64 (kHeads of the kernel): four times the blocks of a row, a
+// quarter of the Q loads, P·V products and merge traffic per block, two blocks per SM. S = QKᵀ keeps the 64-head
+// block's split (warps of 16 heads x 32 keys, so only two warps compute S) and every sum keeps its order: both give
+// the same bits.
+constexpr int kMmaDecodeHeads = 16;
 // Decode: blocks of a row's cluster, the portable cluster size. 16 (non-portable; a CSA row's 10 tiles one per
 // block) measured 1.4 % faster at batch 1 and 3 % slower at batch 8 and 32 (fewer clusters fit the GPU at once).
 constexpr int kMaxMmaSplits = 8;
 
-template <int kDim>
+template <int kDim, int kHeads>
 struct MmaLayout {
   static constexpr int kStride = kDim + 8;          // bf16 per Q / K row (16 bytes of padding: no bank conflicts)
   static constexpr int kPStride = kMmaKeys + 8;     // bf16 per P row
-  static constexpr size_t kQ = 0, kK = kQ + size_t(kMmaHeads) * kStride * 2, kP = kK + size_t(kMmaKeys) * kStride * 2;
-  static constexpr size_t kStats = kP + size_t(kMmaHeads) * kPStride * 2;  // floats: max[2][64] sum[2][64] m[64] l[64]
-  static constexpr size_t kBytes = kStats + 6 * kMmaHeads * sizeof(float);
+  static constexpr size_t kQ = 0, kK = kQ + size_t(kHeads) * kStride * 2, kP = kK + size_t(kMmaKeys) * kStride * 2;
+  // P, later the merge's factors and rope table (cluster_merge)
+  static constexpr size_t kPBytes = std::max(size_t(kHeads) * kPStride * 2,
+                                             (size_t(kMaxMmaSplits + 1) * kHeads + kDim) * sizeof(float));
+  static constexpr size_t kStats = kP + kPBytes;  // floats: max[2][kHeads] sum[2][kHeads] m[kHeads] l[kHeads]
+  static constexpr size_t kBytes = kStats + 6 * kHeads * sizeof(float);
 };
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
@@ -449,25 +457,25 @@ __device__ void fill_rope_table(const AttentionParams& p, int64_t pos, float* co
 // O in its own shared memory (where Q and K were); block `split` then finishes the float4 groups
 // split, split + splits, ... of the 64 heads x dim outputs from all blocks' partials, each weighted by
 // exp(m_b - M) with M = max(sink, max_b m_b), like attention_merge_kernel, so no partial leaves the SMs.
-template <int kDim>
-__device__ void cluster_merge(const AttentionParams& p, const float (&o)[4][kDim / kMmaWarps / 8][4], const float* m_s,
-                              const float* l_s, unsigned char* smem, int split, int splits, int t, int h0,
-                              int64_t pos) {
-  using L = MmaLayout<kDim>;
-  constexpr int kWarpDims = kDim / kMmaWarps, kDimTiles = kWarpDims / 8, kGroups = kMmaHeads * kDim / 4;
-  static_assert(size_t(kMmaHeads) * kDim * sizeof(float) <= L::kP, "O fits where Q and K were");
-  static_assert((size_t(kMaxMmaSplits + 1) * kMmaHeads + kDim) * sizeof(float) <= L::kStats - L::kP,
+template <int kDim, int kHeads>
+__device__ void cluster_merge(const AttentionParams& p, const float (&o)[kHeads / 16][kDim / kMmaWarps / 8][4],
+                              const float* m_s, const float* l_s, unsigned char* smem, int split, int splits, int t,
+                              int h0, int64_t pos) {
+  using L = MmaLayout<kDim, kHeads>;
+  constexpr int kWarpDims = kDim / kMmaWarps, kDimTiles = kWarpDims / 8, kGroups = kHeads * kDim / 4;
+  static_assert(size_t(kHeads) * kDim * sizeof(float) <= L::kP, "O fits where Q and K were");
+  static_assert((size_t(kMaxMmaSplits + 1) * kHeads + kDim) * sizeof(float) <= L::kStats - L::kP,
                 "factors and the rope table fit in P");
   namespace cg = cooperative_groups;
   cg::cluster_group cluster = cg::this_cluster();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
-  float* o_s = reinterpret_cast<float*>(smem + L::kQ);              // [64][kDim]
-  float* factor_s = reinterpret_cast<float*>(smem + L::kP);         // [splits][64]
-  float* inv_denom_s = factor_s + kMaxMmaSplits * kMmaHeads;        // [64]
-  float* cos_s = inv_denom_s + kMmaHeads;                            // [rope_dim / 2]
+  float* o_s = reinterpret_cast<float*>(smem + L::kQ);              // [kHeads][kDim]
+  float* factor_s = reinterpret_cast<float*>(smem + L::kP);         // [splits][kHeads]
+  float* inv_denom_s = factor_s + kMaxMmaSplits * kHeads;           // [kHeads]
+  float* cos_s = inv_denom_s + kHeads;                              // [rope_dim / 2]
   float* sin_s = cos_s + kDim / 2;
 #pragma unroll
-  for (int mt = 0; mt < 4; ++mt)
+  for (int mt = 0; mt < kHeads / 16; ++mt)
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr)
 #pragma unroll
@@ -476,7 +484,7 @@ __device__ void cluster_merge(const AttentionParams& p, const float (&o)[4][kDim
             make_float2(o[mt][nt][2 * hr], o[mt][nt][2 * hr + 1]);
   cluster.sync();  // every block's O, m and l are final
 
-  if (threadIdx.x < kMmaHeads && h0 + int(threadIdx.x) < p.heads) {
+  if (threadIdx.x < kHeads && h0 + int(threadIdx.x) < p.heads) {
     const int hl = threadIdx.x;
     float m[kMaxMmaSplits], l[kMaxMmaSplits];  // every block's (max, sum) of this head: loads in flight together
 #pragma unroll
@@ -492,7 +500,7 @@ __device__ void cluster_merge(const AttentionParams& p, const float (&o)[4][kDim
     for (int b = 0; b < kMaxMmaSplits; ++b)
       if (b < splits) {
         const float f = l[b] > 0 ? expf(m[b] - mx) : 0.0f;
-        factor_s[b * kMmaHeads + hl] = f;
+        factor_s[b * kHeads + hl] = f;
         denom += l[b] * f;
       }
     inv_denom_s[hl] = 1.0f / denom;
@@ -512,7 +520,7 @@ __device__ void cluster_merge(const AttentionParams& p, const float (&o)[4][kDim
 #pragma unroll
     for (int b = 0; b < kMaxMmaSplits; ++b)
       if (b < splits) {
-        const float f = factor_s[b * kMmaHeads + hl];
+        const float f = factor_s[b * kHeads + hl];
         acc.x = fmaf(v[b].x, f, acc.x), acc.y = fmaf(v[b].y, f, acc.y), acc.z = fmaf(v[b].z, f, acc.z),
         acc.w = fmaf(v[b].w, f, acc.w);
       }
@@ -530,15 +538,15 @@ __device__ void cluster_merge(const AttentionParams& p, const float (&o)[4][kDim
   cluster.sync();  // the partials must outlive the other blocks' reads
 }
 
-// p.q_norm_rope: Q as the q-side projection left it. Warp w takes heads 8w .. 8w + 7 whole (lane: elements
+// p.q_norm_rope: Q as the q-side projection left it. Warp w takes heads kHeads / 8 · w .. whole (lane: elements
 // 4·(lane + 32u)), and does what the q row op would (row_op_block in ops_rows.cu, norm without weight, then RoPE at
 // the query position): x · (mean(x²) + eps)^-½ with the sum of squares in fp64, the rotation of each pair of the
 // last rope_dim elements by the fp32 angle position · inv_freq (cos / sin through double); then bf16 into shared
 // memory.
 // All loads (8 heads x kDim / 128 float4 per lane) are issued before the first use, like the plain Q load.
-template <int kDim>
+template <int kDim, int kHeads>
 __device__ void load_q_normed(const AttentionParams& p, int t, int h0, int64_t pos, uint16_t* q_s) {
-  constexpr int kStride = MmaLayout<kDim>::kStride, kPerLane = kDim / 128, kWarpHeads = kMmaHeads / kMmaWarps;
+  constexpr int kStride = MmaLayout<kDim, kHeads>::kStride, kPerLane = kDim / 128, kWarpHeads = kHeads / kMmaWarps;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nope = kDim - p.rope_dim;
   float4 v[kWarpHeads][kPerLane];
 #pragma unroll
@@ -588,23 +596,29 @@ __device__ void load_q_normed(const AttentionParams& p, int t, int h0, int64_t p
   }
 }
 
-template <int kDim>
-__global__ void __launch_bounds__(kMmaWarps * 32, 1) attention_mma_kernel(AttentionParams p, int splits) {
+template <int kDim, int kHeads>
+__global__ void __launch_bounds__(kMmaWarps * 32, kHeads == kMmaHeads ? 1 : 2)
+    attention_mma_kernel(AttentionParams p, int splits) {
   gpu::dependent_enter();
-  using L = MmaLayout<kDim>;
+  using L = MmaLayout<kDim, kHeads>;
   constexpr int kStride = L::kStride, kPStride = L::kPStride;
   constexpr int kWarpDims = kDim / kMmaWarps, kDimTiles = kWarpDims / 8;  // PV: this warp's dims
+  constexpr int kHeadTiles = kHeads / 16;  // of 16 heads: the mma's rows
+  // S = QKᵀ: warps of 16 heads x 32 keys (head tile warp % kHeadTiles, key half warp / kHeadTiles); with 16 heads
+  // only warps 0 and 1 compute S, the others wait at the barriers (kMmaDecodeHeads: the same bits as 64 heads).
+  constexpr int kSWarps = 2 * kHeadTiles;
   static_assert(kWarpDims % 16 == 0, "two dim tiles per ldmatrix");
+  static_assert(kHeads % 16 == 0 && kSWarps <= kMmaWarps, "whole head tiles, at most one S tile per warp");
   extern __shared__ __align__(16) unsigned char smem[];
   uint16_t* q_s = reinterpret_cast<uint16_t*>(smem + L::kQ);
   uint16_t* k_s = reinterpret_cast<uint16_t*>(smem + L::kK);
   uint16_t* p_s = reinterpret_cast<uint16_t*>(smem + L::kP);
-  float* red_max = reinterpret_cast<float*>(smem + L::kStats);  // [2][64]
-  float* red_sum = red_max + 2 * kMmaHeads;                      // [2][64]
-  float* m_s = red_sum + 2 * kMmaHeads;                          // [64] running max
-  float* l_s = m_s + kMmaHeads;                                  // [64] running sum
+  float* red_max = reinterpret_cast<float*>(smem + L::kStats);  // [2][kHeads]
+  float* red_sum = red_max + 2 * kHeads;                         // [2][kHeads]
+  float* m_s = red_sum + 2 * kHeads;                             // [kHeads] running max
+  float* l_s = m_s + kHeads;                                     // [kHeads] running sum
 
-  const int split = blockIdx.x, t = blockIdx.y, h0 = blockIdx.z * kMmaHeads;
+  const int split = blockIdx.x, t = blockIdx.y, h0 = blockIdx.z * kHeads;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, tq = lane & 3;
   const KeyRange r = key_range(p, t);
   store_own_key(p, r, t);
@@ -612,10 +626,10 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 1) attention_mma_kernel(Attent
   const int n_keys = r.n_window + r.n_comp;
   const bool has_keys = split * kMmaKeys < n_keys;
 
-  if (has_keys && p.q_norm_rope) load_q_normed<kDim>(p, t, h0, r.pos, q_s);
+  if (has_keys && p.q_norm_rope) load_q_normed<kDim, kHeads>(p, t, h0, r.pos, q_s);
   // Q rows (heads past p.heads are zero) as bf16. Loads are issued 32 at a time before their stores: the global
   // pointers could alias shared memory as far as the compiler knows, so it would not hoist them itself.
-  constexpr int kQLoads = kMmaHeads * kDim / 4 / (kMmaWarps * 32), kQBatch = kQLoads < 32 ? kQLoads : 32;
+  constexpr int kQLoads = kHeads * kDim / 4 / (kMmaWarps * 32), kQBatch = kQLoads < 32 ? kQLoads : 32;
   static_assert(kQLoads % kQBatch == 0);
   for (int i0 = 0; has_keys && !p.q_norm_rope && i0 < kQLoads; i0 += kQBatch) {
     float4 v[kQBatch];
@@ -632,16 +646,17 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 1) attention_mma_kernel(Attent
       *reinterpret_cast<uint2*>(q_s + h * kStride + d) = make_uint2(pack_bf16(v[i].x, v[i].y), pack_bf16(v[i].z, v[i].w));
     }
   }
-  if (threadIdx.x < kMmaHeads) {
+  if (threadIdx.x < kHeads) {
     m_s[threadIdx.x] = -INFINITY;
     l_s[threadIdx.x] = 0.0f;
   }
 
-  const int s_heads = 16 * (warp % 4), s_keys = 32 * (warp / 4);  // S: this warp's heads and keys of a tile
-  const int d0 = warp * kWarpDims;                               // PV: this warp's dims
-  float o[4][kDimTiles][4];
+  const bool s_warp = warp < kSWarps;
+  const int s_heads = 16 * (warp % kHeadTiles), s_keys = 32 * (warp / kHeadTiles % 2);  // S: heads, keys of a tile
+  const int d0 = warp * kWarpDims;                                                     // PV: this warp's dims
+  float o[kHeadTiles][kDimTiles][4];
 #pragma unroll
-  for (int mt = 0; mt < 4; ++mt)
+  for (int mt = 0; mt < kHeadTiles; ++mt)
 #pragma unroll
     for (int nt = 0; nt < kDimTiles; ++nt) o[mt][nt][0] = o[mt][nt][1] = o[mt][nt][2] = o[mt][nt][3] = 0.0f;
 
@@ -680,7 +695,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 1) attention_mma_kernel(Attent
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
 #pragma unroll 4
-    for (int ks = 0; ks < kDim / 16; ++ks) {
+    for (int ks = 0; ks < (s_warp ? kDim / 16 : 0); ++ks) {
       uint32_t a[4], b[2][4];
       ldmatrix_x4(a, q_s + (s_heads + (lane & 15)) * kStride + ks * 16 + (lane >> 4) * 8);
 #pragma unroll
@@ -705,14 +720,14 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 1) attention_mma_kernel(Attent
     for (int hr = 0; hr < 2; ++hr) {
       row_max[hr] = fmaxf(row_max[hr], __shfl_xor_sync(0xffffffffu, row_max[hr], 1));
       row_max[hr] = fmaxf(row_max[hr], __shfl_xor_sync(0xffffffffu, row_max[hr], 2));
-      if (tq == 0) red_max[(warp / 4) * kMmaHeads + s_heads + g + 8 * hr] = row_max[hr];
+      if (tq == 0 && s_warp) red_max[(warp / kHeadTiles) * kHeads + s_heads + g + 8 * hr] = row_max[hr];
     }
     __syncthreads();  // (B) both key halves' maxima
     float row_sum[2] = {0.0f, 0.0f};
 #pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
+    for (int hr = 0; hr < 2 && s_warp; ++hr) {
       const int h = s_heads + g + 8 * hr;
-      const float m_new = fmaxf(m_s[h], fmaxf(red_max[h], red_max[kMmaHeads + h]));
+      const float m_new = fmaxf(m_s[h], fmaxf(red_max[h], red_max[kHeads + h]));
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt) {
         const float w0 = expf(s[nt][2 * hr] - m_new), w1 = expf(s[nt][2 * hr + 1] - m_new);
@@ -721,26 +736,26 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 1) attention_mma_kernel(Attent
       }
       row_sum[hr] += __shfl_xor_sync(0xffffffffu, row_sum[hr], 1);
       row_sum[hr] += __shfl_xor_sync(0xffffffffu, row_sum[hr], 2);
-      if (tq == 0) red_sum[(warp / 4) * kMmaHeads + h] = row_sum[hr];
+      if (tq == 0) red_sum[(warp / kHeadTiles) * kHeads + h] = row_sum[hr];
     }
     __syncthreads();  // (C) P and the sums
 
     // O = O · exp(m_old - m_new) + P V for all heads, dims d0 .. d0 + kWarpDims - 1.
 #pragma unroll
-    for (int mt = 0; mt < 4; ++mt)
+    for (int mt = 0; mt < kHeadTiles; ++mt)
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr) {
         const int h = 16 * mt + g + 8 * hr;
-        const float m_old = m_s[h], m_new = fmaxf(m_old, fmaxf(red_max[h], red_max[kMmaHeads + h]));
+        const float m_old = m_s[h], m_new = fmaxf(m_old, fmaxf(red_max[h], red_max[kHeads + h]));
         const float alpha = expf(m_old - m_new);  // 0 while m_old is -inf
 #pragma unroll
         for (int nt = 0; nt < kDimTiles; ++nt) o[mt][nt][2 * hr] *= alpha, o[mt][nt][2 * hr + 1] *= alpha;
       }
 #pragma unroll 1
     for (int ks = 0; ks < kMmaKeys / 16; ++ks) {
-      uint32_t a[4][4];
+      uint32_t a[kHeadTiles][4];
 #pragma unroll
-      for (int mt = 0; mt < 4; ++mt)
+      for (int mt = 0; mt < kHeadTiles; ++mt)
         ldmatrix_x4(a[mt], p_s + (16 * mt + (lane & 15)) * kPStride + ks * 16 + (lane >> 4) * 8);
 #pragma unroll
       for (int np = 0; np < kDimTiles / 2; ++np) {  // dim tiles 2·np, 2·np + 1: matrices (keys 0-7 / 8-15, tile)
@@ -748,24 +763,24 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 1) attention_mma_kernel(Attent
         uint32_t b[4];
         ldmatrix_x4_trans(b, k_s + key * kStride + d0 + 16 * np + (mat >> 1) * 8);
 #pragma unroll
-        for (int mt = 0; mt < 4; ++mt) {
+        for (int mt = 0; mt < kHeadTiles; ++mt) {
           mma_16816(o[mt][2 * np], a[mt], b[0], b[1]);
           mma_16816(o[mt][2 * np + 1], a[mt], b[2], b[3]);
         }
       }
     }
     __syncthreads();  // (D) every warp is done with K, P and the old running max
-    if (threadIdx.x < kMmaHeads) {
+    if (threadIdx.x < kHeads) {
       const int h = threadIdx.x;
-      const float m_old = m_s[h], m_new = fmaxf(m_old, fmaxf(red_max[h], red_max[kMmaHeads + h]));
-      l_s[h] = l_s[h] * expf(m_old - m_new) + red_sum[h] + red_sum[kMmaHeads + h];
+      const float m_old = m_s[h], m_new = fmaxf(m_old, fmaxf(red_max[h], red_max[kHeads + h]));
+      l_s[h] = l_s[h] * expf(m_old - m_new) + red_sum[h] + red_sum[kHeads + h];
       m_s[h] = m_new;
     }
   }
   __syncthreads();
 
   if (splits > 1) {
-    cluster_merge<kDim>(p, o, m_s, l_s, smem, split, splits, t, h0, r.pos);
+    cluster_merge<kDim, kHeads>(p, o, m_s, l_s, smem, split, splits, t, h0, r.pos);
     return;
   }
 
@@ -777,7 +792,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 1) attention_mma_kernel(Attent
   const int heads_per_group = p.heads / p.groups, width = heads_per_group * kDim;
   const int rope0 = kDim - p.rope_dim;
 #pragma unroll
-  for (int mt = 0; mt < 4; ++mt)
+  for (int mt = 0; mt < kHeadTiles; ++mt)
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
       const int hl = 16 * mt + g + 8 * hr, h = h0 + hl;
@@ -818,18 +833,38 @@ bool attention_can_norm_q(int dim, int rope_dim) {
 
 namespace {
 
-template <int kDim>
-void launch_mma(const AttentionParams& p, cudaStream_t stream) {
-  const size_t smem = MmaLayout<kDim>::kBytes;
-  const cudaError_t configured = gpu::allow_dynamic_smem<attention_mma_kernel<kDim>>(int(smem));
+int g_decode_block_heads = 0;  // set_attention_decode_block_heads; 0: mma_block_heads' rule
+
+// Heads per block of the tensor-core kernel: 64 for prefill chunks (their blocks fill the GPU anyway and each key
+// tile serves 64 heads); decode rows 16 while the launch stays within two blocks per SM, else 64 (the four head
+// groups of a row each read all its keys).
+int mma_block_heads(const AttentionParams& p, int splits) {
+  if (p.n >= kMmaMinRows) return kMmaHeads;
+  if (g_decode_block_heads) return g_decode_block_heads;
+  const int64_t blocks = int64_t(splits) * p.n * ((p.heads + kMmaDecodeHeads - 1) / kMmaDecodeHeads);
+  return blocks <= 2 * current_sm_count() ? kMmaDecodeHeads : kMmaHeads;
+}
+
+template <int kDim, int kHeads>
+void launch_mma(const AttentionParams& p, int splits, cudaStream_t stream) {
+  const size_t smem = MmaLayout<kDim, kHeads>::kBytes;
+  const cudaError_t configured = gpu::allow_dynamic_smem<attention_mma_kernel<kDim, kHeads>>(int(smem));
   OPS_CHECK(configured == cudaSuccess, "attention: cannot give the tensor-core kernel %zu bytes of shared memory",
             smem);
+  const cudaError_t err = gpu::launch_ex(attention_mma_kernel<kDim, kHeads>,
+                                         dim3(splits, p.n, (p.heads + kHeads - 1) / kHeads), kMmaWarps * 32, smem,
+                                         unsigned(splits), stream, p, splits);
+  OPS_CHECK(err == cudaSuccess, "attention: tensor-core launch (%d-block clusters of %d heads) failed: %s", splits,
+            kHeads, cudaGetErrorString(err));
+}
+
+template <int kDim>
+void launch_mma(const AttentionParams& p, cudaStream_t stream) {
   const int splits = attention_splits(p);
-  const cudaError_t err = gpu::launch_ex(attention_mma_kernel<kDim>,
-                                         dim3(splits, p.n, (p.heads + kMmaHeads - 1) / kMmaHeads), kMmaWarps * 32,
-                                         smem, unsigned(splits), stream, p, splits);
-  OPS_CHECK(err == cudaSuccess, "attention: tensor-core launch (%d-block clusters) failed: %s", splits,
-            cudaGetErrorString(err));
+  if (mma_block_heads(p, splits) == kMmaDecodeHeads)
+    launch_mma<kDim, kMmaDecodeHeads>(p, splits, stream);
+  else
+    launch_mma<kDim, kMmaHeads>(p, splits, stream);
 }
 
 }  // namespace
@@ -854,6 +889,16 @@ int attention_splits(const AttentionParams& p) {
   const int64_t by_keys = std::clamp<int64_t>(max_keys / kMinKeysPerSplit, 1, kMaxSplits);
   if (blocks * by_keys <= 4 * sms) return int(by_keys);
   return int(std::clamp<int64_t>((3 * sms + blocks - 1) / blocks, 1, by_keys));
+}
+
+void set_attention_decode_block_heads(int heads) {
+  OPS_CHECK(heads == 0 || heads == kMmaDecodeHeads || heads == kMmaHeads,
+            "set_attention_decode_block_heads: %d heads (0, %d or %d)", heads, kMmaDecodeHeads, kMmaHeads);
+  g_decode_block_heads = heads;
+}
+
+int attention_block_heads(const AttentionParams& p) {
+  return attention_uses_tensor_cores(p) ? mma_block_heads(p, attention_splits(p)) : 0;
 }
 
 size_t attention_scratch_floats(const AttentionParams& p) {

@@ -271,6 +271,11 @@ bool attention_uses_tensor_cores(const AttentionParams& p);
 bool attention_can_norm_q(int dim, int rope_dim);
 int attention_splits(const AttentionParams& p);
 size_t attention_scratch_floats(const AttentionParams& p);
+// Heads per block of the tensor-core kernel for p (0: a CUDA-core kernel runs). Decode rows take 16 heads per block
+// while the launch fits two blocks per SM, else 64; both give the same bits. set_attention_decode_block_heads forces
+// 16 or 64 for decode rows (0: the rule), for tests and A/B timing (process-wide).
+int attention_block_heads(const AttentionParams& p);
+void set_attention_decode_block_heads(int heads);
 
 // 3.4 window ring: window[(pos0 + t) % slots] = kv_chunk[t] for the last min(n, slots) rows of the chunk
 // (pos0 read from pos_device when that is set).

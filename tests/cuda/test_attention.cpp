@@ -15,6 +15,7 @@
 
 #include "cuda/ops.h"
 #include "cuda_test_util.h"
+#include "fmt/format.h"
 #include "formats/bf16.h"
 #include "model/model.h"
 
@@ -96,6 +97,19 @@ void check_attention(const AttnCase& c) {
   gpu::attention(p, nullptr);
   sync();
   const std::vector<uint16_t> got = to_host<uint16_t>(out, size_t(c.n) * c.heads * c.dim);
+  if (gpu::attention_uses_tensor_cores(p) && c.n < 65) {  // decode rows: 16 and 64 heads per block must give the same bits
+    const int chosen = gpu::attention_block_heads(p);
+    for (const int heads : {16, 64}) {
+      gpu::set_attention_decode_block_heads(heads);
+      EXPECT_EQ(gpu::attention_block_heads(p), heads);
+      out.fill_bytes(0xff);
+      gpu::attention(p, nullptr);
+      sync();
+      gpu::set_attention_decode_block_heads(0);
+      EXPECT_TRUE(to_host<uint16_t>(out, got.size()) == got)
+          << c.name << ": " << heads << " heads per block differ from " << chosen;
+    }
+  }
   if (c.store_window) {  // the new key in slot pos0 % slots, every other slot as before (queries saw the old ring)
     const std::vector<float> ring_after = to_host<float>(dring, ring.size());
     for (int s = 0; s < slots; ++s)
@@ -110,7 +124,8 @@ void check_attention(const AttnCase& c) {
   const bool tensor_cores = gpu::attention_uses_tensor_cores(p);
   auto in = [&](float v) { return tensor_cores ? double(round_bf16(v)) : double(v); };
   std::printf("[attention] %-28s splits %d%s\n", c.name.c_str(), gpu::attention_splits(p),
-              tensor_cores ? ", tensor cores" : "");
+              tensor_cores ? fmt::format(", tensor cores, {} heads per block", gpu::attention_block_heads(p)).c_str()
+                           : "");
 
   int bad = 0;
   double worst = 0;
