@@ -84,7 +84,8 @@ struct BenchArgs {
   // or '+'-joined names turned on: bulk (fp4 / fp8 GEMVs through the copy engine, set_gemv_bulk), bulkdense (the same
   // for the plain and batched launches only, the grouped experts stay on the register kernel), overlap
   // (CudaRunnerOptions::overlap_branches; serial turns it off), mhc (fuse_mhc_mix), routing (fuse_moe_routing), qnorm (fuse_q_norm_rope),
-  // heads16 / heads64 (the decode attention's heads per block, gpu::set_attention_decode_block_heads).
+  // heads16 / heads64 (the decode attention's heads per block, gpu::set_attention_decode_block_heads), hcblock
+  // (hc_pre's decode collapse in one block per token, gpu::set_hc_collapse_cluster).
   // Prefill and --profile use the first.
   std::vector<std::string> switches = {"default"};
 };
@@ -93,6 +94,7 @@ struct BenchArgs {
 struct StepSwitches {
   bool bulk = false, bulk_dense = false, overlap = false, serial = false, mhc = false, routing = false, qnorm = false;
   int attention_heads = 0;  // heads16 / heads64: the tensor-core attention's heads per block at decode (0: its rule)
+  bool hc_block = false;    // hcblock: hc_pre's decode collapse in one block per token, not a cluster
 };
 
 StepSwitches parse_switches(const std::string& spec) {
@@ -111,8 +113,9 @@ StepSwitches parse_switches(const std::string& spec) {
     else if (name == "qnorm") s.qnorm = true;
     else if (name == "heads16") s.attention_heads = 16;
     else if (name == "heads64") s.attention_heads = 64;
+    else if (name == "hcblock") s.hc_block = true;
     else DSV4_FAIL("dsv4 bench: --switches entry '{}' has '{}' (expected default, or bulk, bulkdense, overlap, "
-                   "serial, mhc, routing, qnorm, heads16 and heads64 joined by '+')", spec, name);
+                   "serial, mhc, routing, qnorm, heads16, heads64 and hcblock joined by '+')", spec, name);
     from = to + 1;
   }
   return s;
@@ -471,6 +474,7 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
     o.fuse_moe_routing = o.fuse_moe_routing || s.routing;
     o.fuse_q_norm_rope = o.fuse_q_norm_rope || s.qnorm;
     gpu::set_attention_decode_block_heads(s.attention_heads);
+    gpu::set_hc_collapse_cluster(!s.hc_block);
     cuda_runner_set_step_switches(*runner, o);
     set_gemv_bulk(s.bulk ? GemvBulk::All
                   : s.bulk_dense && built_bulk == GemvBulk::Off ? GemvBulk::Dense
@@ -722,7 +726,8 @@ void add_bench_command(CLI::App& app, Handler& handler) {
                   "bulk (fp4 / fp8 GEMVs through the copy engine), bulkdense (the same but not for the grouped "
                   "experts), overlap (the attention state side on a second "
                   "stream; serial: off), mhc (hc_post with the next mix), routing (router + slots in one launch), qnorm (q norm + "
-                  "RoPE inside attention), heads16 / heads64 (decode attention blocks of 16 / 64 heads), e.g. "
+                  "RoPE inside attention), heads16 / heads64 (decode attention blocks of 16 / 64 heads), hcblock (hc_pre's "
+                  "decode collapse in one block per token), e.g. "
                   "default,bulk,overlap,mhc+routing+qnorm,bulk+overlap+mhc+routing+qnorm,heads64")
       ->delimiter(',')->capture_default_str();
   cmd->add_flag("--mtp", args->mtp,

@@ -111,7 +111,11 @@ struct HcPreParams {
   int mix_blocks = 0;
   HcPreParts parts = HcPreParts::Both;
 };
-void hc_pre(const HcPreParams& p, cudaStream_t stream);
+// Returns the kernels it launched: decode-sized chunks (n < 64, hc <= 4, D % 32 == 0, aligned rows) collapse in a
+// cluster of 8 blocks per token, so both halves are two launches there (each part alone one); otherwise one.
+int hc_pre(const HcPreParams& p, cudaStream_t stream);
+// Off: the collapse of decode-sized chunks runs in one block per token as well (A/B timing; process-wide).
+void set_hc_collapse_cluster(bool on);
 
 // 2.4 mHC post:  streams[t, k] <- post[t, k] · (o_t) + Σ_j comb[t, j, k] · streams[t, j]  with
 //   o_t = (Σ_{i < out_k} out[t · out_k + i]) + out2[t]

@@ -714,6 +714,97 @@ __global__ void __launch_bounds__(hc_max_threads(kHc)) hc_pre_kernel(HcPreParams
     post_and_comb(p, t, rs, comb_mix, comb_base, post_mix, post_base, scale1, scale2);
 }
 
+// hc_pre's collapse + norm for decode-sized chunks: the kHcCollapseCluster blocks of a cluster each take D / 8
+// columns of all hc streams of token blockIdx.y, and add the two sums of squares (the streams' rs, the collapsed
+// row's norm) across the cluster in rank order through distributed shared memory. Per element the same arithmetic
+// as collapse_and_norm; the fp64 sums go in another order. (One block per token, 1024 threads, read the 64 KB row
+// through one SM in a chain of two block reductions: 8 µs per call under ncu at decode, twice per layer on the
+// critical path.)
+constexpr int kHcCollapseCluster = 8;
+
+template <int kHc>
+__global__ void __launch_bounds__(256) hc_collapse_cluster_kernel(HcPreParams p) {
+  gpu::dependent_enter();
+  extern __shared__ float4 hc_smem[];   // this block's collapsed column groups
+  __shared__ double block_ss[2];        // this block's partial of each sum, read by the whole cluster
+  cg::cluster_group cluster = cg::this_cluster();
+  const int t = blockIdx.y, hc = p.hc, D = p.D, n_mix = (2 + hc) * hc;
+  const int groups = D / 4 / kHcCollapseCluster, g0 = int(cluster.block_rank()) * groups;
+  const float* xs = p.streams + int64_t(t) * hc * D;
+  float pre_mix[kHc], pre_base[kHc];
+#pragma unroll
+  for (int k = 0; k < kHc; ++k) {
+    pre_mix[k] = pre_base[k] = 0.0f;
+    if (k >= hc) continue;
+    if (p.mix_partials) {  // hc_post_mix's per-block partials, added in block order like hc_pre_kernel
+      const float* part = p.mix_partials + (int64_t(t) * n_mix + k) * p.mix_blocks;
+      for (int b = 0; b < p.mix_blocks; ++b) pre_mix[k] += part[b];
+    } else {
+      pre_mix[k] = p.mix[int64_t(t) * n_mix + k];
+    }
+    pre_base[k] = p.base[k];
+  }
+  const float scale0 = p.scale[0];
+  auto cluster_total = [&](double part, int which) {
+    part = block_sum(part);
+    if (threadIdx.x == 0) block_ss[which] = part;
+    cluster.sync();
+    double total = 0;
+    for (int r = 0; r < kHcCollapseCluster; ++r) total += *cluster.map_shared_rank(&block_ss[which], r);
+    return total;
+  };
+
+  double ss = 0;
+  for (int i = threadIdx.x; i < groups; i += blockDim.x) {
+    const int d = 4 * (g0 + i);
+#pragma unroll
+    for (int k = 0; k < kHc; ++k) {
+      if (k >= hc) continue;
+      const float4 v = *reinterpret_cast<const float4*>(xs + int64_t(k) * D + d);
+      ss += double(v.x) * v.x;
+      ss += double(v.y) * v.y;
+      ss += double(v.z) * v.z;
+      ss += double(v.w) * v.w;
+    }
+  }
+  const float rs = streams_inv_rms(cluster_total(ss, 0), hc * D, p.eps);
+  float pre[kHc];
+#pragma unroll
+  for (int k = 0; k < kHc; ++k) pre[k] = __fadd_rn(mix_gate(pre_mix[k], rs, scale0, pre_base[k]), p.hc_eps);
+
+  double ss2 = 0;
+  for (int i = threadIdx.x; i < groups; i += blockDim.x) {
+    const int d = 4 * (g0 + i);
+    float4 acc = make_float4(0, 0, 0, 0);
+#pragma unroll
+    for (int k = 0; k < kHc; ++k)
+      if (k < hc) {
+        const float4 v = *reinterpret_cast<const float4*>(xs + int64_t(k) * D + d);  // L1 hits
+        acc.x = __fadd_rn(acc.x, __fmul_rn(pre[k], v.x));
+        acc.y = __fadd_rn(acc.y, __fmul_rn(pre[k], v.y));
+        acc.z = __fadd_rn(acc.z, __fmul_rn(pre[k], v.z));
+        acc.w = __fadd_rn(acc.w, __fmul_rn(pre[k], v.w));
+      }
+    hc_smem[i] = acc;
+    ss2 += double(acc.x) * acc.x;
+    ss2 += double(acc.y) * acc.y;
+    ss2 += double(acc.z) * acc.z;
+    ss2 += double(acc.w) * acc.w;
+  }
+  const float inv_rms = 1.0f / sqrtf(float(cluster_total(ss2, 1) / D) + p.eps);
+  float* normed = p.normed ? p.normed + int64_t(t) * D : nullptr;
+  uint16_t* normed_bf16 = p.normed_bf16 ? p.normed_bf16 + int64_t(t) * D : nullptr;
+  for (int i = threadIdx.x; i < groups; i += blockDim.x) {
+    const int d = 4 * (g0 + i);
+    const float4 acc = hc_smem[i], w = *reinterpret_cast<const float4*>(p.norm_weight + d);
+    const float4 out = make_float4(__fmul_rn(__fmul_rn(acc.x, inv_rms), w.x), __fmul_rn(__fmul_rn(acc.y, inv_rms), w.y),
+                                   __fmul_rn(__fmul_rn(acc.z, inv_rms), w.z), __fmul_rn(__fmul_rn(acc.w, inv_rms), w.w));
+    if (normed) store4(normed, d, D, true, out);
+    if (normed_bf16) store4_bf16(normed_bf16, d, D, true, out);
+  }
+  cluster.sync();  // block_ss must outlive the other blocks' reads
+}
+
 template <int kHc>
 __global__ void __launch_bounds__(hc_max_threads(kHc))
     hc_head_kernel(const float* streams, const float* mix, const float* base, const float* scale,
@@ -990,12 +1081,34 @@ void embed_tokens(const uint16_t* embed, const int32_t* tokens, int n, int D, in
   DSV4_CUDA_LAUNCHED();
 }
 
-void hc_pre(const HcPreParams& p, cudaStream_t stream) {
+namespace {
+bool g_hc_collapse_cluster = true;  // set_hc_collapse_cluster
+}  // namespace
+
+void set_hc_collapse_cluster(bool on) { g_hc_collapse_cluster = on; }
+
+int hc_pre(const HcPreParams& p, cudaStream_t stream) {
   OPS_CHECK(p.hc > 0 && p.hc <= kMaxHc, "hc_pre: hc_mult %d outside [1, %d]", p.hc, kMaxHc);
   OPS_CHECK(!p.mix_partials || (p.hc <= 4 && p.mix_blocks > 0), "hc_pre: mix partials need hc <= 4 and blocks > 0");
   OPS_CHECK(p.D > 0 && p.D <= kHcMaxD, "hc_pre: hidden size %d outside (0, %d]", p.D, kHcMaxD);
   OPS_CHECK(p.parts == HcPreParts::Collapse || (p.post && p.comb), "hc_pre: post and comb are required");
-  if (p.n == 0) return;
+  if (p.n == 0) return 0;
+  // Decode-sized chunks collapse in a cluster per token (the post + comb half, a one-warp chain, then runs as a
+  // launch of its own); prefill chunks and shapes the cluster kernel does not take run both halves in one launch.
+  const bool cluster = g_hc_collapse_cluster && p.parts != HcPreParts::PostComb && p.n < kHcPrefillRows && p.hc <= 4 &&
+                       p.D % (4 * kHcCollapseCluster) == 0 && aligned(p.streams, 16) && aligned(p.norm_weight, 16) &&
+                       (!p.normed || aligned(p.normed, 16)) && (!p.normed_bf16 || aligned(p.normed_bf16, 8));
+  if (cluster) {
+    const int groups = p.D / 4 / kHcCollapseCluster, threads = std::min(256, (groups + 31) / 32 * 32);
+    const cudaError_t err = gpu::launch_ex(hc_collapse_cluster_kernel<4>, dim3(kHcCollapseCluster, unsigned(p.n)),
+                                           threads, size_t(groups) * sizeof(float4), kHcCollapseCluster, stream, p);
+    DSV4_CUDA_LAUNCHED();
+    OPS_CHECK(err == cudaSuccess, "hc_pre: cluster launch failed: %s", cudaGetErrorString(err));
+    if (p.parts == HcPreParts::Collapse) return 1;
+    HcPreParams rest = p;
+    rest.parts = HcPreParts::PostComb;
+    return 1 + hc_pre(rest, stream);
+  }
   const dim3 grid(unsigned(p.n), p.parts == HcPreParts::Both ? 2 : 1);
   const size_t smem = size_t((p.D + 3) / 4) * sizeof(float4);
   // A decode step's few tokens spread each row over up to 1024 threads (latency); a prefill chunk's rows fill the
@@ -1008,6 +1121,7 @@ void hc_pre(const HcPreParams& p, cudaStream_t stream) {
   else
     gpu::launch(hc_pre_kernel<kMaxHc>, grid, threads(kMaxHc), smem, stream, p);
   DSV4_CUDA_LAUNCHED();
+  return 1;
 }
 
 void hc_post(const float* out, int out_k, const float* out2, const float* post, const float* comb, int n, int hc,

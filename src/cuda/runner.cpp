@@ -426,19 +426,16 @@ class CudaRunner final : public SequenceRunner {
       p.mix_blocks = gpu::hc_post_mix_blocks(D);
     }
     if (!overlapping()) {
-      gpu::hc_pre(p, cur_);
-      launched(attn ? "attn: hc_pre + norm" : "ffn: hc_pre + norm");
+      launched(attn ? "attn: hc_pre + norm" : "ffn: hc_pre + norm", gpu::hc_pre(p, cur_));
       return;
     }
     // overlap_branches: the sublayer needs only the collapse; post and comb (the Sinkhorn, hc_pre's longer half) are
     // read by mhc_post at its end, so they run on the second stream meanwhile (joined in mhc_post at the latest).
     p.parts = gpu::HcPreParts::Collapse;
-    gpu::hc_pre(p, cur_);
-    launched(attn ? "attn: hc_pre collapse + norm" : "ffn: hc_pre collapse + norm");
+    launched(attn ? "attn: hc_pre collapse + norm" : "ffn: hc_pre collapse + norm", gpu::hc_pre(p, cur_));
     fork_side();
     p.parts = gpu::HcPreParts::PostComb;
-    gpu::hc_pre(p, cur_);
-    launched(attn ? "attn: hc_pre post + comb" : "ffn: hc_pre post + comb");
+    launched(attn ? "attn: hc_pre post + comb" : "ffn: hc_pre post + comb", gpu::hc_pre(p, cur_));
     to_main();
   }
   // 2.4 mHC post of the sublayer output (out [n, out_k, D] summed in order, + out2); `next`: the mHC whose mix the
