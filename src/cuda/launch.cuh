@@ -71,6 +71,14 @@ cudaError_t allow_dynamic_smem(int bytes) {
   return configured;
 }
 
+// Lets kKernel launch clusters above the portable 8 blocks (Hopper takes 16), once.
+template <auto kKernel>
+cudaError_t allow_nonportable_clusters() {
+  static const cudaError_t configured =
+      cudaFuncSetAttribute(kKernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+  return configured;
+}
+
 template <typename... Params, typename... Args>
 cudaError_t launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
                    Args&&... args) {

@@ -110,6 +110,12 @@ struct HcPreParams {
   const float* mix_partials = nullptr;
   int mix_blocks = 0;
   HcPreParts parts = HcPreParts::Both;
+  // fn (instead of mix and mix_partials): the mix weights [(2+hc)·hc, hc·D] fp32; hc_pre computes the mix = streams ·
+  // fnᵀ itself and writes it to mix_out [n, (2+hc)·hc] (where a later PostComb launch reads it as mix). Not with
+  // parts PostComb. Decode-sized chunks (n < 64, hc <= 4, D % 64 == 0, 16-byte aligned rows) do it inside the
+  // collapse's cluster; others launch the mix first (linear_f32, the same contract).
+  const float* fn = nullptr;
+  float* mix_out = nullptr;
 };
 // Returns the kernels it launched: decode-sized chunks (n < 64, hc <= 4, D % 32 == 0, aligned rows) collapse in a
 // cluster of 8 blocks per token, so both halves are two launches there (each part alone one); otherwise one.

@@ -805,6 +805,124 @@ __global__ void __launch_bounds__(256) hc_collapse_cluster_kernel(HcPreParams p)
   cluster.sync();  // block_ss must outlive the other blocks' reads
 }
 
+// The mHC mix and hc_pre's collapse + norm in one launch (HcPreParams::fn, decode-sized chunks): the
+// kHcMixCluster blocks of a cluster each take D / 16 columns of all hc streams of token blockIdx.y and the matching
+// columns of every fn row (24 x 4 x 256 floats, 96 KB for the Flash shape: the 1.5 MB of fn spread over 16 SMs,
+// every load in flight at once). Each block's partial mix (and the streams' sum of squares) goes through a warp tree
+// and the warps in order, then the cluster adds the blocks in rank order through distributed shared memory; every
+// block then has the whole mix and rs and collapses its own columns like hc_collapse_cluster_kernel.
+constexpr int kHcMixCluster = 16;  // non-portable: Hopper clusters take up to 16 blocks
+constexpr int kHcMixCollapseThreads = 256;
+
+template <int kHc>
+__global__ void __launch_bounds__(kHcMixCollapseThreads) hc_mix_collapse_kernel(HcPreParams p) {
+  constexpr int kMix = (2 + kHc) * kHc, kWarps = kHcMixCollapseThreads / 32;
+  gpu::dependent_enter();
+  extern __shared__ float4 hc_smem[];               // this block's stream groups [hc][groups], then collapsed [groups]
+  __shared__ float warp_mix[kWarps][kMix];
+  __shared__ double warp_ss[kWarps];
+  __shared__ float block_mix[kMix];                 // this block's partials, read by the whole cluster
+  __shared__ double block_ss[2];
+  __shared__ float mix_s[kMix];
+  __shared__ float rs_s;
+  cg::cluster_group cluster = cg::this_cluster();
+  const int t = blockIdx.y, D = p.D, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int groups = D / 4 / kHcMixCluster, g0 = int(cluster.block_rank()) * groups;
+  const float* xs = p.streams + int64_t(t) * kHc * D;
+  const float4* fn = reinterpret_cast<const float4*>(p.fn);
+  const int64_t fn_row = int64_t(kHc) * D / 4;  // float4 per fn row
+
+  float mix[kMix];
+#pragma unroll
+  for (int m = 0; m < kMix; ++m) mix[m] = 0.0f;
+  double ss = 0;
+  float4* own = hc_smem;  // [kHc][groups]
+  for (int i = threadIdx.x; i < kHc * groups; i += kHcMixCollapseThreads) {
+    const int k = i / groups, g = i % groups;
+    const int64_t at = int64_t(k) * D / 4 + g0 + g;  // float4 index of (stream k, column group) in a row
+    float4 w[kMix];
+#pragma unroll
+    for (int m = 0; m < kMix; ++m) w[m] = __ldg(fn + m * fn_row + at);
+    const float4 v = reinterpret_cast<const float4*>(xs)[at];
+    own[i] = v;
+    ss += double(v.x) * v.x;
+    ss += double(v.y) * v.y;
+    ss += double(v.z) * v.z;
+    ss += double(v.w) * v.w;
+#pragma unroll
+    for (int m = 0; m < kMix; ++m) mix[m] = fmaf(v.w, w[m].w, fmaf(v.z, w[m].z, fmaf(v.y, w[m].y, fmaf(v.x, w[m].x, mix[m]))));
+  }
+#pragma unroll
+  for (int m = 0; m < kMix; ++m) {
+    const float s = detail::warp_sum(mix[m]);
+    if (lane == 0) warp_mix[warp][m] = s;
+  }
+  ss = detail::warp_sum(ss);
+  if (lane == 0) warp_ss[warp] = ss;
+  __syncthreads();
+  if (threadIdx.x < kMix) {
+    float s = 0.0f;
+    for (int w = 0; w < kWarps; ++w) s += warp_mix[w][threadIdx.x];
+    block_mix[threadIdx.x] = s;
+  } else if (threadIdx.x == kMix) {
+    double s = 0;
+    for (int w = 0; w < kWarps; ++w) s += warp_ss[w];
+    block_ss[0] = s;
+  }
+  cluster.sync();  // every block's partials are final
+  if (threadIdx.x < kMix) {
+    float s = 0.0f;
+    for (int r = 0; r < kHcMixCluster; ++r) s += cluster.map_shared_rank(block_mix, r)[threadIdx.x];
+    mix_s[threadIdx.x] = s;
+    if (cluster.block_rank() == 0) p.mix_out[int64_t(t) * kMix + threadIdx.x] = s;
+  } else if (threadIdx.x == kMix) {
+    double s = 0;
+    for (int r = 0; r < kHcMixCluster; ++r) s += cluster.map_shared_rank(block_ss, r)[0];
+    rs_s = streams_inv_rms(s, kHc * D, p.eps);
+  }
+  __syncthreads();
+  const float rs = rs_s, scale0 = p.scale[0];
+  float pre[kHc];
+#pragma unroll
+  for (int k = 0; k < kHc; ++k) pre[k] = __fadd_rn(mix_gate(mix_s[k], rs, scale0, p.base[k]), p.hc_eps);
+
+  float4* collapsed = hc_smem + kHc * groups;  // [groups]
+  double ss2 = 0;
+  for (int g = threadIdx.x; g < groups; g += kHcMixCollapseThreads) {
+    float4 acc = make_float4(0, 0, 0, 0);
+#pragma unroll
+    for (int k = 0; k < kHc; ++k) {
+      const float4 v = own[k * groups + g];
+      acc.x = __fadd_rn(acc.x, __fmul_rn(pre[k], v.x));
+      acc.y = __fadd_rn(acc.y, __fmul_rn(pre[k], v.y));
+      acc.z = __fadd_rn(acc.z, __fmul_rn(pre[k], v.z));
+      acc.w = __fadd_rn(acc.w, __fmul_rn(pre[k], v.w));
+    }
+    collapsed[g] = acc;
+    ss2 += double(acc.x) * acc.x;
+    ss2 += double(acc.y) * acc.y;
+    ss2 += double(acc.z) * acc.z;
+    ss2 += double(acc.w) * acc.w;
+  }
+  ss2 = block_sum(ss2);
+  if (threadIdx.x == 0) block_ss[1] = ss2;
+  cluster.sync();
+  double total = 0;
+  for (int r = 0; r < kHcMixCluster; ++r) total += cluster.map_shared_rank(block_ss, r)[1];
+  const float inv_rms = 1.0f / sqrtf(float(total / D) + p.eps);
+  float* normed = p.normed ? p.normed + int64_t(t) * D : nullptr;
+  uint16_t* normed_bf16 = p.normed_bf16 ? p.normed_bf16 + int64_t(t) * D : nullptr;
+  for (int g = threadIdx.x; g < groups; g += kHcMixCollapseThreads) {
+    const int d = 4 * (g0 + g);
+    const float4 acc = collapsed[g], w = *reinterpret_cast<const float4*>(p.norm_weight + d);
+    const float4 out = make_float4(__fmul_rn(__fmul_rn(acc.x, inv_rms), w.x), __fmul_rn(__fmul_rn(acc.y, inv_rms), w.y),
+                                   __fmul_rn(__fmul_rn(acc.z, inv_rms), w.z), __fmul_rn(__fmul_rn(acc.w, inv_rms), w.w));
+    if (normed) store4(normed, d, D, true, out);
+    if (normed_bf16) store4_bf16(normed_bf16, d, D, true, out);
+  }
+  cluster.sync();  // block_mix and block_ss must outlive the other blocks' reads
+}
+
 template <int kHc>
 __global__ void __launch_bounds__(hc_max_threads(kHc))
     hc_head_kernel(const float* streams, const float* mix, const float* base, const float* scale,
@@ -1092,7 +1210,35 @@ int hc_pre(const HcPreParams& p, cudaStream_t stream) {
   OPS_CHECK(!p.mix_partials || (p.hc <= 4 && p.mix_blocks > 0), "hc_pre: mix partials need hc <= 4 and blocks > 0");
   OPS_CHECK(p.D > 0 && p.D <= kHcMaxD, "hc_pre: hidden size %d outside (0, %d]", p.D, kHcMaxD);
   OPS_CHECK(p.parts == HcPreParts::Collapse || (p.post && p.comb), "hc_pre: post and comb are required");
+  OPS_CHECK(!p.fn || (p.mix_out && p.parts != HcPreParts::PostComb && !p.mix_partials),
+            "hc_pre: fn needs mix_out, and not with parts PostComb or mix_partials");
   if (p.n == 0) return 0;
+  if (p.fn) {
+    const int n_mix = (2 + p.hc) * p.hc;
+    const bool fused = g_hc_collapse_cluster && p.n < kHcPrefillRows && p.hc == 4 &&
+                       p.D % (4 * kHcMixCluster) == 0 && aligned(p.streams, 16) && aligned(p.fn, 16) &&
+                       aligned(p.norm_weight, 16) && (!p.normed || aligned(p.normed, 16)) &&
+                       (!p.normed_bf16 || aligned(p.normed_bf16, 8));
+    HcPreParams rest = p;
+    rest.fn = nullptr;
+    rest.mix = p.mix_out;
+    if (!fused) {
+      linear_f32({p.streams, p.fn, p.mix_out, p.n, n_mix, p.hc * p.D, 1.0f}, stream);
+      return 1 + hc_pre(rest, stream);
+    }
+    const int groups = p.D / 4 / kHcMixCluster;
+    const size_t smem = size_t(5) * groups * sizeof(float4);  // 4 streams' groups + the collapsed ones
+    const cudaError_t allowed = gpu::allow_nonportable_clusters<hc_mix_collapse_kernel<4>>();
+    OPS_CHECK(allowed == cudaSuccess, "hc_pre: clusters of %d blocks not allowed: %s", kHcMixCluster,
+              cudaGetErrorString(allowed));
+    const cudaError_t err = gpu::launch_ex(hc_mix_collapse_kernel<4>, dim3(kHcMixCluster, unsigned(p.n)),
+                                           kHcMixCollapseThreads, smem, kHcMixCluster, stream, p);
+    DSV4_CUDA_LAUNCHED();
+    OPS_CHECK(err == cudaSuccess, "hc_pre: mix + collapse cluster launch failed: %s", cudaGetErrorString(err));
+    if (p.parts == HcPreParts::Collapse) return 1;
+    rest.parts = HcPreParts::PostComb;
+    return 1 + hc_pre(rest, stream);
+  }
   // Decode-sized chunks collapse in a cluster per token (the post + comb half, a one-warp chain, then runs as a
   // launch of its own); prefill chunks and shapes the cluster kernel does not take run both halves in one launch.
   const bool cluster = g_hc_collapse_cluster && p.parts != HcPreParts::PostComb && p.n < kHcPrefillRows && p.hc <= 4 &&

@@ -410,31 +410,36 @@ class CudaRunner final : public SequenceRunner {
     return options_.fuse_mhc_mix && n <= kCudaMaxChunk && c_.hc_mult == 4 && c_.hidden_size % 4 == 0;
   }
   enum class Sublayer { Attention, Ffn };
-  // 2.3 mHC pre + the sublayer's norm; mix_ready: the previous hc_post_mix left the mix partials.
+  // 2.3 mHC mix + pre + the sublayer's norm; mix_ready: the previous hc_post_mix left the mix partials. Otherwise
+  // hc_pre computes the mix itself (HcPreParams::fn: inside the collapse's cluster at decode) into mix_.
   void mhc_pre(Sublayer sublayer, const HcDevice& w, const DeviceBuffer& norm, int n, bool mix_ready) {
-    const int D = c_.hidden_size, hc = c_.hc_mult, n_mix = (2 + hc) * hc;
+    const int D = c_.hidden_size, hc = c_.hc_mult;
     const bool attn = sublayer == Sublayer::Attention;
-    if (!mix_ready)
-      linear_f32(attn ? "attn: mHC mix" : "ffn: mHC mix", streams_.as<float>(), w.fn, mix_.as<float>(), n, n_mix,
-                 hc * D);
-    gpu::HcPreParams p{streams_.as<float>(), mix_.as<float>(), w.base.as<float>(), w.scale.as<float>(),
+    gpu::HcPreParams p{streams_.as<float>(), nullptr, w.base.as<float>(), w.scale.as<float>(),
                        norm.as<float>(), n, hc, D, c_.hc_sinkhorn_iters, c_.hc_eps, c_.rms_norm_eps,
                        post_.as<float>(), comb_.as<float>(), normed_.as<float>(), normed_bf16_.as<uint16_t>()};
     if (mix_ready) {
-      p.mix = nullptr;
       p.mix_partials = mix_partials_.as<float>();
       p.mix_blocks = gpu::hc_post_mix_blocks(D);
+    } else {
+      p.fn = w.fn.as<float>();
+      p.mix_out = mix_.as<float>();
     }
     if (!overlapping()) {
-      launched(attn ? "attn: hc_pre + norm" : "ffn: hc_pre + norm", gpu::hc_pre(p, cur_));
+      launched(attn ? "attn: mHC mix + hc_pre + norm" : "ffn: mHC mix + hc_pre + norm", gpu::hc_pre(p, cur_));
       return;
     }
     // overlap_branches: the sublayer needs only the collapse; post and comb (the Sinkhorn, hc_pre's longer half) are
     // read by mhc_post at its end, so they run on the second stream meanwhile (joined in mhc_post at the latest).
     p.parts = gpu::HcPreParts::Collapse;
-    launched(attn ? "attn: hc_pre collapse + norm" : "ffn: hc_pre collapse + norm", gpu::hc_pre(p, cur_));
+    launched(attn ? "attn: mHC mix + hc_pre collapse + norm" : "ffn: mHC mix + hc_pre collapse + norm",
+             gpu::hc_pre(p, cur_));
     fork_side();
     p.parts = gpu::HcPreParts::PostComb;
+    if (!mix_ready) {  // the mix the collapse wrote
+      p.fn = nullptr;
+      p.mix = mix_.as<float>();
+    }
     launched(attn ? "attn: hc_pre post + comb" : "ffn: hc_pre post + comb", gpu::hc_pre(p, cur_));
     to_main();
   }

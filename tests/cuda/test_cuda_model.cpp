@@ -796,8 +796,10 @@ void check_fused_mhc(const std::string& name, Numerics numerics) {
   };
   const auto [fused, fused_kernels] = run(true);
   const auto [plain, plain_kernels] = run(false);
-  // The mixes of every sublayer but the first no longer run on their own.
-  EXPECT_EQ(plain_kernels - fused_kernels, 2 * model.config().n_layers - 1);
+  // The mixes of every sublayer but the first no longer run on their own; where hc_pre computes the mix inside its
+  // collapse's cluster (ops.h: hidden size a multiple of 64) the unfused runner has no mix launch either.
+  const bool mix_in_cluster = model.config().hidden_size % 64 == 0;
+  EXPECT_EQ(plain_kernels - fused_kernels, mix_in_cluster ? 0 : 2 * model.config().n_layers - 1);
   Diff diff;
   diff.add(fused, plain, V);
   const double scale = diff.max_ref;

@@ -277,6 +277,97 @@ TEST(OpsRowsHcPre, OddSizesAndMisalignedStreams) {
   check_hc_pre({2, 1, 64, false, true}, 11);
 }
 
+// HcPreParams::fn: hc_pre computes the mix = streams · fnᵀ itself (decode-sized chunks inside the collapse's
+// cluster, others through linear_f32 first). mix_out against an fp64 mix (|diff| <= 1e-5 of Σ|terms|); then post,
+// comb and normed against the reference run from the mix the GPU wrote (so the gates' tolerances stay those of
+// check_hc_pre), and the collapse + post + comb as separate launches give the same bits as one call.
+void check_hc_pre_from_fn(int n, int D, uint32_t seed) {
+  const int hc = 4, iters = 20, n_mix = (2 + hc) * hc, width = hc * D;
+  const float hc_eps = 1e-6f, eps = 1e-6f;
+  HcInputs in = hc_inputs(n, hc, D, n_mix, seed);
+  std::mt19937 rng(seed + 100);
+  const float bound = 2.0f / std::sqrt(float(width));
+  const std::vector<float> fn = random_vector(size_t(n_mix) * width, rng, -bound, bound);
+  std::vector<double> mix64(size_t(n) * n_mix), mix_abs(size_t(n) * n_mix);
+  for (int t = 0; t < n; ++t)
+    for (int m = 0; m < n_mix; ++m)
+      for (int j = 0; j < width; ++j) {
+        const double term = double(in.streams[size_t(t) * width + j]) * fn[size_t(m) * width + j];
+        mix64[size_t(t) * n_mix + m] += term;
+        mix_abs[size_t(t) * n_mix + m] += std::fabs(term);
+      }
+  DeviceBuffer streams = to_device(in.streams), dfn = to_device(fn), base = to_device(in.base),
+               scale = to_device(in.scale), weight = to_device(in.norm_weight);
+  auto run = [&](gpu::HcPreParts parts, DeviceBuffer& mix, DeviceBuffer& post, DeviceBuffer& comb,
+                 DeviceBuffer& normed) {
+    gpu::HcPreParams p;
+    p.streams = streams.as<float>();
+    p.fn = dfn.as<float>();
+    p.mix_out = mix.as<float>();
+    p.base = base.as<float>();
+    p.scale = scale.as<float>();
+    p.norm_weight = weight.as<float>();
+    p.n = n;
+    p.hc = hc;
+    p.D = D;
+    p.sinkhorn_iters = iters;
+    p.hc_eps = hc_eps;
+    p.eps = eps;
+    p.post = post.as<float>();
+    p.comb = comb.as<float>();
+    p.normed = normed.as<float>();
+    p.parts = parts;
+    const int kernels = gpu::hc_pre(p, nullptr);
+    if (parts == gpu::HcPreParts::Collapse) {
+      p.parts = gpu::HcPreParts::PostComb;
+      p.fn = nullptr;
+      p.mix = mix.as<float>();
+      gpu::hc_pre(p, nullptr);
+    }
+    sync();
+    return kernels;
+  };
+  DeviceBuffer mix = nan_buffer(size_t(n) * n_mix), post = nan_buffer(size_t(n) * hc),
+               comb = nan_buffer(size_t(n) * hc * hc), normed = nan_buffer(size_t(n) * D);
+  const int kernels = run(gpu::HcPreParts::Both, mix, post, comb, normed);
+  const std::vector<float> got_mix = to_host<float>(mix, mix64.size());
+  int bad_mix = 0;
+  double worst = 0;
+  for (size_t i = 0; i < mix64.size(); ++i) {
+    const double d = std::fabs(got_mix[i] - mix64[i]) / mix_abs[i];
+    worst = std::isnan(d) ? INFINITY : std::max(worst, d);
+    bad_mix += !(d <= 1e-5);
+  }
+  EXPECT_EQ(bad_mix, 0);
+  in.mix = got_mix;
+  const HcPreWant want = hc_pre_reference(in, iters, hc_eps, eps);
+  double post_rel = 0, comb_rel = 0;
+  EXPECT_EQ(count_relative(to_host<float>(post, want.post.size()), want.post, 1e-6, &post_rel), 0);
+  EXPECT_EQ(count_relative(to_host<float>(comb, want.comb.size()), want.comb, 1e-6, &comb_rel), 0);
+  EXPECT_EQ(count_mismatches(to_host<float>(normed, want.normed.size()), want.normed, 1e-5), 0);
+
+  DeviceBuffer mix2 = nan_buffer(size_t(n) * n_mix), post2 = nan_buffer(size_t(n) * hc),
+               comb2 = nan_buffer(size_t(n) * hc * hc), normed2 = nan_buffer(size_t(n) * D);
+  const int collapse_kernels = run(gpu::HcPreParts::Collapse, mix2, post2, comb2, normed2);
+  const bool in_cluster = n < 64 && D % 64 == 0;  // ops.h: the mix inside the collapse's cluster
+  EXPECT_EQ(collapse_kernels, in_cluster ? 1 : 2);
+  EXPECT_EQ(bits_differ(to_host<float>(mix2, got_mix.size()), got_mix), 0);
+  EXPECT_EQ(bits_differ(to_host<float>(post2, want.post.size()), to_host<float>(post, want.post.size())), 0);
+  EXPECT_EQ(bits_differ(to_host<float>(comb2, want.comb.size()), to_host<float>(comb, want.comb.size())), 0);
+  EXPECT_EQ(bits_differ(to_host<float>(normed2, want.normed.size()), to_host<float>(normed, want.normed.size())), 0);
+  std::printf("[hc_pre fn] n=%d D=%d: %d kernels, mix max |diff| / Σ|terms| %.3g, post max rel %.3g, comb max rel "
+              "%.3g\n", n, D, kernels, worst, post_rel, comb_rel);
+}
+
+TEST(OpsRowsHcPre, ComputesItsMixFromFn) {
+  DSV4_REQUIRE_CUDA();
+  check_hc_pre_from_fn(1, 4096, 21);   // decode: mix inside the collapse's cluster
+  check_hc_pre_from_fn(5, 4096, 22);
+  check_hc_pre_from_fn(3, 64, 23);     // one column group per block
+  check_hc_pre_from_fn(2, 4104, 24);   // D % 64 != 0: linear_f32 first
+  check_hc_pre_from_fn(64, 1024, 25);  // a prefill chunk: linear_f32 (tall) first
+}
+
 // ---------------------------------------------------------------------------------------------------------
 // hc_post against model.cpp's hc_post (out = the sum of the picks, then the shared expert's output).
 
