@@ -112,13 +112,14 @@ struct HcPreParams {
   HcPreParts parts = HcPreParts::Both;
   // fn (instead of mix and mix_partials): the mix weights [(2+hc)·hc, hc·D] fp32; hc_pre computes the mix = streams ·
   // fnᵀ itself and writes it to mix_out [n, (2+hc)·hc] (where a later PostComb launch reads it as mix). Not with
-  // parts PostComb. Decode-sized chunks (n < 64, hc <= 4, D % 64 == 0, 16-byte aligned rows) do it inside the
-  // collapse's cluster; others launch the mix first (linear_f32, the same contract).
+  // parts PostComb. In the collapse's cluster where there is one (see the return value), else a linear_f32 launch
+  // first (the same contract).
   const float* fn = nullptr;
   float* mix_out = nullptr;
 };
-// Returns the kernels it launched: decode-sized chunks (n < 64, hc <= 4, D % 32 == 0, aligned rows) collapse in a
-// cluster of 8 blocks per token, so both halves are two launches there (each part alone one); otherwise one.
+// Returns the kernels it launched: decode-sized chunks (n < 64, hc == 4, D % 64 == 0, 16-byte aligned rows) collapse
+// in a cluster of 16 blocks per token, so both halves are two launches there (each part alone one); otherwise one,
+// plus the mix's launch when fn is given.
 int hc_pre(const HcPreParams& p, cudaStream_t stream);
 // Off: the collapse of decode-sized chunks runs in one block per token as well (A/B timing; process-wide).
 void set_hc_collapse_cluster(bool on);

@@ -489,6 +489,32 @@ __device__ __forceinline__ float mix_gate(float mix, float rs, float scale, floa
   return sigmoid(__fadd_rn(__fmul_rn(__fmul_rn(mix, rs), scale), base));
 }
 
+// Per column group of four: the collapse Σ_k pre_k · v_k (streams k < hc, in order, rounded like the reference's
+// fp32 expression), the fp64 sum of squares, and the normalised output acc · inv_rms · w.
+template <int kHc>
+__device__ __forceinline__ float4 collapse4(const float (&pre)[kHc], const float4 (&v)[kHc], int hc) {
+  float4 acc = make_float4(0, 0, 0, 0);
+#pragma unroll
+  for (int k = 0; k < kHc; ++k)
+    if (k < hc) {
+      acc.x = __fadd_rn(acc.x, __fmul_rn(pre[k], v[k].x));
+      acc.y = __fadd_rn(acc.y, __fmul_rn(pre[k], v[k].y));
+      acc.z = __fadd_rn(acc.z, __fmul_rn(pre[k], v[k].z));
+      acc.w = __fadd_rn(acc.w, __fmul_rn(pre[k], v[k].w));
+    }
+  return acc;
+}
+__device__ __forceinline__ double sum_sq4(float4 v) {
+  double ss = double(v.x) * v.x;
+  ss += double(v.y) * v.y;
+  ss += double(v.z) * v.z;
+  return ss + double(v.w) * v.w;
+}
+__device__ __forceinline__ float4 norm4(float4 acc, float inv_rms, float4 w) {
+  return make_float4(__fmul_rn(__fmul_rn(acc.x, inv_rms), w.x), __fmul_rn(__fmul_rn(acc.y, inv_rms), w.y),
+                     __fmul_rn(__fmul_rn(acc.z, inv_rms), w.z), __fmul_rn(__fmul_rn(acc.w, inv_rms), w.w));
+}
+
 // The collapse y = Σ_k pre_k · streams_k (pre_k = σ(mix_k·rs·scale[0] + base_k) + hc_eps), then
 // rms_norm(y, weight) into normed fp32 and/or bf16 (either may be nullptr). y_smem: [D rounded up to 4], each
 // thread reads back only the groups it wrote, so it needs no barrier.
@@ -518,20 +544,9 @@ __device__ void collapse_and_norm(const float* xs, int hc, int D, const float* m
     float4 v[kHc];  // L1 hits: streams_sum_sq just read them
 #pragma unroll
     for (int k = 0; k < kHc; ++k) v[k] = k < hc ? load4(xs + int64_t(k) * D, d, D, vec) : make_float4(0, 0, 0, 0);
-    float4 acc = make_float4(0, 0, 0, 0);
-#pragma unroll
-    for (int k = 0; k < kHc; ++k)
-      if (k < hc) {
-        acc.x = __fadd_rn(acc.x, __fmul_rn(pre[k], v[k].x));
-        acc.y = __fadd_rn(acc.y, __fmul_rn(pre[k], v[k].y));
-        acc.z = __fadd_rn(acc.z, __fmul_rn(pre[k], v[k].z));
-        acc.w = __fadd_rn(acc.w, __fmul_rn(pre[k], v[k].w));
-      }
+    const float4 acc = collapse4<kHc>(pre, v, hc);
     *reinterpret_cast<float4*>(y_smem + d) = acc;  // zeros past D add nothing below
-    ss += double(acc.x) * acc.x;
-    ss += double(acc.y) * acc.y;
-    ss += double(acc.z) * acc.z;
-    ss += double(acc.w) * acc.w;
+    ss += sum_sq4(acc);
   }
   ss = block_sum(ss);
   const float inv_rms = 1.0f / sqrtf(float(ss / D) + eps);
@@ -539,9 +554,7 @@ __device__ void collapse_and_norm(const float* xs, int hc, int D, const float* m
   const bool vec_bf16 = D % 4 == 0 && (!normed_bf16 || aligned_dev(normed_bf16, 8));
   for (int d = 4 * threadIdx.x; d < D; d += 4 * blockDim.x) {
     const float4 acc = *reinterpret_cast<const float4*>(y_smem + d);
-    const float4 w = d == 4 * int(threadIdx.x) ? weight_first : load4(weight, d, D, vec_w);
-    const float4 out = make_float4(__fmul_rn(__fmul_rn(acc.x, inv_rms), w.x), __fmul_rn(__fmul_rn(acc.y, inv_rms), w.y),
-                                   __fmul_rn(__fmul_rn(acc.z, inv_rms), w.z), __fmul_rn(__fmul_rn(acc.w, inv_rms), w.w));
+    const float4 out = norm4(acc, inv_rms, d == 4 * int(threadIdx.x) ? weight_first : load4(weight, d, D, vec_w));
     if (normed) store4(normed, d, D, vec_out, out);
     if (normed_bf16) store4_bf16(normed_bf16, d, D, vec_bf16, out);
   }
@@ -714,120 +727,32 @@ __global__ void __launch_bounds__(hc_max_threads(kHc)) hc_pre_kernel(HcPreParams
     post_and_comb(p, t, rs, comb_mix, comb_base, post_mix, post_base, scale1, scale2);
 }
 
-// hc_pre's collapse + norm for decode-sized chunks: the kHcCollapseCluster blocks of a cluster each take D / 8
-// columns of all hc streams of token blockIdx.y, and add the two sums of squares (the streams' rs, the collapsed
-// row's norm) across the cluster in rank order through distributed shared memory. Per element the same arithmetic
-// as collapse_and_norm; the fp64 sums go in another order. (One block per token, 1024 threads, read the 64 KB row
-// through one SM in a chain of two block reductions: 8 µs per call under ncu at decode, twice per layer on the
-// critical path.)
-constexpr int kHcCollapseCluster = 8;
+// hc_pre's collapse + norm for decode-sized chunks, and with HcPreParams::fn the mix before it, in one launch: the
+// kHcCluster blocks of a cluster each take D / 16 columns of all hc streams of token blockIdx.y (and the matching
+// columns of every fn row: 24 x 4 x 256 floats, 96 KB for the Flash shape, so the 1.5 MB of fn is spread over 16
+// SMs with every load in flight at once). Each block's partial mix and the streams' sum of squares go through a warp
+// tree and the warps in order, then the cluster adds the blocks in rank order through distributed shared memory;
+// every block then has the whole mix and rs, collapses its own columns and adds the collapsed row's sum of squares
+// the same way. Per element the same arithmetic as collapse_and_norm; the fp64 sums go in another order. (One block
+// per token, 1024 threads, read the 64 KB row through one SM in a chain of two block reductions: 8 µs per call under
+// ncu at decode, twice per layer on the critical path, plus the mix's own launch.)
+constexpr int kHcCluster = 16;  // non-portable: Hopper clusters take up to 16 blocks
+constexpr int kHcClusterThreads = 256;
 
-template <int kHc>
-__global__ void __launch_bounds__(256) hc_collapse_cluster_kernel(HcPreParams p) {
+template <int kHc, bool kMixes>  // kMixes: p.fn is given
+__global__ void __launch_bounds__(kHcClusterThreads, 1) hc_collapse_cluster_kernel(HcPreParams p) {
+  constexpr int kMix = (2 + kHc) * kHc, kWarps = kHcClusterThreads / 32;
   gpu::dependent_enter();
-  extern __shared__ float4 hc_smem[];   // this block's collapsed column groups
-  __shared__ double block_ss[2];        // this block's partial of each sum, read by the whole cluster
-  cg::cluster_group cluster = cg::this_cluster();
-  const int t = blockIdx.y, hc = p.hc, D = p.D, n_mix = (2 + hc) * hc;
-  const int groups = D / 4 / kHcCollapseCluster, g0 = int(cluster.block_rank()) * groups;
-  const float* xs = p.streams + int64_t(t) * hc * D;
-  float pre_mix[kHc], pre_base[kHc];
-#pragma unroll
-  for (int k = 0; k < kHc; ++k) {
-    pre_mix[k] = pre_base[k] = 0.0f;
-    if (k >= hc) continue;
-    if (p.mix_partials) {  // hc_post_mix's per-block partials, added in block order like hc_pre_kernel
-      const float* part = p.mix_partials + (int64_t(t) * n_mix + k) * p.mix_blocks;
-      for (int b = 0; b < p.mix_blocks; ++b) pre_mix[k] += part[b];
-    } else {
-      pre_mix[k] = p.mix[int64_t(t) * n_mix + k];
-    }
-    pre_base[k] = p.base[k];
-  }
-  const float scale0 = p.scale[0];
-  auto cluster_total = [&](double part, int which) {
-    part = block_sum(part);
-    if (threadIdx.x == 0) block_ss[which] = part;
-    cluster.sync();
-    double total = 0;
-    for (int r = 0; r < kHcCollapseCluster; ++r) total += *cluster.map_shared_rank(&block_ss[which], r);
-    return total;
-  };
-
-  double ss = 0;
-  for (int i = threadIdx.x; i < groups; i += blockDim.x) {
-    const int d = 4 * (g0 + i);
-#pragma unroll
-    for (int k = 0; k < kHc; ++k) {
-      if (k >= hc) continue;
-      const float4 v = *reinterpret_cast<const float4*>(xs + int64_t(k) * D + d);
-      ss += double(v.x) * v.x;
-      ss += double(v.y) * v.y;
-      ss += double(v.z) * v.z;
-      ss += double(v.w) * v.w;
-    }
-  }
-  const float rs = streams_inv_rms(cluster_total(ss, 0), hc * D, p.eps);
-  float pre[kHc];
-#pragma unroll
-  for (int k = 0; k < kHc; ++k) pre[k] = __fadd_rn(mix_gate(pre_mix[k], rs, scale0, pre_base[k]), p.hc_eps);
-
-  double ss2 = 0;
-  for (int i = threadIdx.x; i < groups; i += blockDim.x) {
-    const int d = 4 * (g0 + i);
-    float4 acc = make_float4(0, 0, 0, 0);
-#pragma unroll
-    for (int k = 0; k < kHc; ++k)
-      if (k < hc) {
-        const float4 v = *reinterpret_cast<const float4*>(xs + int64_t(k) * D + d);  // L1 hits
-        acc.x = __fadd_rn(acc.x, __fmul_rn(pre[k], v.x));
-        acc.y = __fadd_rn(acc.y, __fmul_rn(pre[k], v.y));
-        acc.z = __fadd_rn(acc.z, __fmul_rn(pre[k], v.z));
-        acc.w = __fadd_rn(acc.w, __fmul_rn(pre[k], v.w));
-      }
-    hc_smem[i] = acc;
-    ss2 += double(acc.x) * acc.x;
-    ss2 += double(acc.y) * acc.y;
-    ss2 += double(acc.z) * acc.z;
-    ss2 += double(acc.w) * acc.w;
-  }
-  const float inv_rms = 1.0f / sqrtf(float(cluster_total(ss2, 1) / D) + p.eps);
-  float* normed = p.normed ? p.normed + int64_t(t) * D : nullptr;
-  uint16_t* normed_bf16 = p.normed_bf16 ? p.normed_bf16 + int64_t(t) * D : nullptr;
-  for (int i = threadIdx.x; i < groups; i += blockDim.x) {
-    const int d = 4 * (g0 + i);
-    const float4 acc = hc_smem[i], w = *reinterpret_cast<const float4*>(p.norm_weight + d);
-    const float4 out = make_float4(__fmul_rn(__fmul_rn(acc.x, inv_rms), w.x), __fmul_rn(__fmul_rn(acc.y, inv_rms), w.y),
-                                   __fmul_rn(__fmul_rn(acc.z, inv_rms), w.z), __fmul_rn(__fmul_rn(acc.w, inv_rms), w.w));
-    if (normed) store4(normed, d, D, true, out);
-    if (normed_bf16) store4_bf16(normed_bf16, d, D, true, out);
-  }
-  cluster.sync();  // block_ss must outlive the other blocks' reads
-}
-
-// The mHC mix and hc_pre's collapse + norm in one launch (HcPreParams::fn, decode-sized chunks): the
-// kHcMixCluster blocks of a cluster each take D / 16 columns of all hc streams of token blockIdx.y and the matching
-// columns of every fn row (24 x 4 x 256 floats, 96 KB for the Flash shape: the 1.5 MB of fn spread over 16 SMs,
-// every load in flight at once). Each block's partial mix (and the streams' sum of squares) goes through a warp tree
-// and the warps in order, then the cluster adds the blocks in rank order through distributed shared memory; every
-// block then has the whole mix and rs and collapses its own columns like hc_collapse_cluster_kernel.
-constexpr int kHcMixCluster = 16;  // non-portable: Hopper clusters take up to 16 blocks
-constexpr int kHcMixCollapseThreads = 256;
-
-template <int kHc>
-__global__ void __launch_bounds__(kHcMixCollapseThreads) hc_mix_collapse_kernel(HcPreParams p) {
-  constexpr int kMix = (2 + kHc) * kHc, kWarps = kHcMixCollapseThreads / 32;
-  gpu::dependent_enter();
-  extern __shared__ float4 hc_smem[];               // this block's stream groups [hc][groups], then collapsed [groups]
+  extern __shared__ float4 hc_smem[];  // this block's stream groups [kHc][groups], then the collapsed ones [groups]
   __shared__ float warp_mix[kWarps][kMix];
   __shared__ double warp_ss[kWarps];
-  __shared__ float block_mix[kMix];                 // this block's partials, read by the whole cluster
+  __shared__ float block_mix[kMix];  // this block's partials, read by the whole cluster
   __shared__ double block_ss[2];
   __shared__ float mix_s[kMix];
   __shared__ float rs_s;
   cg::cluster_group cluster = cg::this_cluster();
   const int t = blockIdx.y, D = p.D, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int groups = D / 4 / kHcMixCluster, g0 = int(cluster.block_rank()) * groups;
+  const int groups = D / 4 / kHcCluster, g0 = int(cluster.block_rank()) * groups;
   const float* xs = p.streams + int64_t(t) * kHc * D;
   const float4* fn = reinterpret_cast<const float4*>(p.fn);
   const int64_t fn_row = int64_t(kHc) * D / 4;  // float4 per fn row
@@ -836,31 +761,31 @@ __global__ void __launch_bounds__(kHcMixCollapseThreads) hc_mix_collapse_kernel(
 #pragma unroll
   for (int m = 0; m < kMix; ++m) mix[m] = 0.0f;
   double ss = 0;
-  float4* own = hc_smem;  // [kHc][groups]
-  for (int i = threadIdx.x; i < kHc * groups; i += kHcMixCollapseThreads) {
-    const int k = i / groups, g = i % groups;
-    const int64_t at = int64_t(k) * D / 4 + g0 + g;  // float4 index of (stream k, column group) in a row
-    float4 w[kMix];
-#pragma unroll
-    for (int m = 0; m < kMix; ++m) w[m] = __ldg(fn + m * fn_row + at);
+  float4* own = hc_smem;
+  for (int i = threadIdx.x; i < kHc * groups; i += kHcClusterThreads) {
+    const int64_t at = int64_t(i / groups) * D / 4 + g0 + i % groups;  // (stream, column group) as a float4 index
     const float4 v = reinterpret_cast<const float4*>(xs)[at];
+    if constexpr (kMixes) {
+      float4 w[kMix];
+#pragma unroll
+      for (int m = 0; m < kMix; ++m) w[m] = __ldg(fn + m * fn_row + at);
+#pragma unroll
+      for (int m = 0; m < kMix; ++m) mix[m] = dot_acc(v, w[m], mix[m]);
+    }
     own[i] = v;
-    ss += double(v.x) * v.x;
-    ss += double(v.y) * v.y;
-    ss += double(v.z) * v.z;
-    ss += double(v.w) * v.w;
-#pragma unroll
-    for (int m = 0; m < kMix; ++m) mix[m] = fmaf(v.w, w[m].w, fmaf(v.z, w[m].z, fmaf(v.y, w[m].y, fmaf(v.x, w[m].x, mix[m]))));
+    ss += sum_sq4(v);
   }
+  if constexpr (kMixes) {
 #pragma unroll
-  for (int m = 0; m < kMix; ++m) {
-    const float s = detail::warp_sum(mix[m]);
-    if (lane == 0) warp_mix[warp][m] = s;
+    for (int m = 0; m < kMix; ++m) {
+      const float s = detail::warp_sum(mix[m]);
+      if (lane == 0) warp_mix[warp][m] = s;
+    }
   }
   ss = detail::warp_sum(ss);
   if (lane == 0) warp_ss[warp] = ss;
   __syncthreads();
-  if (threadIdx.x < kMix) {
+  if (kMixes && threadIdx.x < kMix) {
     float s = 0.0f;
     for (int w = 0; w < kWarps; ++w) s += warp_mix[w][threadIdx.x];
     block_mix[threadIdx.x] = s;
@@ -872,12 +797,19 @@ __global__ void __launch_bounds__(kHcMixCollapseThreads) hc_mix_collapse_kernel(
   cluster.sync();  // every block's partials are final
   if (threadIdx.x < kMix) {
     float s = 0.0f;
-    for (int r = 0; r < kHcMixCluster; ++r) s += cluster.map_shared_rank(block_mix, r)[threadIdx.x];
+    if (kMixes) {
+      for (int r = 0; r < kHcCluster; ++r) s += cluster.map_shared_rank(block_mix, r)[threadIdx.x];
+      if (cluster.block_rank() == 0) p.mix_out[int64_t(t) * kMix + threadIdx.x] = s;
+    } else if (p.mix_partials) {  // hc_post_mix's per-block partials, added in block order like hc_pre_kernel
+      const float* part = p.mix_partials + (int64_t(t) * kMix + threadIdx.x) * p.mix_blocks;
+      for (int b = 0; b < p.mix_blocks; ++b) s += part[b];
+    } else {
+      s = p.mix[int64_t(t) * kMix + threadIdx.x];
+    }
     mix_s[threadIdx.x] = s;
-    if (cluster.block_rank() == 0) p.mix_out[int64_t(t) * kMix + threadIdx.x] = s;
   } else if (threadIdx.x == kMix) {
     double s = 0;
-    for (int r = 0; r < kHcMixCluster; ++r) s += cluster.map_shared_rank(block_ss, r)[0];
+    for (int r = 0; r < kHcCluster; ++r) s += cluster.map_shared_rank(block_ss, r)[0];
     rs_s = streams_inv_rms(s, kHc * D, p.eps);
   }
   __syncthreads();
@@ -886,37 +818,26 @@ __global__ void __launch_bounds__(kHcMixCollapseThreads) hc_mix_collapse_kernel(
 #pragma unroll
   for (int k = 0; k < kHc; ++k) pre[k] = __fadd_rn(mix_gate(mix_s[k], rs, scale0, p.base[k]), p.hc_eps);
 
-  float4* collapsed = hc_smem + kHc * groups;  // [groups]
+  float4* collapsed = hc_smem + kHc * groups;
   double ss2 = 0;
-  for (int g = threadIdx.x; g < groups; g += kHcMixCollapseThreads) {
-    float4 acc = make_float4(0, 0, 0, 0);
+  for (int g = threadIdx.x; g < groups; g += kHcClusterThreads) {
+    float4 v[kHc];
 #pragma unroll
-    for (int k = 0; k < kHc; ++k) {
-      const float4 v = own[k * groups + g];
-      acc.x = __fadd_rn(acc.x, __fmul_rn(pre[k], v.x));
-      acc.y = __fadd_rn(acc.y, __fmul_rn(pre[k], v.y));
-      acc.z = __fadd_rn(acc.z, __fmul_rn(pre[k], v.z));
-      acc.w = __fadd_rn(acc.w, __fmul_rn(pre[k], v.w));
-    }
-    collapsed[g] = acc;
-    ss2 += double(acc.x) * acc.x;
-    ss2 += double(acc.y) * acc.y;
-    ss2 += double(acc.z) * acc.z;
-    ss2 += double(acc.w) * acc.w;
+    for (int k = 0; k < kHc; ++k) v[k] = own[k * groups + g];
+    collapsed[g] = collapse4<kHc>(pre, v, kHc);
+    ss2 += sum_sq4(collapsed[g]);
   }
   ss2 = block_sum(ss2);
   if (threadIdx.x == 0) block_ss[1] = ss2;
   cluster.sync();
   double total = 0;
-  for (int r = 0; r < kHcMixCluster; ++r) total += cluster.map_shared_rank(block_ss, r)[1];
+  for (int r = 0; r < kHcCluster; ++r) total += cluster.map_shared_rank(block_ss, r)[1];
   const float inv_rms = 1.0f / sqrtf(float(total / D) + p.eps);
   float* normed = p.normed ? p.normed + int64_t(t) * D : nullptr;
   uint16_t* normed_bf16 = p.normed_bf16 ? p.normed_bf16 + int64_t(t) * D : nullptr;
-  for (int g = threadIdx.x; g < groups; g += kHcMixCollapseThreads) {
+  for (int g = threadIdx.x; g < groups; g += kHcClusterThreads) {
     const int d = 4 * (g0 + g);
-    const float4 acc = collapsed[g], w = *reinterpret_cast<const float4*>(p.norm_weight + d);
-    const float4 out = make_float4(__fmul_rn(__fmul_rn(acc.x, inv_rms), w.x), __fmul_rn(__fmul_rn(acc.y, inv_rms), w.y),
-                                   __fmul_rn(__fmul_rn(acc.z, inv_rms), w.z), __fmul_rn(__fmul_rn(acc.w, inv_rms), w.w));
+    const float4 out = norm4(collapsed[g], inv_rms, *reinterpret_cast<const float4*>(p.norm_weight + d));
     if (normed) store4(normed, d, D, true, out);
     if (normed_bf16) store4_bf16(normed_bf16, d, D, true, out);
   }
@@ -1213,45 +1134,34 @@ int hc_pre(const HcPreParams& p, cudaStream_t stream) {
   OPS_CHECK(!p.fn || (p.mix_out && p.parts != HcPreParts::PostComb && !p.mix_partials),
             "hc_pre: fn needs mix_out, and not with parts PostComb or mix_partials");
   if (p.n == 0) return 0;
-  if (p.fn) {
-    const int n_mix = (2 + p.hc) * p.hc;
-    const bool fused = g_hc_collapse_cluster && p.n < kHcPrefillRows && p.hc == 4 &&
-                       p.D % (4 * kHcMixCluster) == 0 && aligned(p.streams, 16) && aligned(p.fn, 16) &&
+  // Decode-sized chunks collapse in a cluster per token (hc_collapse_cluster_kernel; the post + comb half, a one-warp
+  // chain, then runs as a launch of its own); prefill chunks and other shapes run both halves in one launch, after
+  // the mix's own launch when fn is given.
+  const bool cluster = g_hc_collapse_cluster && p.parts != HcPreParts::PostComb && p.n < kHcPrefillRows && p.hc == 4 &&
+                       p.D % (4 * kHcCluster) == 0 && aligned(p.streams, 16) && (!p.fn || aligned(p.fn, 16)) &&
                        aligned(p.norm_weight, 16) && (!p.normed || aligned(p.normed, 16)) &&
                        (!p.normed_bf16 || aligned(p.normed_bf16, 8));
-    HcPreParams rest = p;
+  HcPreParams rest = p;  // what is left after the first launch
+  if (p.fn) {
     rest.fn = nullptr;
     rest.mix = p.mix_out;
-    if (!fused) {
-      linear_f32({p.streams, p.fn, p.mix_out, p.n, n_mix, p.hc * p.D, 1.0f}, stream);
-      return 1 + hc_pre(rest, stream);
-    }
-    const int groups = p.D / 4 / kHcMixCluster;
-    const size_t smem = size_t(5) * groups * sizeof(float4);  // 4 streams' groups + the collapsed ones
-    const cudaError_t allowed = gpu::allow_nonportable_clusters<hc_mix_collapse_kernel<4>>();
-    OPS_CHECK(allowed == cudaSuccess, "hc_pre: clusters of %d blocks not allowed: %s", kHcMixCluster,
-              cudaGetErrorString(allowed));
-    const cudaError_t err = gpu::launch_ex(hc_mix_collapse_kernel<4>, dim3(kHcMixCluster, unsigned(p.n)),
-                                           kHcMixCollapseThreads, smem, kHcMixCluster, stream, p);
-    DSV4_CUDA_LAUNCHED();
-    OPS_CHECK(err == cudaSuccess, "hc_pre: mix + collapse cluster launch failed: %s", cudaGetErrorString(err));
-    if (p.parts == HcPreParts::Collapse) return 1;
-    rest.parts = HcPreParts::PostComb;
+  }
+  if (!cluster && p.fn) {
+    linear_f32({p.streams, p.fn, p.mix_out, p.n, (2 + p.hc) * p.hc, p.hc * p.D, 1.0f}, stream);
     return 1 + hc_pre(rest, stream);
   }
-  // Decode-sized chunks collapse in a cluster per token (the post + comb half, a one-warp chain, then runs as a
-  // launch of its own); prefill chunks and shapes the cluster kernel does not take run both halves in one launch.
-  const bool cluster = g_hc_collapse_cluster && p.parts != HcPreParts::PostComb && p.n < kHcPrefillRows && p.hc <= 4 &&
-                       p.D % (4 * kHcCollapseCluster) == 0 && aligned(p.streams, 16) && aligned(p.norm_weight, 16) &&
-                       (!p.normed || aligned(p.normed, 16)) && (!p.normed_bf16 || aligned(p.normed_bf16, 8));
   if (cluster) {
-    const int groups = p.D / 4 / kHcCollapseCluster, threads = std::min(256, (groups + 31) / 32 * 32);
-    const cudaError_t err = gpu::launch_ex(hc_collapse_cluster_kernel<4>, dim3(kHcCollapseCluster, unsigned(p.n)),
-                                           threads, size_t(groups) * sizeof(float4), kHcCollapseCluster, stream, p);
+    const int groups = p.D / 4 / kHcCluster;
+    const auto kernel = p.fn ? hc_collapse_cluster_kernel<4, true> : hc_collapse_cluster_kernel<4, false>;
+    const cudaError_t allowed = p.fn ? gpu::allow_nonportable_clusters<hc_collapse_cluster_kernel<4, true>>()
+                                     : gpu::allow_nonportable_clusters<hc_collapse_cluster_kernel<4, false>>();
+    OPS_CHECK(allowed == cudaSuccess, "hc_pre: clusters of %d blocks not allowed: %s", kHcCluster,
+              cudaGetErrorString(allowed));
+    const cudaError_t err = gpu::launch_ex(kernel, dim3(kHcCluster, unsigned(p.n)), kHcClusterThreads,
+                                           size_t(4 + 1) * groups * sizeof(float4), kHcCluster, stream, p);
     DSV4_CUDA_LAUNCHED();
     OPS_CHECK(err == cudaSuccess, "hc_pre: cluster launch failed: %s", cudaGetErrorString(err));
     if (p.parts == HcPreParts::Collapse) return 1;
-    HcPreParams rest = p;
     rest.parts = HcPreParts::PostComb;
     return 1 + hc_pre(rest, stream);
   }
