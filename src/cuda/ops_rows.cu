@@ -728,118 +728,144 @@ __global__ void __launch_bounds__(hc_max_threads(kHc)) hc_pre_kernel(HcPreParams
 }
 
 // hc_pre's collapse + norm for decode-sized chunks, and with HcPreParams::fn the mix before it, in one launch: the
-// kHcCluster blocks of a cluster each take D / 16 columns of all hc streams of token blockIdx.y (and the matching
-// columns of every fn row: 24 x 4 x 256 floats, 96 KB for the Flash shape, so the 1.5 MB of fn is spread over 16
-// SMs with every load in flight at once). Each block's partial mix and the streams' sum of squares go through a warp
-// tree and the warps in order, then the cluster adds the blocks in rank order through distributed shared memory;
-// every block then has the whole mix and rs, collapses its own columns and adds the collapsed row's sum of squares
-// the same way. Per element the same arithmetic as collapse_and_norm; the fp64 sums go in another order. (One block
-// per token, 1024 threads, read the 64 KB row through one SM in a chain of two block reductions: 8 µs per call under
-// ncu at decode, twice per layer on the critical path, plus the mix's own launch.)
+// kHcCluster blocks of a cluster each take D / 16 columns of all hc streams of `tokens` consecutive tokens (and the
+// matching columns of every fn row: 24 x 4 x 256 floats, 96 KB for the Flash shape, so the 1.5 MB of fn is spread
+// over 16 SMs with every load in flight at once). Per token, each block's partial mix and the streams' sum of squares
+// go through a warp tree and the warps in order, then the cluster adds the blocks in rank order through distributed
+// shared memory; every block then has the whole mix and rs, collapses its own columns and adds the collapsed row's
+// sum of squares the same way. Per element the same arithmetic as collapse_and_norm; the fp64 sums go in another
+// order; a token's sums do not depend on how many tokens share its cluster (batched rows keep the bits of a row
+// decoded alone). Larger batches put more tokens in a cluster (hc_pre: at most 8 clusters' worth of blocks), which
+// reads each block's fn columns once for all of them. (One block per token, 1024 threads, read the 64 KB row through
+// one SM in a chain of two block reductions: 8 µs per call under ncu at decode, twice per layer on the critical
+// path, plus the mix's own launch.)
 constexpr int kHcCluster = 16;  // non-portable: Hopper clusters take up to 16 blocks
 constexpr int kHcClusterThreads = 256;
+constexpr int kHcClusterTokens = 8;  // tokens per cluster at most (hc_pre: n < 64 over at most 8 clusters)
+// Dynamic shared memory for 8 tokens' stream and collapsed groups at D = 8192 (hc_pre takes D <= kHcClusterMaxD).
+constexpr int kHcClusterMaxD = 8192;
+constexpr int kHcClusterSmem = kHcClusterTokens * 5 * (kHcClusterMaxD / 4 / kHcCluster) * 16;
 
 template <int kHc, bool kMixes>  // kMixes: p.fn is given
-__global__ void __launch_bounds__(kHcClusterThreads, 1) hc_collapse_cluster_kernel(HcPreParams p) {
-  constexpr int kMix = (2 + kHc) * kHc, kWarps = kHcClusterThreads / 32;
+__global__ void __launch_bounds__(kHcClusterThreads, 1) hc_collapse_cluster_kernel(HcPreParams p, int tokens) {
+  constexpr int kMix = (2 + kHc) * kHc, kWarps = kHcClusterThreads / 32, kT = kHcClusterTokens;
   gpu::dependent_enter();
-  extern __shared__ float4 hc_smem[];  // this block's stream groups [kHc][groups], then the collapsed ones [groups]
-  __shared__ float warp_mix[kWarps][kMix];
-  __shared__ double warp_ss[kWarps];
-  __shared__ float block_mix[kMix];  // this block's partials, read by the whole cluster
-  __shared__ double block_ss[2];
-  __shared__ float mix_s[kMix];
-  __shared__ float rs_s;
+  extern __shared__ float4 hc_smem[];  // stream groups [tokens][kHc][groups], then the collapsed ones [tokens][groups]
+  __shared__ float warp_mix[kT][kWarps][kMix];
+  __shared__ double warp_ss[kT][kWarps];
+  __shared__ float block_mix[kT][kMix];  // this block's partials, read by the whole cluster
+  __shared__ double block_ss[2][kT];
+  __shared__ float mix_s[kT][kMix];
+  __shared__ float rs_s[kT], inv_rms_s[kT];
   cg::cluster_group cluster = cg::this_cluster();
-  const int t = blockIdx.y, D = p.D, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int groups = D / 4 / kHcCluster, g0 = int(cluster.block_rank()) * groups;
-  const float* xs = p.streams + int64_t(t) * kHc * D;
+  const int D = p.D, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int t0 = blockIdx.y * tokens, count = min(tokens, p.n - t0);
+  const int groups = D / 4 / kHcCluster, g0 = int(cluster.block_rank()) * groups, items = kHc * groups;
   const float4* fn = reinterpret_cast<const float4*>(p.fn);
   const int64_t fn_row = int64_t(kHc) * D / 4;  // float4 per fn row
+  float4* own = hc_smem;                          // [count][items]
+  float4* collapsed = hc_smem + count * items;    // [count][groups]
 
-  float mix[kMix];
+  for (int j = 0; j < count; ++j) {
+    const float4* xs = reinterpret_cast<const float4*>(p.streams + int64_t(t0 + j) * kHc * D);
+    float mix[kMix];
 #pragma unroll
-  for (int m = 0; m < kMix; ++m) mix[m] = 0.0f;
-  double ss = 0;
-  float4* own = hc_smem;
-  for (int i = threadIdx.x; i < kHc * groups; i += kHcClusterThreads) {
-    const int64_t at = int64_t(i / groups) * D / 4 + g0 + i % groups;  // (stream, column group) as a float4 index
-    const float4 v = reinterpret_cast<const float4*>(xs)[at];
+    for (int m = 0; m < kMix; ++m) mix[m] = 0.0f;
+    double ss = 0;
+    for (int i = threadIdx.x; i < items; i += kHcClusterThreads) {
+      const int64_t at = int64_t(i / groups) * D / 4 + g0 + i % groups;  // (stream, column group) as a float4 index
+      const float4 v = xs[at];
+      if constexpr (kMixes) {
+        float4 w[kMix];  // the same columns for every token: L1 hits after the first
+#pragma unroll
+        for (int m = 0; m < kMix; ++m) w[m] = __ldg(fn + m * fn_row + at);
+#pragma unroll
+        for (int m = 0; m < kMix; ++m) mix[m] = dot_acc(v, w[m], mix[m]);
+      }
+      own[j * items + i] = v;
+      ss += sum_sq4(v);
+    }
     if constexpr (kMixes) {
-      float4 w[kMix];
 #pragma unroll
-      for (int m = 0; m < kMix; ++m) w[m] = __ldg(fn + m * fn_row + at);
-#pragma unroll
-      for (int m = 0; m < kMix; ++m) mix[m] = dot_acc(v, w[m], mix[m]);
+      for (int m = 0; m < kMix; ++m) {
+        const float s = detail::warp_sum(mix[m]);
+        if (lane == 0) warp_mix[j][warp][m] = s;
+      }
     }
-    own[i] = v;
-    ss += sum_sq4(v);
+    ss = detail::warp_sum(ss);
+    if (lane == 0) warp_ss[j][warp] = ss;
   }
-  if constexpr (kMixes) {
-#pragma unroll
-    for (int m = 0; m < kMix; ++m) {
-      const float s = detail::warp_sum(mix[m]);
-      if (lane == 0) warp_mix[warp][m] = s;
-    }
-  }
-  ss = detail::warp_sum(ss);
-  if (lane == 0) warp_ss[warp] = ss;
   __syncthreads();
-  if (kMixes && threadIdx.x < kMix) {
-    float s = 0.0f;
-    for (int w = 0; w < kWarps; ++w) s += warp_mix[w][threadIdx.x];
-    block_mix[threadIdx.x] = s;
-  } else if (threadIdx.x == kMix) {
-    double s = 0;
-    for (int w = 0; w < kWarps; ++w) s += warp_ss[w];
-    block_ss[0] = s;
+  for (int idx = threadIdx.x; idx < count * (kMix + 1); idx += kHcClusterThreads) {
+    const int j = idx / (kMix + 1), m = idx % (kMix + 1);
+    if (m < kMix) {
+      if (!kMixes) continue;
+      float s = 0.0f;
+      for (int w = 0; w < kWarps; ++w) s += warp_mix[j][w][m];
+      block_mix[j][m] = s;
+    } else {
+      double s = 0;
+      for (int w = 0; w < kWarps; ++w) s += warp_ss[j][w];
+      block_ss[0][j] = s;
+    }
   }
   cluster.sync();  // every block's partials are final
-  if (threadIdx.x < kMix) {
-    float s = 0.0f;
-    if (kMixes) {
-      for (int r = 0; r < kHcCluster; ++r) s += cluster.map_shared_rank(block_mix, r)[threadIdx.x];
-      if (cluster.block_rank() == 0) p.mix_out[int64_t(t) * kMix + threadIdx.x] = s;
-    } else if (p.mix_partials) {  // hc_post_mix's per-block partials, added in block order like hc_pre_kernel
-      const float* part = p.mix_partials + (int64_t(t) * kMix + threadIdx.x) * p.mix_blocks;
-      for (int b = 0; b < p.mix_blocks; ++b) s += part[b];
+  for (int idx = threadIdx.x; idx < count * (kMix + 1); idx += kHcClusterThreads) {
+    const int j = idx / (kMix + 1), m = idx % (kMix + 1), t = t0 + j;
+    if (m < kMix) {
+      float s = 0.0f;
+      if (kMixes) {
+        for (int r = 0; r < kHcCluster; ++r) s += cluster.map_shared_rank(&block_mix[0][0], r)[j * kMix + m];
+        if (cluster.block_rank() == 0) p.mix_out[int64_t(t) * kMix + m] = s;
+      } else if (p.mix_partials) {  // hc_post_mix's per-block partials, added in block order like hc_pre_kernel
+        const float* part = p.mix_partials + (int64_t(t) * kMix + m) * p.mix_blocks;
+        for (int b = 0; b < p.mix_blocks; ++b) s += part[b];
+      } else {
+        s = p.mix[int64_t(t) * kMix + m];
+      }
+      mix_s[j][m] = s;
     } else {
-      s = p.mix[int64_t(t) * kMix + threadIdx.x];
+      double s = 0;
+      for (int r = 0; r < kHcCluster; ++r) s += cluster.map_shared_rank(&block_ss[0][0], r)[j];
+      rs_s[j] = streams_inv_rms(s, kHc * D, p.eps);
     }
-    mix_s[threadIdx.x] = s;
-  } else if (threadIdx.x == kMix) {
-    double s = 0;
-    for (int r = 0; r < kHcCluster; ++r) s += cluster.map_shared_rank(block_ss, r)[0];
-    rs_s = streams_inv_rms(s, kHc * D, p.eps);
   }
   __syncthreads();
-  const float rs = rs_s, scale0 = p.scale[0];
-  float pre[kHc];
+  const float scale0 = p.scale[0];
+  for (int j = 0; j < count; ++j) {
+    float pre[kHc];
 #pragma unroll
-  for (int k = 0; k < kHc; ++k) pre[k] = __fadd_rn(mix_gate(mix_s[k], rs, scale0, p.base[k]), p.hc_eps);
-
-  float4* collapsed = hc_smem + kHc * groups;
-  double ss2 = 0;
-  for (int g = threadIdx.x; g < groups; g += kHcClusterThreads) {
-    float4 v[kHc];
+    for (int k = 0; k < kHc; ++k) pre[k] = __fadd_rn(mix_gate(mix_s[j][k], rs_s[j], scale0, p.base[k]), p.hc_eps);
+    double ss2 = 0;
+    for (int g = threadIdx.x; g < groups; g += kHcClusterThreads) {
+      float4 v[kHc];
 #pragma unroll
-    for (int k = 0; k < kHc; ++k) v[k] = own[k * groups + g];
-    collapsed[g] = collapse4<kHc>(pre, v, kHc);
-    ss2 += sum_sq4(collapsed[g]);
+      for (int k = 0; k < kHc; ++k) v[k] = own[j * items + k * groups + g];
+      const float4 acc = collapse4<kHc>(pre, v, kHc);
+      collapsed[j * groups + g] = acc;
+      ss2 += sum_sq4(acc);
+    }
+    ss2 = detail::warp_sum(ss2);
+    if (lane == 0) warp_ss[j][warp] = ss2;  // the first pass's values were read before the cluster barrier
   }
-  ss2 = block_sum(ss2);
-  if (threadIdx.x == 0) block_ss[1] = ss2;
+  __syncthreads();
+  if (int(threadIdx.x) < count) {
+    double s = 0;
+    for (int w = 0; w < kWarps; ++w) s += warp_ss[threadIdx.x][w];
+    block_ss[1][threadIdx.x] = s;
+  }
   cluster.sync();
-  double total = 0;
-  for (int r = 0; r < kHcCluster; ++r) total += cluster.map_shared_rank(block_ss, r)[1];
-  const float inv_rms = 1.0f / sqrtf(float(total / D) + p.eps);
-  float* normed = p.normed ? p.normed + int64_t(t) * D : nullptr;
-  uint16_t* normed_bf16 = p.normed_bf16 ? p.normed_bf16 + int64_t(t) * D : nullptr;
-  for (int g = threadIdx.x; g < groups; g += kHcClusterThreads) {
-    const int d = 4 * (g0 + g);
-    const float4 out = norm4(collapsed[g], inv_rms, *reinterpret_cast<const float4*>(p.norm_weight + d));
-    if (normed) store4(normed, d, D, true, out);
-    if (normed_bf16) store4_bf16(normed_bf16, d, D, true, out);
+  if (int(threadIdx.x) < count) {
+    double total = 0;
+    for (int r = 0; r < kHcCluster; ++r) total += cluster.map_shared_rank(&block_ss[1][0], r)[threadIdx.x];
+    inv_rms_s[threadIdx.x] = 1.0f / sqrtf(float(total / D) + p.eps);
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < count * groups; idx += kHcClusterThreads) {
+    const int j = idx / groups, g = idx % groups, t = t0 + j, d = 4 * (g0 + g);
+    const float4 out = norm4(collapsed[idx], inv_rms_s[j], *reinterpret_cast<const float4*>(p.norm_weight + d));
+    if (p.normed) store4(p.normed + int64_t(t) * D, d, D, true, out);
+    if (p.normed_bf16) store4_bf16(p.normed_bf16 + int64_t(t) * D, d, D, true, out);
   }
   cluster.sync();  // block_mix and block_ss must outlive the other blocks' reads
 }
@@ -1138,7 +1164,8 @@ int hc_pre(const HcPreParams& p, cudaStream_t stream) {
   // chain, then runs as a launch of its own); prefill chunks and other shapes run both halves in one launch, after
   // the mix's own launch when fn is given.
   const bool cluster = g_hc_collapse_cluster && p.parts != HcPreParts::PostComb && p.n < kHcPrefillRows && p.hc == 4 &&
-                       p.D % (4 * kHcCluster) == 0 && aligned(p.streams, 16) && (!p.fn || aligned(p.fn, 16)) &&
+                       p.D % (4 * kHcCluster) == 0 && p.D <= kHcClusterMaxD && aligned(p.streams, 16) &&
+                       (!p.fn || aligned(p.fn, 16)) &&
                        aligned(p.norm_weight, 16) && (!p.normed || aligned(p.normed, 16)) &&
                        (!p.normed_bf16 || aligned(p.normed_bf16, 8));
   HcPreParams rest = p;  // what is left after the first launch
@@ -1151,14 +1178,19 @@ int hc_pre(const HcPreParams& p, cudaStream_t stream) {
     return 1 + hc_pre(rest, stream);
   }
   if (cluster) {
-    const int groups = p.D / 4 / kHcCluster;
+    const int groups = p.D / 4 / kHcCluster, tokens = (p.n + kHcClusterTokens - 1) / kHcClusterTokens;
+    const int clusters = (p.n + tokens - 1) / tokens;
+    const size_t smem = size_t(tokens) * (4 + 1) * groups * sizeof(float4);
     const auto kernel = p.fn ? hc_collapse_cluster_kernel<4, true> : hc_collapse_cluster_kernel<4, false>;
     const cudaError_t allowed = p.fn ? gpu::allow_nonportable_clusters<hc_collapse_cluster_kernel<4, true>>()
                                      : gpu::allow_nonportable_clusters<hc_collapse_cluster_kernel<4, false>>();
-    OPS_CHECK(allowed == cudaSuccess, "hc_pre: clusters of %d blocks not allowed: %s", kHcCluster,
-              cudaGetErrorString(allowed));
-    const cudaError_t err = gpu::launch_ex(kernel, dim3(kHcCluster, unsigned(p.n)), kHcClusterThreads,
-                                           size_t(4 + 1) * groups * sizeof(float4), kHcCluster, stream, p);
+    const cudaError_t sized = p.fn ? gpu::allow_dynamic_smem<hc_collapse_cluster_kernel<4, true>>(kHcClusterSmem)
+                                   : gpu::allow_dynamic_smem<hc_collapse_cluster_kernel<4, false>>(kHcClusterSmem);
+    OPS_CHECK(allowed == cudaSuccess && sized == cudaSuccess, "hc_pre: clusters of %d blocks with %d bytes not allowed",
+              kHcCluster, kHcClusterSmem);
+    OPS_CHECK(smem <= size_t(kHcClusterSmem), "hc_pre: %zu bytes of shared memory for the cluster collapse", smem);
+    const cudaError_t err = gpu::launch_ex(kernel, dim3(kHcCluster, unsigned(clusters)), kHcClusterThreads, smem,
+                                           kHcCluster, stream, p, tokens);
     DSV4_CUDA_LAUNCHED();
     OPS_CHECK(err == cudaSuccess, "hc_pre: cluster launch failed: %s", cudaGetErrorString(err));
     if (p.parts == HcPreParts::Collapse) return 1;

@@ -260,6 +260,7 @@ TEST(OpsRowsHcPre, DecodeAndPrefillShapes) {
   DSV4_REQUIRE_CUDA();
   check_hc_pre({1, 4, 4096, false, true}, 1);
   check_hc_pre({64, 4, 4096, false, true}, 2);
+  check_hc_pre({33, 4, 4096, false, true}, 13);  // decode batch: five tokens per cluster, the last one three
   check_hc_pre({1, 4, 4096, false, false}, 3);  // bf16 only, as the runner's ffn / attn norms could
 }
 
@@ -363,6 +364,8 @@ TEST(OpsRowsHcPre, ComputesItsMixFromFn) {
   DSV4_REQUIRE_CUDA();
   check_hc_pre_from_fn(1, 4096, 21);   // decode: mix inside the collapse's cluster
   check_hc_pre_from_fn(5, 4096, 22);
+  check_hc_pre_from_fn(40, 4096, 26);  // five tokens per cluster
+  check_hc_pre_from_fn(63, 128, 27);   // eight tokens per cluster, the last one seven
   check_hc_pre_from_fn(3, 64, 23);     // one column group per block
   check_hc_pre_from_fn(2, 4104, 24);   // D % 64 != 0: linear_f32 first
   check_hc_pre_from_fn(64, 1024, 25);  // a prefill chunk: linear_f32 (tall) first
