@@ -2,9 +2,9 @@
 // Sparse attention with sink over the sliding window and the compressed entries (contract in ops.h).
 // A (token, head) has one query and at most window + top-k (or all compressed) keys, all heads reading the same
 // keys (one shared K = V head). Head dim 512 or 128 (the models) runs the tensor-core kernel (64 heads of a token
-// per block, bf16 products like the reference; a decode row spreads its 64-key tiles over a cluster of up to 8
-// blocks that merge in distributed shared memory); other head dims run two CUDA-core kernels, chosen by rows x
-// heads (use_head_groups):
+// per block, 16 for small decode steps; bf16 products like the reference; a decode row spreads its 64-key tiles over
+// a cluster of up to 8 blocks that merge in distributed shared memory); other head dims run two CUDA-core kernels,
+// chosen by rows x heads (use_head_groups):
 //   head groups (prefill chunks, large decode batches): a block takes 16 heads of one token, its keys pass through
 //     shared memory in tiles of 8 once for all 16 heads (each warp owns two heads);
 //   per head (small decode steps): a block takes one (token, head), its warps walk interleaved keys from L2.
@@ -386,15 +386,16 @@ __global__ void attention_merge_kernel(AttentionParams p, int splits) {
 
 
 // ---- tensor-core kernel (head dim 512 / 128) --------------------------------------------------------------------
-// Block (64-head group, token t): all 64 heads of a token share its keys (one K = V head), so per tile of 64 keys
-// S = Q Kᵀ is a 64 x 64 x dim product and O += P V a 64 x dim x 64 one, both on mma.sync (bf16 in, fp32 sums),
-// like the reference, which computes logits from bf16 q and bf16 keys and casts the probabilities to bf16 for P·V
-// (spec 8.1). Q (bf16) and the key tile (fp32 state -> bf16) sit in shared memory; warp w computes S for heads
-// 16·(w % 4) and keys 32·(w / 4) of a tile, writes P (bf16) to shared memory, and accumulates O for all 64 heads
-// and dims [w·dim/8, (w+1)·dim/8) in registers. Online softmax per head row: the running max and sum live in shared
-// memory and are advanced once per tile after every warp has used them. Grid (split, token, head group): decode
-// rows spread their key tiles over a cluster of up to 8 blocks, which merge their partials through distributed
-// shared memory (cluster_merge); prefill chunks fill the GPU with one block per (token, head group).
+// Block (head group of kHeads = 64 or 16, token t): all heads of a token share its keys (one K = V head), so per tile
+// of 64 keys S = Q Kᵀ is a kHeads x 64 x dim product and O += P V a kHeads x dim x 64 one, both on mma.sync (bf16
+// in, fp32 sums), like the reference, which computes logits from bf16 q and bf16 keys and casts the probabilities to
+// bf16 for P·V (spec 8.1). Q (bf16) and the key tile (fp32 state -> bf16) sit in shared memory; warp w computes S
+// for heads 16·(w % 4) and keys 32·(w / 4) of a tile (16 heads: warps 0 and 1 only), writes P (bf16) to shared
+// memory, and accumulates O for all the block's heads and dims [w·dim/8, (w+1)·dim/8) in registers. Online softmax
+// per head row: the running max and sum live in shared memory and are advanced once per tile after every warp has
+// used them. Grid (split, token, head group): decode rows spread their key tiles over a cluster of up to 8 blocks,
+// which merge their partials through distributed shared memory (cluster_merge); prefill chunks fill the GPU with one
+// block per (token, head group).
 constexpr int kMmaHeads = 64, kMmaKeys = 64, kMmaWarps = 8;
 constexpr int kMmaMinRows = 65;  // rows from which a (head group, token) block takes all of the token's keys
 // Decode rows can run 16 heads per block instead of 64 (kHeads of the kernel): four times the blocks of a row, a
@@ -455,7 +456,7 @@ __device__ void fill_rope_table(const AttentionParams& p, int64_t pos, float* co
 // The blocks of a decode row's cluster each hold an unnormalised partial for their key tiles: O in registers
 // (fragment layout of the PV products), the running max m and sum l per head in shared memory. Every block puts its
 // O in its own shared memory (where Q and K were); block `split` then finishes the float4 groups
-// split, split + splits, ... of the 64 heads x dim outputs from all blocks' partials, each weighted by
+// split, split + splits, ... of the kHeads x dim outputs from all blocks' partials, each weighted by
 // exp(m_b - M) with M = max(sink, max_b m_b), like attention_merge_kernel, so no partial leaves the SMs.
 template <int kDim, int kHeads>
 __device__ void cluster_merge(const AttentionParams& p, const float (&o)[kHeads / 16][kDim / kMmaWarps / 8][4],

@@ -97,7 +97,8 @@ void check_attention(const AttnCase& c) {
   gpu::attention(p, nullptr);
   sync();
   const std::vector<uint16_t> got = to_host<uint16_t>(out, size_t(c.n) * c.heads * c.dim);
-  if (gpu::attention_uses_tensor_cores(p) && c.n < 65) {  // decode rows: 16 and 64 heads per block must give the same bits
+  // Decode rows: 16 and 64 heads per block must give the same bits.
+  if (gpu::attention_uses_tensor_cores(p) && c.n < 65) {
     const int chosen = gpu::attention_block_heads(p);
     for (const int heads : {16, 64}) {
       gpu::set_attention_decode_block_heads(heads);
