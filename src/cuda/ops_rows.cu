@@ -489,6 +489,14 @@ __device__ __forceinline__ float mix_gate(float mix, float rs, float scale, floa
   return sigmoid(__fadd_rn(__fmul_rn(__fmul_rn(mix, rs), scale), base));
 }
 
+// Mix output m of token t from hc_post_mix's per-block partials (HcPreParams::mix_partials), added in block order.
+__device__ __forceinline__ float summed_mix_partials(const HcPreParams& p, int64_t t, int m, int n_mix) {
+  const float* part = p.mix_partials + (t * n_mix + m) * p.mix_blocks;
+  float sum = 0.0f;
+  for (int b = 0; b < p.mix_blocks; ++b) sum += part[b];
+  return sum;
+}
+
 // Per column group of four: the collapse Σ_k pre_k · v_k (streams k < hc, in order, rounded like the reference's
 // fp32 expression), the fp64 sum of squares, and the normalised output acc · inv_rms · w.
 template <int kHc>
@@ -682,13 +690,8 @@ __global__ void __launch_bounds__(hc_max_threads(kHc)) hc_pre_kernel(HcPreParams
   const float* xs = p.streams + int64_t(t) * hc * D;
   const float* m = p.mix_partials ? nullptr : p.mix + int64_t(t) * n_mix;
   __shared__ float mix_sum[kHcMixMax];
-  if (p.mix_partials) {  // hc_post_mix's per-block partials, added in block order
-    if (int(threadIdx.x) < n_mix) {
-      const float* part = p.mix_partials + (int64_t(t) * n_mix + threadIdx.x) * p.mix_blocks;
-      float sum = 0.0f;
-      for (int b = 0; b < p.mix_blocks; ++b) sum += part[b];
-      mix_sum[threadIdx.x] = sum;
-    }
+  if (p.mix_partials) {
+    if (int(threadIdx.x) < n_mix) mix_sum[threadIdx.x] = summed_mix_partials(p, t, threadIdx.x, n_mix);
     __syncthreads();
     m = mix_sum;
   }
@@ -817,9 +820,8 @@ __global__ void __launch_bounds__(kHcClusterThreads, 1) hc_collapse_cluster_kern
       if (kMixes) {
         for (int r = 0; r < kHcCluster; ++r) s += cluster.map_shared_rank(&block_mix[0][0], r)[j * kMix + m];
         if (cluster.block_rank() == 0) p.mix_out[int64_t(t) * kMix + m] = s;
-      } else if (p.mix_partials) {  // hc_post_mix's per-block partials, added in block order like hc_pre_kernel
-        const float* part = p.mix_partials + (int64_t(t) * kMix + m) * p.mix_blocks;
-        for (int b = 0; b < p.mix_blocks; ++b) s += part[b];
+      } else if (p.mix_partials) {
+        s = summed_mix_partials(p, t, m, kMix);
       } else {
         s = p.mix[int64_t(t) * kMix + m];
       }
@@ -1148,6 +1150,18 @@ void embed_tokens(const uint16_t* embed, const int32_t* tokens, int n, int D, in
 
 namespace {
 bool g_hc_collapse_cluster = true;  // set_hc_collapse_cluster
+
+template <bool kMixes>
+void launch_collapse_cluster(const HcPreParams& p, int tokens, dim3 grid, size_t smem, cudaStream_t stream) {
+  constexpr auto kKernel = hc_collapse_cluster_kernel<4, kMixes>;
+  const cudaError_t allowed = gpu::allow_nonportable_clusters<kKernel>();
+  const cudaError_t sized = gpu::allow_dynamic_smem<kKernel>(kHcClusterSmem);
+  OPS_CHECK(allowed == cudaSuccess && sized == cudaSuccess, "hc_pre: clusters of %d blocks with %d bytes not allowed",
+            kHcCluster, kHcClusterSmem);
+  const cudaError_t err = gpu::launch_ex(kKernel, grid, kHcClusterThreads, smem, kHcCluster, stream, p, tokens);
+  DSV4_CUDA_LAUNCHED();
+  OPS_CHECK(err == cudaSuccess, "hc_pre: cluster launch failed: %s", cudaGetErrorString(err));
+}
 }  // namespace
 
 void set_hc_collapse_cluster(bool on) { g_hc_collapse_cluster = on; }
@@ -1181,18 +1195,12 @@ int hc_pre(const HcPreParams& p, cudaStream_t stream) {
     const int groups = p.D / 4 / kHcCluster, tokens = (p.n + kHcClusterTokens - 1) / kHcClusterTokens;
     const int clusters = (p.n + tokens - 1) / tokens;
     const size_t smem = size_t(tokens) * (4 + 1) * groups * sizeof(float4);
-    const auto kernel = p.fn ? hc_collapse_cluster_kernel<4, true> : hc_collapse_cluster_kernel<4, false>;
-    const cudaError_t allowed = p.fn ? gpu::allow_nonportable_clusters<hc_collapse_cluster_kernel<4, true>>()
-                                     : gpu::allow_nonportable_clusters<hc_collapse_cluster_kernel<4, false>>();
-    const cudaError_t sized = p.fn ? gpu::allow_dynamic_smem<hc_collapse_cluster_kernel<4, true>>(kHcClusterSmem)
-                                   : gpu::allow_dynamic_smem<hc_collapse_cluster_kernel<4, false>>(kHcClusterSmem);
-    OPS_CHECK(allowed == cudaSuccess && sized == cudaSuccess, "hc_pre: clusters of %d blocks with %d bytes not allowed",
-              kHcCluster, kHcClusterSmem);
     OPS_CHECK(smem <= size_t(kHcClusterSmem), "hc_pre: %zu bytes of shared memory for the cluster collapse", smem);
-    const cudaError_t err = gpu::launch_ex(kernel, dim3(kHcCluster, unsigned(clusters)), kHcClusterThreads, smem,
-                                           kHcCluster, stream, p, tokens);
-    DSV4_CUDA_LAUNCHED();
-    OPS_CHECK(err == cudaSuccess, "hc_pre: cluster launch failed: %s", cudaGetErrorString(err));
+    const dim3 grid(kHcCluster, unsigned(clusters));
+    if (p.fn)
+      launch_collapse_cluster<true>(p, tokens, grid, smem, stream);
+    else
+      launch_collapse_cluster<false>(p, tokens, grid, smem, stream);
     if (p.parts == HcPreParts::Collapse) return 1;
     rest.parts = HcPreParts::PostComb;
     return 1 + hc_pre(rest, stream);
