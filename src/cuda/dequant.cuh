@@ -5,7 +5,7 @@
 // mantissa bits into bf16 positions (byte permutes, masks, and multiplies that act as shifts on the FMA pipe), which represents `value * 2^-bias_gap`, and one bf16x2 multiply by a
 // power-of-two factor (with any block scale folded in when that stays exact) restores the value.
 //   e4m3 -> bf16 bits (s<<15 | (e,m)<<4)  = e4m3 * 2^-120  (e4m3 subnormals land on bf16 subnormals: exact)
-//   e2m1 -> bf16 bits (s<<15 | (e,m)<<6)  = e2m1 * 2^-126
+//   e2m1 -> bf16 bits (s<<15 | (e,m)<<6)  = e2m1 * 2^-126  (codes in the device layout of fp4_layout.h)
 // IMPORTANT: the folded factors limit the scale range that decodes exactly (far outside real checkpoints):
 //   FP8 block e8m0 exponent E <= 134, MXFP4 e8m0 exponent 2 <= E <= 128; NVFP4 and FP8 f32 scales are unrestricted.
 #pragma once
@@ -13,6 +13,7 @@
 
 #include <cstdint>
 
+#include "cuda/fp4_layout.h"
 #include "formats/fp8.h"
 
 namespace dsv4::dq {
@@ -64,18 +65,12 @@ __device__ __forceinline__ void e4m3x4_to_bf16x2(uint32_t q, uint32_t factor, ui
   out[1] = bf16x2_mul(r1, factor);
 }
 
-// Eight e2m1 nibbles (nibble j = element j, low nibble first) -> out[p] = (element 2p, element 2p+1), p = 0..3,
-// each multiplied by `factor` (bf16x2 of 2^126 * scale, see the callers).
-// With nibble n alone in the low bits of a 16-bit half, n * 0x1040 = n << 6 | n << 12 (no overlap, no carry out
-// of the half), and masking with 0x81C0 keeps the magnitude bits at 6..8 and the sign at 15.
+// Eight e2m1 codes of one word in the device layout (fp4_layout.h) -> out[p] = (element 2p, element 2p+1),
+// p = 0..3, each multiplied by `factor` (bf16x2 of 2^126 * scale, see the callers).
 __device__ __forceinline__ void e2m1x8_to_bf16x2(uint32_t q, uint32_t factor, uint32_t out[4]) {
-  const uint32_t even = q & 0x0F0F0F0Fu;         // nibbles 0, 2, 4, 6, one per byte
-  const uint32_t odd = (q >> 4) & 0x0F0F0F0Fu;   // nibbles 1, 3, 5, 7
+  fp4_layout::raw_bf16x2(q, out);
 #pragma unroll
-  for (int p = 0; p < 4; ++p) {
-    const uint32_t t = prmt(even, odd, 0x8480u + 0x101u * p);  // [even.b_p, 0, odd.b_p, 0]
-    out[p] = bf16x2_mul((t * 0x1040u) & 0x81C081C0u, factor);
-  }
+  for (int p = 0; p < 4; ++p) out[p] = bf16x2_mul(out[p], factor);
 }
 
 // Factors. Each returns the bf16x2 multiplier for the raw bit patterns above.

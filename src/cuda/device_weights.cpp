@@ -6,6 +6,7 @@
 
 #include "core/check.h"
 #include "cuda/cuda_check.h"
+#include "cuda/fp4_layout.h"
 #include "cuda/synthetic.h"
 #include "formats/bf16.h"
 
@@ -28,7 +29,10 @@ void append(std::vector<uint8_t>& out, const uint8_t* p, size_t n) { out.insert(
 // Appends m's device bytes: its packed weight and scale as stored, or its fp32 values rounded to bf16.
 void append_encoded(const Matrix& m, std::vector<uint8_t>& w, std::vector<uint8_t>& scale) {
   if (m.packed) {
+    const size_t at = w.size();
     append(w, m.packed->w, m.packed->w_bytes);
+    if (m.packed->format == WeightFormat::Mxfp4 || m.packed->format == WeightFormat::Nvfp4)
+      fp4_layout::bytes_to_device(w.data() + at, m.packed->w_bytes);  // the GEMV kernels' bit order
     if (m.packed->scale) append(scale, m.packed->scale, m.packed->scale_bytes);
     return;
   }

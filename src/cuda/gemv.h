@@ -16,9 +16,10 @@
 //     BF16       w [n, k] bf16                                               W = w
 //     FP8_BLOCK  w [n, k] e4m3, w_scale [ceil(n/128), ceil(k/128)] e8m0 or f32 (fp8_scale)
 //                                                                            W = e4m3(w) * scale[n/128, k/128]
-//     MXFP4      w [n, k/2] packed e2m1 (low nibble = element 2j), w_scale [n, k/32] e8m0
+//     MXFP4      w [n, k/2] e2m1, each 32-bit word in the device layout (fp4_layout.h: to_device of the
+//                checkpoint's nibbles, low nibble = element 2j), w_scale [n, k/32] e8m0
 //                                                                            W = e2m1 * 2^(E - 127)
-//     NVFP4      w [n, k/2] packed e2m1, w_scale [n, k/16] e4m3, w_scale_2 fp32 scalar
+//     NVFP4      w [n, k/2] e2m1 as MXFP4, w_scale [n, k/16] e4m3, w_scale_2 fp32 scalar
 //                                                                            W = e2m1 * e4m3(scale) * w_scale_2
 //   y  [m, n] fp32 or bf16 (round to nearest even), row stride ldy (0 = n). Every element y[i, 0..n) is written,
 //      nothing else (a fused projection writes its parts side by side into one [m, ldy] buffer).

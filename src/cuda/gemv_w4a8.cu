@@ -4,18 +4,18 @@
 // become e4m3 exactly, the products run on the FP8 tensor cores (mma.sync m16n8k32 e4m3, fp32 accumulate) and
 // the block scales are applied to fp32 partial sums.
 //
-// Why this is cheaper than the bf16 kernel of gemv.cu: an e2m1 nibble turns into an e4m3 byte by moving bits
-// (5 integer ops per 8 weights, no multiply), and no weight is multiplied by its scale. The price is that a
-// block scale must multiply a partial sum that holds that block alone. With one activation row the B operand has
-// 7 idle columns, so column j carries x only on the k-slots of quad thread j: C[row][j] is then the partial sum of
-// thread j's k range, and threads 0 and 1 of each quad apply the scales of all four threads' blocks.
+// What it saves against the bf16 kernel of gemv.cu: no weight is multiplied by its scale, and an mma takes 32
+// weights instead of 16 (an e2m1 code still needs moving bits: 17 integer ops per 8 weights from the device layout
+// of fp4_layout.h, against 9 and 4 bf16 multiplies in the bf16 kernel). The price is that a block scale must
+// multiply a partial sum that holds that block alone. With one activation row the B operand has 7 idle columns,
+// so column j carries x only on the k-slots of quad thread j: C[row][j] is then the partial sum of thread j's k
+// range, and threads 0 and 1 of each quad apply the scales of all four threads' blocks.
 //
 // Layout (like gemv.cu): one warp walks a 16-row tile; in each 64-byte chunk of a row (128 elements = one
-// activation block) quad thread t owns bytes 16t..16t+15 = elements 32t..32t+31 as 4 words of 8 nibbles. Word i
-// feeds one mma: its even elements are A slots 4t..4t+3, its odd ones slots 4t+16..4t+19. The block's shared
-// memory holds x in e4m3 with each 8-element group stored as [0 2 4 6 1 3 5 7], so the matching B words are one
-// 8-byte load. NVFP4 words 0-1 and 2-3 are two 16-element scale blocks (two accumulator sets); MXFP4's 32-element
-// block is the whole piece.
+// activation block) quad thread t owns bytes 16t..16t+15 = elements 32t..32t+31 as 4 words of 8 codes. Word i
+// feeds one mma: its elements 0..3 are A slots 4t..4t+3, 4..7 slots 4t+16..4t+19. The block's shared memory holds
+// x in e4m3 in element order, so the matching B words are one 8-byte load. NVFP4 words 0-1 and 2-3 are two
+// 16-element scale blocks (two accumulator sets); MXFP4's 32-element block is the whole piece.
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
@@ -37,12 +37,18 @@ constexpr int kChunkK = 128;     // elements per chunk = the activation quantisa
 constexpr int kUnroll = 4;       // chunks loaded per thread before the first is used
 constexpr float kBiasGap = 64.0f;  // the e4m3 bytes below hold e2m1 * 2^-6
 
-// Eight e2m1 nibbles (element j in nibble j) -> e4m3 bytes of elements 0,2,4,6 (even) and 1,3,5,7 (odd), each
-// e2m1 * 2^-6: the magnitude bits (e1 e0 m) move to e4m3 bits 4..2 (the two low exponent bits and the top
-// mantissa bit) and the sign to bit 7, so e2m1's subnormal 0.5 lands on e4m3's subnormal 2^-7.
-__device__ __forceinline__ void e2m1x8_to_e4m3(uint32_t q, uint32_t& even, uint32_t& odd) {
-  even = ((q << 2) & 0x1C1C1C1Cu) | ((q << 4) & 0x80808080u);
-  odd = ((q >> 2) & 0x1C1C1C1Cu) | (q & 0x80808080u);
+// Eight e2m1 codes of one word in the device layout (fp4_layout.h) -> e4m3 bytes of elements 0..3 (lo) and 4..7
+// (hi), each e2m1 * 2^-6: from the bf16 bit patterns of the GEMV decode (m e0 e1 at bits 6..8 of a half, the sign
+// at 15), the magnitude moves to bits 10..12 (e4m3 bits 2..4 of the half's high byte: the two low exponent bits and
+// the top mantissa bit) beside the sign, so e2m1's subnormal 0.5 lands on e4m3's subnormal 2^-7; a byte permute
+// then gathers the high bytes.
+__device__ __forceinline__ void e2m1x8_to_e4m3(uint32_t q, uint32_t& lo, uint32_t& hi) {
+  uint32_t r[4];
+  fp4_layout::raw_bf16x2(q, r);
+#pragma unroll
+  for (int p = 0; p < 4; ++p) r[p] = (r[p] << 4) | (r[p] & 0x80008000u);
+  lo = dq::prmt(r[0], r[1], 0x7531);
+  hi = dq::prmt(r[2], r[3], 0x7531);
 }
 
 __device__ __forceinline__ void mma_e4m3(float c[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
@@ -65,7 +71,7 @@ __device__ __forceinline__ float e4m3_byte_to_f32(uint32_t b) {
   return __half2float(__half(__half_raw{h.x}));
 }
 
-// One activation row -> xq (e4m3, groups of 8 permuted [0 2 4 6 1 3 5 7], zero past k) and xs (block scales):
+// One activation row -> xq (e4m3, zero past k) and xs (block scales):
 // act_quant_fp8 of gemv.h, with the scale formula of src/formats (pow2_scale) and the same e4m3 rounding.
 // Eight lanes share a block (16 elements each), so one pass of the block quantises 32 blocks with short chains:
 // this runs before the block's first mma, and its latency is paid once per block.
@@ -92,13 +98,10 @@ __device__ void quantise_row(const uint16_t* x, int k, int n_chunks, uint8_t* xq
     const float s = pow2_scale(amax, kE4M3Max, 1e-4f);
     const float inv = 1.0f / s;  // a power of two: x * inv == x / s
     if ((lane & 7) == 0) xs[b] = s;
-    uint32_t q[4];  // per group of 8: even elements, then odd ones
+    uint32_t q[4];
 #pragma unroll
-    for (int grp = 0; grp < 2; ++grp) {
-      const float* g8 = v + 8 * grp;
-      q[2 * grp] = f32x2_to_e4m3x2(g8[0] * inv, g8[2] * inv) | f32x2_to_e4m3x2(g8[4] * inv, g8[6] * inv) << 16;
-      q[2 * grp + 1] = f32x2_to_e4m3x2(g8[1] * inv, g8[3] * inv) | f32x2_to_e4m3x2(g8[5] * inv, g8[7] * inv) << 16;
-    }
+    for (int i = 0; i < 4; ++i)
+      q[i] = f32x2_to_e4m3x2(v[4 * i] * inv, v[4 * i + 1] * inv) | f32x2_to_e4m3x2(v[4 * i + 2] * inv, v[4 * i + 3] * inv) << 16;
     *reinterpret_cast<uint4*>(xq + e0) = make_uint4(q[0], q[1], q[2], q[3]);
   }
 }
@@ -122,10 +125,10 @@ __device__ __forceinline__ void w4a8_chunk(const uint4& raw_lo, const uint4& raw
   float ca[4] = {0.0f, 0.0f, 0.0f, 0.0f}, cb[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    uint32_t el, ol, eh, oh;
-    e2m1x8_to_e4m3(wl[i], el, ol);
-    e2m1x8_to_e4m3(wh[i], eh, oh);
-    mma_e4m3(kNv && i >= 2 ? cb : ca, el, eh, ol, oh, xb[2 * i], xb[2 * i + 1]);
+    uint32_t lo_first, lo_second, hi_first, hi_second;  // rows g / g + 8, elements 0..3 / 4..7 of word i
+    e2m1x8_to_e4m3(wl[i], lo_first, lo_second);
+    e2m1x8_to_e4m3(wh[i], hi_first, hi_second);
+    mma_e4m3(kNv && i >= 2 ? cb : ca, lo_first, hi_first, lo_second, hi_second, xb[2 * i], xb[2 * i + 1]);
   }
   // ca / cb [0], [1]: row lo, threads 2t / 2t+1; [2], [3]: row hi. Zero for t >= 2 (idle columns).
   float part_lo, part_hi;

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "cuda/dequant.cuh"
+#include "cuda/fp4_layout.h"
 #include "dequant_probe.h"
 
 namespace dsv4::probe {
@@ -12,7 +13,7 @@ namespace {
 
 enum class Kind { E4M3, MXFP4, NVFP4 };
 
-// One thread decodes one 32-bit word of codes: for e4m3 4 codes, for e2m1 4 bytes (8 nibbles).
+// One thread decodes one 32-bit word of codes: for e4m3 4 codes, for e2m1 4 bytes (8 codes, device layout).
 __global__ void decode_kernel(Kind kind, uint32_t scale, const uint32_t* words, uint32_t* out, int n_words) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= n_words) return;
@@ -38,6 +39,8 @@ std::vector<uint16_t> run(Kind kind, uint32_t scale) {
   std::vector<uint32_t> words(64);  // bytes 0..255 in order
   for (int i = 0; i < 64; ++i)
     words[i] = uint32_t(4 * i) | uint32_t(4 * i + 1) << 8 | uint32_t(4 * i + 2) << 16 | uint32_t(4 * i + 3) << 24;
+  if (kind != Kind::E4M3)  // e2m1 words go to the kernels in the device layout; the results are in element order
+    for (uint32_t& w : words) w = fp4_layout::to_device(w);
   const int out_words = kind == Kind::E4M3 ? 128 : 256;
   uint32_t *d_in = nullptr, *d_out = nullptr;
   check(cudaMalloc(&d_in, 64 * 4), "cudaMalloc");

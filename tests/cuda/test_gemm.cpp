@@ -18,6 +18,7 @@
 
 #include "cuda/cuda_check.h"
 #include "cuda/device.h"
+#include "cuda/fp4_layout.h"
 #include "cuda/gemm.h"
 #include "formats/bf16.h"
 #include "formats/blocks.h"
@@ -138,6 +139,7 @@ HostWeight make_weight(GemvWeight fmt, GemvScale fp8_scale, int n, int k, bool f
           h.decoded[r * K + i] = f32_to_bf16(e2m1_to_f32(lo) * s);
           h.decoded[r * K + i + 1] = f32_to_bf16(e2m1_to_f32(hi) * s);
         }
+      fp4_layout::bytes_to_device(h.w.data(), h.w.size());  // the kernels' bit order (gemv.h)
       break;
     }
   }

@@ -18,6 +18,7 @@
 
 #include "cuda/cuda_check.h"
 #include "cuda/device.h"
+#include "cuda/fp4_layout.h"
 #include "cuda/gemv.h"
 #include "cuda/gemv_launch.h"
 #include "dequant_probe.h"
@@ -244,6 +245,7 @@ HostProblem make_problem(const Case& c, std::mt19937_64& rng) {
           h.w_deq[r * k + i] = double(e2m1_to_f32(lo)) * s;
           h.w_deq[r * k + i + 1] = double(e2m1_to_f32(hi)) * s;
         }
+      fp4_layout::bytes_to_device(h.w.data(), h.w.size());  // the kernels' bit order (gemv.h)
       break;
     }
   }
