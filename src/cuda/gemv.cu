@@ -21,10 +21,13 @@ namespace dsv4::detail {
 namespace {
 
 constexpr int kThreads = kGemvWarps * 32;
-constexpr int kUnroll = 4;       // chunks loaded per thread before the first is used (8 x 16 B in flight)
+constexpr int kUnroll = 4;       // chunks loaded per thread before the first is used (8 x 16 B in flight; 6 or 8
+                                 // fit 2 blocks per SM without spills and are 4-5 % slower at batch 1, perf.md)
 
+// Two blocks per SM up to 4 n-tiles (m <= 32: 48-64 bytes of spills at 4 tiles, still 6-8 % faster at batch 32 than
+// one block); three at m <= 8 (80 registers) spill a little and lose 8 % at batch 1 (docs/perf.md).
 template <Fmt F, int kTilesN, bool kGrouped>
-__global__ void __launch_bounds__(kThreads, kTilesN <= 2 ? 2 : 1) gemv_kernel(const KernelArgs a) {
+__global__ void __launch_bounds__(kThreads, kTilesN <= 4 ? 2 : 1) gemv_kernel(const KernelArgs a) {
   gpu::allow_dependents();
   constexpr int kElems = elems_per_16b<F>();  // per thread, per row, per chunk
   constexpr int kChunkK = 4 * kElems;
