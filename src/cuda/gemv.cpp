@@ -87,6 +87,15 @@ void set_gemv_forced_split(int split) {
   forced_split = split;
 }
 
+int w4a8_mode = -1;  // set_gemv_w4a8; -1 = not yet read from the environment
+
+void set_gemv_w4a8(bool on) { w4a8_mode = on ? 1 : 0; }
+
+bool gemv_w4a8_enabled() {
+  if (w4a8_mode < 0) w4a8_mode = env_switch("DSV4_GEMV_W4A8").value_or(kGemvW4a8Default) ? 1 : 0;
+  return w4a8_mode == 1;
+}
+
 GemvBulk gemv_bulk_mode() {
   if (bulk_mode < 0) {
     const char* v = std::getenv("DSV4_GEMV_BULK");

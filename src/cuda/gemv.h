@@ -172,6 +172,13 @@ inline void set_gemv_bulk(bool on) { set_gemv_bulk(on ? GemvBulk::All : GemvBulk
 GemvBulk gemv_bulk_mode();
 inline bool gemv_bulk_enabled() { return gemv_bulk_mode() != GemvBulk::Off; }
 
+// Act FP8 with fp4 weights at m = 1: the W4A8 kernel (gemv_w4a8.cu: FP8 tensor cores, x quantised inside), or x
+// quantised into act_scratch first and the bf16-activation kernel (same products: e4m3(x) * scale is exact in bf16;
+// fp32 sums in another order). Process-wide; DSV4_GEMV_W4A8=0/1 in the environment sets it at the first call.
+constexpr bool kGemvW4a8Default = true;
+void set_gemv_w4a8(bool on);
+bool gemv_w4a8_enabled();
+
 // Tests: every skinny launch (gemv, gemv_batched, gemv_grouped) whose params leave split_k at 0 takes `split` (a power
 // of two up to kGemvWarps) instead of gemv_default_split_k; 0 restores the heuristic. Process-wide. Model-level tests
 // use it to see what a mere change of fp32 summation order does to the logits (bf16 activations turn it into

@@ -129,6 +129,12 @@ struct BulkScope {
   ~BulkScope() { set_gemv_bulk(false); }
 };
 
+// The W4A8 kernel on or off for act FP8 at m = 1, whatever the default (kGemvW4a8Default).
+struct W4a8Scope {
+  explicit W4a8Scope(bool on) { set_gemv_w4a8(on); }
+  ~W4a8Scope() { set_gemv_w4a8(kGemvW4a8Default); }
+};
+
 std::string case_name(const Case& c) {
   std::string s = gemv_weight_name(c.weight);
   if (c.weight == GemvWeight::FP8_BLOCK) s += c.fp8_scale == GemvScale::E8M0 ? "_e8m0" : "_f32scale";
@@ -476,6 +482,7 @@ TEST(GemvBulk, MatchesRegisterKernelBitForBitAtSplit1) {
           << gemv_weight_name(w) << " m " << m << " n " << n << " k " << k;
     }
   // The W4A8 kernel (act fp8, m = 1) and its copy-engine variant, likewise.
+  const W4a8Scope w4a8(true);
   for (const GemvWeight w : {GemvWeight::MXFP4, GemvWeight::NVFP4})
     for (const auto& [n, k] : {std::pair{301, 2048}, {64, 4096}, {45, 512}}) {
       const Case c{w, GemvScale::E8M0, 1, n, k, GemvOut::F32, 1, GemvAct::FP8};
@@ -937,9 +944,52 @@ TEST(GemvArgs, RejectsBadShapesAndPointers) {
   EXPECT_THROW(gemv(p), Error);
   p = fake_params(GemvWeight::NVFP4, 1, 16, 64);
   p.act = GemvAct::FP8;
-  EXPECT_TRUE(gemv_uses_w4a8(p));
-  p.m = 2;
+  {
+    const W4a8Scope w4a8(true);
+    EXPECT_TRUE(gemv_uses_w4a8(p));
+    p.m = 2;
+    EXPECT_FALSE(gemv_uses_w4a8(p));
+    p.m = 1;
+  }
+  const W4a8Scope w4a8(false);
   EXPECT_FALSE(gemv_uses_w4a8(p));
+}
+
+// Act FP8 at m = 1 without the W4A8 kernel (x quantised into act_scratch, then the bf16-activation kernel) computes
+// the same products as the W4A8 kernel: the two agree to fp32 summation order, 2^-13 of sum |x w| as the W4A8 bound.
+TEST(GemvW4a8, QuantisedXThroughTheBf16KernelMatchesTheW4a8Kernel) {
+  DSV4_REQUIRE_CUDA();
+  std::mt19937_64 rng(44);
+  for (const GemvWeight w : {GemvWeight::MXFP4, GemvWeight::NVFP4})
+    for (const auto& [n, k] : {std::pair{301, 2048}, {45, 4096}, {64, 512}}) {
+      const Case c{w, GemvScale::E8M0, 1, n, k, GemvOut::F32, 0, GemvAct::FP8};
+      const HostProblem h = make_problem(c, rng);
+      DeviceBuffer x(h.x.size() * 2), dw(h.w.size()), ds(h.scale.size()), y(size_t(n) * 4), scratch(h.x.size() * 2);
+      x.upload(h.x.data(), h.x.size() * 2);
+      dw.upload(h.w.data(), h.w.size());
+      ds.upload(h.scale.data(), h.scale.size());
+      GemvParams p;
+      p.m = 1, p.n = n, p.k = k, p.x = x.data(), p.w = dw.data(), p.w_scale = ds.data(), p.w_scale_2 = h.scale_2;
+      p.y = y.data(), p.weight = w, p.act = GemvAct::FP8, p.act_scratch = scratch.data();
+      std::vector<std::vector<float>> got;
+      for (const bool on : {true, false}) {
+        const W4a8Scope w4a8(on);
+        ASSERT_EQ(gemv_uses_w4a8(p), on);
+        y.fill_bytes(0xff);
+        gemv(p);
+        DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+        got.emplace_back(size_t(n));
+        y.download(got.back().data(), got.back().size() * 4);
+      }
+      const std::vector<double> xq = effective_x(h.x, 1, k, GemvAct::FP8);
+      for (int r = 0; r < n; ++r) {
+        double sum_abs = 0.0;
+        for (int i = 0; i < k; ++i) sum_abs += std::abs(xq[size_t(i)] * h.w_deq[size_t(r) * k + i]);
+        ASSERT_TRUE(std::isfinite(got[1][size_t(r)])) << "row " << r;
+        EXPECT_LE(std::abs(double(got[0][size_t(r)]) - got[1][size_t(r)]), 0x1p-13 * sum_abs)
+            << gemv_weight_name(w) << " n " << n << " k " << k << " row " << r;
+      }
+    }
 }
 
 TEST(GemvArgs, SplitHeuristic) {
