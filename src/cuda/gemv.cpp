@@ -57,6 +57,7 @@ int launch_split(int requested, const GemvParams& shape) {
 
 // The weight stream of fp4 / fp8 skinny launches (a GemvBulk, set_gemv_bulk); -1 = not yet read from the environment.
 int bulk_mode = -1;
+int w4a8_mode = -1;  // set_gemv_w4a8; -1 = not yet read from the environment
 
 // Says once which kernel streams fp4 / fp8 weights, and once when the copy-engine kernel was asked for but cannot
 // take a call (the register kernel runs it and every later call like it).
@@ -86,8 +87,6 @@ void set_gemv_forced_split(int split) {
              "set_gemv_forced_split: {} is not 0 or a power of two up to {}", split, detail::kGemvWarps);
   forced_split = split;
 }
-
-int w4a8_mode = -1;  // set_gemv_w4a8; -1 = not yet read from the environment
 
 void set_gemv_w4a8(bool on) { w4a8_mode = on ? 1 : 0; }
 

@@ -496,21 +496,31 @@ void indexer_scores(const IndexerTopkParams& p, cudaStream_t stream) {
   DSV4_CUDA_LAUNCHED();
 }
 
-void indexer_select(const IndexerTopkParams& p, cudaStream_t stream) {
-  if (p.n == 0) return;
-  check_indexer(p, "indexer_select");
-  OPS_CHECK(p.topk <= kSelectMaxTopK, "indexer_select: topk %d exceeds %d", p.topk, kSelectMaxTopK);
-  const auto kernel = g_indexer_warp_sort ? indexer_select_kernel<true> : indexer_select_kernel<false>;
-  const cudaError_t attr = g_indexer_warp_sort
-                               ? gpu::allow_dynamic_smem<indexer_select_kernel<true>>(int(kSelectMaxSmem))
-                               : gpu::allow_dynamic_smem<indexer_select_kernel<false>>(int(kSelectMaxSmem));
+namespace {
+
+template <bool kWarpSort>
+void launch_select(const IndexerTopkParams& p, cudaStream_t stream) {
+  constexpr auto kKernel = indexer_select_kernel<kWarpSort>;
+  const cudaError_t attr = gpu::allow_dynamic_smem<kKernel>(int(kSelectMaxSmem));
   OPS_CHECK(attr == cudaSuccess, "indexer_select: cannot allow %d bytes of shared memory", int(kSelectMaxSmem));
   int sort_cap = 32;  // the sort's power-of-two length for the most candidates a row can have
   while (sort_cap < std::min(p.topk, p.max_entries)) sort_cap <<= 1;
   const int cache_entries = std::min(p.max_entries, kSelectCacheEntries);
   const size_t smem = 2 * size_t(sort_cap) * sizeof(uint64_t) + size_t(cache_entries) * sizeof(uint32_t);
-  gpu::launch(kernel, p.n, kSelectThreads, smem, stream, p, sort_cap, cache_entries);
+  gpu::launch(kKernel, p.n, kSelectThreads, smem, stream, p, sort_cap, cache_entries);
   DSV4_CUDA_LAUNCHED();
+}
+
+}  // namespace
+
+void indexer_select(const IndexerTopkParams& p, cudaStream_t stream) {
+  if (p.n == 0) return;
+  check_indexer(p, "indexer_select");
+  OPS_CHECK(p.topk <= kSelectMaxTopK, "indexer_select: topk %d exceeds %d", p.topk, kSelectMaxTopK);
+  if (g_indexer_warp_sort)
+    launch_select<true>(p, stream);
+  else
+    launch_select<false>(p, stream);
 }
 
 void set_indexer_select_warp_sort(bool on) { g_indexer_warp_sort = on; }

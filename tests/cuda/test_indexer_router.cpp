@@ -208,6 +208,25 @@ IndexerCase decode_case() {
   return c;
 }
 
+// The first chunk of a sequence: rows with no key, fewer keys than topk, exactly topk, more.
+IndexerCase first_chunk_case() {
+  IndexerCase c;
+  c.n = 64;
+  c.pos0 = 0;  // n_visible = (t + 1) / 4: 0 .. 16
+  c.heads = 4;
+  c.topk = 8;
+  c.max_entries = 64;
+  return c;
+}
+
+IndexerCase fewer_keys_case() {
+  IndexerCase c;
+  c.n = 4;
+  c.pos0 = 1200;  // 300 keys < 512
+  c.max_entries = 512;
+  return c;
+}
+
 TEST(CudaIndexer, DecodeShape) {
   DSV4_REQUIRE_CUDA();
   const IndexerInputs in = make_inputs(decode_case(), 1);
@@ -299,25 +318,15 @@ TEST(CudaIndexer, PrefillShape) {
   check_indexer(in, run_indexer(in, Launch::Topk), "prefill");
 }
 
-// The first chunk of a sequence: rows with no key, fewer keys than topk, exactly topk, more.
 TEST(CudaIndexer, FirstChunkOfASequence) {
   DSV4_REQUIRE_CUDA();
-  IndexerCase c;
-  c.n = 64;
-  c.pos0 = 0;  // n_visible = (t + 1) / 4: 0 .. 16
-  c.heads = 4;
-  c.topk = 8;
-  c.max_entries = 64;
-  const IndexerInputs in = make_inputs(c, 6);
+  const IndexerInputs in = make_inputs(first_chunk_case(), 6);
   check_indexer(in, run_indexer(in, Launch::Topk), "first chunk");
 }
 
 TEST(CudaIndexer, FewerKeysThanTopK) {
   DSV4_REQUIRE_CUDA();
-  IndexerCase c;
-  c.n = 4;
-  c.pos0 = 1200;  // 300 keys < 512
-  c.max_entries = 512;
+  IndexerCase c = fewer_keys_case();
   const IndexerInputs a = make_inputs(c, 7);
   check_indexer(a, run_indexer(a, Launch::Topk), "fewer keys than topk");
   c.topk = 2048;  // the largest topk: two sort positions per thread
@@ -391,17 +400,7 @@ TEST(CudaIndexer, WarpSortSelectsTheSame) {
     WarpSortScope() { gpu::set_indexer_select_warp_sort(true); }
     ~WarpSortScope() { gpu::set_indexer_select_warp_sort(false); }
   };
-  IndexerCase first;
-  first.n = 64;
-  first.pos0 = 0;
-  first.heads = 4;
-  first.topk = 8;
-  first.max_entries = 64;
-  IndexerCase fewer;
-  fewer.n = 4;
-  fewer.pos0 = 1200;
-  fewer.max_entries = 512;
-  IndexerCase big = fewer;
+  IndexerCase big = fewer_keys_case();
   big.topk = 2048;
   big.pos0 = 4 * 5000;
   big.max_entries = 5004;
@@ -412,8 +411,8 @@ TEST(CudaIndexer, WarpSortSelectsTheSame) {
     const char* what;
   };
   const Named cases[] = {{make_inputs(decode_case(), 2, 300), "decode"},
-                         {make_inputs(first, 6), "first chunk"},
-                         {make_inputs(fewer, 7), "fewer keys than topk"},
+                         {make_inputs(first_chunk_case(), 6), "first chunk"},
+                         {make_inputs(fewer_keys_case(), 7), "fewer keys than topk"},
                          {make_inputs(big, 9, 1000), "topk 2048"},
                          {make_inputs(ties, 10, 40), "40 distinct keys"},
                          {make_inputs(ties, 11, 0, 0.8), "80% zero keys"}};
