@@ -73,6 +73,7 @@ struct BenchArgs {
   bool profile = false;  // one more decode step with an event after every launch site
   int profile_prefill = 0;  // > 0: a prefill of this many tokens with an event after every launch site
   std::string act_quant = "none";  // --act-quant: fp8 runs the fp4 decode GEMVs as W4A8
+  std::string gpus;  // --gpus 0,1: the layers split over these GPUs (CudaRunnerOptions::devices)
   // Decode is timed once per launch mode: "pdl" (the default: programmatic dependent launch) or "plain" (serialised
   // launches). Prefill and --profile use the first.
   std::vector<std::string> launch_modes = {"pdl"};
@@ -367,6 +368,24 @@ int run_plan(const BenchArgs& a) {
   const ModelConfig config = flash_shaped_config(a.experts);
   fmt::print("model: {}\n", config.summary());
   json report = args_json(a, config);
+#ifdef DSV4_HAVE_CUDA
+  if (!a.gpus.empty()) {  // how the runner would split the layers (host arithmetic)
+    const Model model(config, synthetic_weights(config, a.seed, SyntheticLinears::ShapeOnly, a.mtp), Numerics{});
+    CudaRunnerOptions options;
+    options.devices = parse_cuda_devices(a.gpus);
+    for (BenchFormat f : parse_formats(a.format)) {
+      options.synthetic_format = f == BenchFormat::NVFP4 ? GemvWeight::NVFP4 : GemvWeight::BF16;
+      fmt::print("{} over GPUs {}:\n", format_name(f), a.gpus);
+      for (const CudaStage& s : cuda_pipeline_stages(model, options)) {
+        fmt::print("  GPU {}: layers {:>2}..{:>2}, weights {:.2f} GB\n", s.device, s.layer_begin, s.layer_end - 1,
+                   s.weight_bytes / 1e9);
+        report["stages"][format_name(f)].push_back(
+            {{"device", s.device}, {"layer_begin", s.layer_begin}, {"layer_end", s.layer_end},
+             {"weight_bytes", s.weight_bytes}});
+      }
+    }
+  }
+#endif
   for (BenchFormat f : parse_formats(a.format)) {
     const int64_t pos = decode_mean_position(a);
     const std::vector<CostLine> lines = decode_step_cost(config, f, pos);
@@ -459,6 +478,7 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
   options.synthetic_format = f == BenchFormat::NVFP4 ? GemvWeight::NVFP4 : GemvWeight::BF16;
   options.synthetic_seed = a.seed;
   options.sequences = *std::max_element(a.decode_batch.begin(), a.decode_batch.end());
+  if (!a.gpus.empty()) options.devices = parse_cuda_devices(a.gpus);
   fmt::print("\n=== {} ===\n", format_name(f));
   std::fflush(stdout);
   auto start = std::chrono::steady_clock::now();
@@ -468,6 +488,10 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
   fmt::print("runner built in {:.1f} s: weights {:.2f} GB, workspaces {:.2f} GB, state {:.2f} GB; GPU memory in use "
              "{:.2f} GB of {:.2f} GB\n", seconds_since(start), built.weight_bytes / 1e9, built.workspace_bytes / 1e9,
              runner->state_bytes() / 1e9, used / 1e9, device_info().global_mem_bytes / 1e9);
+  if (built.stages > 1)
+    for (const CudaStage& s : cuda_runner_stages(*runner))
+      fmt::print("  stage on GPU {}: layers {}..{}, weights {:.2f} GB\n", s.device, s.layer_begin, s.layer_end - 1,
+                 s.weight_bytes / 1e9);
   json report = {{"weight_bytes", built.weight_bytes}, {"workspace_bytes", built.workspace_bytes},
                  {"state_bytes", runner->state_bytes()}, {"gpu_memory_used_bytes", used}};
   // --switches: each set is applied on top of the options the runner was built with.
@@ -752,6 +776,9 @@ void add_bench_command(CLI::App& app, Handler& handler) {
                 "After the timed decode steps, time every launch site of one more step (events, no graph)");
   cmd->add_option("--profile-prefill", args->profile_prefill,
                   "After the timed prefills, time every launch site of a prefill of this many tokens");
+  cmd->add_option("--gpus", args->gpus,
+                  "Split the layers over these GPUs, in order (e.g. 0,1: --experts 256 needs two H200s or four "
+                  "H100s); with --plan-only, print the split");
   cmd->add_flag("--plan-only", args->plan_only,
                 "Print the bytes / FLOPs accounting only (no GPU needed)");
   cmd->callback([&handler, args] {

@@ -49,7 +49,7 @@ int run_chat(const ChatArgs& a) {
   const Tokenizer tokenizer = Tokenizer::load(a.tokenizer.empty() ? a.engine.model_dir : a.tokenizer);
   const std::optional<int32_t> eos = tokenizer.eos_id();
   const Model model = load_model(a.engine);
-  std::unique_ptr<SequenceRunner> runner = runner_factory(model, a.engine.device)(a.engine.max_context);
+  std::unique_ptr<SequenceRunner> runner = runner_factory(model, a.engine)(a.engine.max_context);
   Session session(*runner);
 
   ChatFormatOptions format;

@@ -71,7 +71,7 @@ int run_generate(const GenerateArgs& a) {
       write_npy_f32(file, data, {rows, cols});
     });
   }
-  std::unique_ptr<SequenceRunner> runner = runner_factory(model, a.engine.device)(a.engine.max_context);
+  std::unique_ptr<SequenceRunner> runner = runner_factory(model, a.engine)(a.engine.max_context);
   Session session(*runner);
   spdlog::info("sequence state: {:.1f} MiB for --max-context {}", runner->state_bytes() / 1048576.0,
                a.engine.max_context);

@@ -61,7 +61,7 @@ int run_serve(const ServeArgs& a) {
 
   server::Metrics metrics;
   server::SchedulerOptions scheduling{a.max_batch, a.max_queue, e.max_context, a.prefill_chunk, a.threads};
-  server::Scheduler scheduler(tokenizer, batch_runner(model, e.device, a.max_batch, e.max_context), scheduling,
+  server::Scheduler scheduler(tokenizer, batch_runner(model, e, a.max_batch), scheduling,
                               metrics);
   std::string name = a.served_model_name;
   if (name.empty()) {

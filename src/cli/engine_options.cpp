@@ -15,6 +15,9 @@ namespace dsv4::cli {
 void add_engine_options(CLI::App* cmd, EngineOptions& o) {
   cmd->add_option("--model", o.model_dir, "Model directory (config.json, safetensors, tokenizer.json)")->required();
   cmd->add_option("--device", o.device, "Backend: cpu, or cuda in builds with DSV4_CUDA")->capture_default_str();
+  cmd->add_option("--gpus", o.gpus,
+                  "With --device cuda: the GPUs to split the layers over, in order (e.g. 0,1; a model larger than one "
+                  "GPU). Default: the current GPU alone");
   cmd->add_option("--max-context", o.max_context, "Tokens of state preallocated per sequence")
       ->capture_default_str()->check(CLI::PositiveNumber);
   cmd->add_option("--kv-dtype", o.kv_dtype, "KV cache storage: fp8 (official rounding), bf16, f32")
@@ -38,26 +41,39 @@ Model load_model(const EngineOptions& o) {
   return model;
 }
 
-RunnerFactory runner_factory(const Model& model, const std::string& device) {
-  if (device == "cpu") return [&model](int max_context) { return make_cpu_runner(model, max_context); };
 #ifdef DSV4_HAVE_CUDA
-  if (device == "cuda") return [&model](int max_context) { return make_cuda_runner(model, max_context); };
-  DSV4_FAIL("--device {}: expected cpu or cuda", device);
+namespace {
+CudaRunnerOptions cuda_options(const EngineOptions& o) {
+  CudaRunnerOptions options;
+  if (!o.gpus.empty()) options.devices = parse_cuda_devices(o.gpus);
+  return options;
+}
+}  // namespace
+#endif
+
+RunnerFactory runner_factory(const Model& model, const EngineOptions& o) {
+  DSV4_CHECK(o.gpus.empty() || o.device == "cuda", "--gpus {} needs --device cuda", o.gpus);
+  if (o.device == "cpu") return [&model](int max_context) { return make_cpu_runner(model, max_context); };
+#ifdef DSV4_HAVE_CUDA
+  if (o.device == "cuda") {
+    const CudaRunnerOptions options = cuda_options(o);
+    return [&model, options](int max_context) { return make_cuda_runner(model, max_context, options); };
+  }
+  DSV4_FAIL("--device {}: expected cpu or cuda", o.device);
 #else
-  DSV4_FAIL("--device {}: this build has only the cpu backend (configure with -DDSV4_CUDA=ON for cuda)", device);
+  DSV4_FAIL("--device {}: this build has only the cpu backend (configure with -DDSV4_CUDA=ON for cuda)", o.device);
 #endif
 }
 
-std::unique_ptr<BatchRunner> batch_runner(const Model& model, const std::string& device, int sequences,
-                                          int max_context) {
+std::unique_ptr<BatchRunner> batch_runner(const Model& model, const EngineOptions& o, int sequences) {
 #ifdef DSV4_HAVE_CUDA
-  if (device == "cuda") {  // one runner: one copy of the weights, plus a spare sequence for moving states
+  if (o.device == "cuda") {  // one runner: one copy of the weights, plus a spare sequence for moving states
     DSV4_CHECK(sequences >= 1 && sequences + 1 <= kCudaMaxChunk,
                "--device cuda holds at most {} slots (--max-batch), got {}", kCudaMaxChunk - 1, sequences);
-    CudaRunnerOptions options;
+    CudaRunnerOptions options = cuda_options(o);
     options.sequences = sequences + 1;
     PackedSequences backend;
-    backend.runner = make_cuda_runner(model, max_context, options);
+    backend.runner = make_cuda_runner(model, o.max_context, options);
     backend.held = sequences + 1;
     backend.select = [](SequenceRunner& r, int seq) { cuda_runner_select_sequence(r, seq); };
     backend.decode_first = [](SequenceRunner& r, std::span<const int32_t> tokens) {
@@ -71,7 +87,7 @@ std::unique_ptr<BatchRunner> batch_runner(const Model& model, const std::string&
     return make_packed_batch_runner(std::move(backend), sequences);
   }
 #endif
-  return make_looped_batch_runner(runner_factory(model, device), sequences, max_context);
+  return make_looped_batch_runner(runner_factory(model, o), sequences, o.max_context);
 }
 
 void add_sampling_options(CLI::App* cmd, SamplingParams& p) {

@@ -18,6 +18,7 @@ namespace dsv4::cli {
 struct EngineOptions {
   std::string model_dir, device = "cpu", kv_dtype = "fp8", indexer_dtype = "fp4",
               act_quant = "none";
+  std::string gpus;  // --gpus 0,1: the CUDA runner's layers split over these GPUs (empty: the current one)
   int max_context = 8192;
   bool with_mtp = false;  // load the checkpoint's MTP block (--speculate mtp)
 
@@ -28,18 +29,17 @@ struct EngineOptions {
   }
 };
 
-// --model, --device, --max-context, --kv-dtype, --indexer-dtype
+// --model, --device, --gpus, --max-context, --kv-dtype, --indexer-dtype, --act-quant
 void add_engine_options(CLI::App* cmd, EngineOptions& options);
 
 // Loads the model with the chosen numerics and logs its summary.
 Model load_model(const EngineOptions& options);
 
 // Makes per-sequence runners on the chosen backend; throws for a backend this build does not have.
-RunnerFactory runner_factory(const Model& model, const std::string& device);
+RunnerFactory runner_factory(const Model& model, const EngineOptions& options);
 // `sequences` sequences for the server's slots: on cuda one runner holding them all (one copy of the weights,
 // batched decode steps), on cpu one runner each.
-std::unique_ptr<BatchRunner> batch_runner(const Model& model, const std::string& device, int sequences,
-                                          int max_context);
+std::unique_ptr<BatchRunner> batch_runner(const Model& model, const EngineOptions& options, int sequences);
 
 // --temperature, --top-p, --top-k, --seed
 void add_sampling_options(CLI::App* cmd, SamplingParams& params);

@@ -17,6 +17,7 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <utility>
 
 namespace dsv4::gpu {
@@ -60,23 +61,38 @@ cudaError_t launch_ex(void (*kernel)(Params...), dim3 grid, dim3 block, size_t s
   return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 
-// Raises kKernel's dynamic shared-memory limit to `bytes` on its first call (every kernel above 48 KB goes through
-// this). One static per kernel: a generic lambda taking kernels of one signature shares a single static, so it
-// configured only the first kernel it saw and every other one failed its launch with cudaErrorInvalidValue (seen on
-// the H100 with the copy-engine GEMVs at m > 8).
-template <auto kKernel>
-cudaError_t allow_dynamic_smem(int bytes) {
-  static const cudaError_t configured =
-      cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-  return configured;
+// configure() once per kernel and device (function attributes belong to a device's context: a pipeline over
+// several GPUs launches the same kernel on each). `Tag` keeps the settings of one kernel apart.
+template <auto kKernel, int kTag, class Configure>
+cudaError_t once_per_device(Configure configure) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> result[kMaxDevices];  // cudaError_t + 1; 0: not configured yet
+  int device = 0;
+  if (const cudaError_t e = cudaGetDevice(&device); e != cudaSuccess) return e;
+  if (device < 0 || device >= kMaxDevices) return configure();
+  int r = result[device].load(std::memory_order_acquire);
+  if (r == 0) {  // two threads may both configure: the call is idempotent
+    r = int(configure()) + 1;
+    result[device].store(r, std::memory_order_release);
+  }
+  return cudaError_t(r - 1);
 }
 
-// Lets kKernel launch clusters above the portable 8 blocks (Hopper takes 16), once.
+// Raises kKernel's dynamic shared-memory limit to `bytes` on its first call on each device (every kernel above 48 KB
+// goes through this). One static per kernel: a generic lambda taking kernels of one signature shares a single
+// static, so it configured only the first kernel it saw and every other one failed its launch with
+// cudaErrorInvalidValue (seen on the H100 with the copy-engine GEMVs at m > 8).
+template <auto kKernel>
+cudaError_t allow_dynamic_smem(int bytes) {
+  return once_per_device<kKernel, 0>(
+      [&] { return cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes); });
+}
+
+// Lets kKernel launch clusters above the portable 8 blocks (Hopper takes 16), once per device.
 template <auto kKernel>
 cudaError_t allow_nonportable_clusters() {
-  static const cudaError_t configured =
-      cudaFuncSetAttribute(kKernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
-  return configured;
+  return once_per_device<kKernel, 1>(
+      [] { return cudaFuncSetAttribute(kKernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1); });
 }
 
 template <typename... Params, typename... Args>

@@ -18,8 +18,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
+#include <charconv>
 #include <cstring>
 #include <string>
+#include <string_view>
+#include <utility>
 #include <limits>
 #include <map>
 #include <tuple>
@@ -156,10 +159,33 @@ struct ChunkPart {
 
 size_t bytes_of(const DeviceBuffer& b) { return b.data() ? b.size() : 0; }
 
+// Makes `device` current for the scope (each stage of a runner lives on its own GPU) and then restores the previous one.
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device) {
+    DSV4_CUDA_CHECK(cudaGetDevice(&previous_));
+    if (previous_ != device) DSV4_CUDA_CHECK(cudaSetDevice(device));
+    changed_ = previous_ != device;
+  }
+  ~DeviceScope() {
+    if (changed_) cudaSetDevice(previous_);  // no throw from a destructor
+  }
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+
+ private:
+  int previous_ = 0;
+  bool changed_ = false;
+};
+
 class CudaRunner final : public SequenceRunner {
  public:
-  CudaRunner(const Model& model, int max_context, CudaRunnerOptions options);
+  // Stage `stage` of `stages` (cuda_pipeline_stages); make_cuda_runner checks the memory of every device first and
+  // hands the later stages to the first (add_stage).
+  CudaRunner(const Model& model, int max_context, CudaRunnerOptions options, const std::vector<CudaStage>& stages,
+             size_t stage);
   ~CudaRunner() override;
+  void add_stage(std::unique_ptr<CudaRunner> next);
 
   const ModelConfig& config() const override { return c_; }
   std::vector<float> forward(std::span<const int32_t> tokens, bool last_only) override;
@@ -168,33 +194,46 @@ class CudaRunner final : public SequenceRunner {
   int64_t n_tokens() const override { return seqs_[current_seq_].n_tokens; }
   int max_rollback() const override { return kMaxRollback; }
   void rollback(int64_t n_tokens) override;
-  bool has_mtp() const override { return mtp_.has_value(); }
+  bool has_mtp() const override { return model_.has_mtp(); }
   int64_t mtp_pending() const override {
-    return mtp_ ? seqs_[current_seq_].n_tokens - seqs_[current_seq_].mtp_tokens : 0;
+    return has_mtp() ? seqs_[current_seq_].n_tokens - seqs_[current_seq_].mtp_tokens : 0;
   }
+  // The MTP block runs on the last stage (it holds the block, the head and an embedding copy).
   int32_t mtp_draft(std::span<const int32_t> next_tokens) override {
+    CudaRunner& last = last_stage();
     run_mtp(next_tokens, true);
-    return host_drawn_[0];
+    return last.host_drawn_[0];
   }
   std::vector<float> mtp_logits(std::span<const int32_t> next_tokens) {
+    CudaRunner& last = last_stage();
     run_mtp(next_tokens, false);
-    return std::vector<float>(host_logits_, host_logits_ + next_tokens.size() * size_t(c_.vocab_size));
+    return std::vector<float>(last.host_logits_, last.host_logits_ + next_tokens.size() * size_t(c_.vocab_size));
   }
   int max_context() const override { return max_context_; }
-  void reset() override;
-  size_t state_bytes() const override { return state_bytes_; }
-  CudaRunnerStats stats() const { return stats_; }
+  void reset() override {
+    for_each_stage([](CudaRunner& s) { s.reset_stage(); });
+  }
+  size_t state_bytes() const override;
+  CudaRunnerStats stats() const;
+  std::vector<CudaStage> stages() const;
   bool draws_on_device() const { return options_.draw_on_device; }
-  void set_draw_on_device(bool on) { options_.draw_on_device = on; }
+  void set_draw_on_device(bool on) {
+    for_each_stage([on](CudaRunner& s) { s.options_.draw_on_device = on; });
+  }
   const CudaRunnerOptions& options() const { return options_; }
   void set_step_switches(const CudaRunnerOptions& o) {
-    drop_graphs();
-    options_.draw_on_device = o.draw_on_device;
-    options_.fuse_mhc_mix = o.fuse_mhc_mix;
-    options_.fuse_moe_routing = o.fuse_moe_routing;
-    options_.overlap_branches = o.overlap_branches;
-    options_.fuse_q_norm_rope = o.fuse_q_norm_rope;
-    if (o.overlap_branches) make_side_stream();
+    for_each_stage([&o](CudaRunner& s) {
+      s.drop_stage_graphs();
+      s.options_.draw_on_device = o.draw_on_device;
+      s.options_.fuse_mhc_mix = o.fuse_mhc_mix;
+      s.options_.fuse_moe_routing = o.fuse_moe_routing;
+      s.options_.overlap_branches = o.overlap_branches;
+      s.options_.fuse_q_norm_rope = o.fuse_q_norm_rope;
+      if (o.overlap_branches) {
+        DeviceScope scope(s.stage_.device);
+        s.make_side_stream();
+      }
+    });
   }
   std::vector<LaunchTiming> profile_step(std::span<const int32_t> tokens, bool prefill = false);
   int prefill_chunk() const { return chunk_; }
@@ -203,10 +242,40 @@ class CudaRunner final : public SequenceRunner {
   std::vector<float> decode_batch(std::span<const int32_t> tokens);
   std::vector<int32_t> decode_batch_draw(std::span<const int32_t> tokens, std::span<const TokenDraw> draws);
   void copy_sequence(int from, int to);
-  void drop_graphs();
+  void drop_graphs() {
+    for_each_stage([](CudaRunner& s) { s.drop_stage_graphs(); });
+  }
 
  private:
   enum class Rows { None, Last, All };  // logits rows a chunk returns (or draws from, when drawn)
+  // ---- stages: the runner the caller holds is the first; it drives the later ones (later_), each on its device.
+  // Host-side bookkeeping (sequence lengths, the selected sequence, snapshots) is kept by every stage alike.
+  template <class F>
+  void for_each_stage(F&& f) {
+    f(*this);
+    for (const std::unique_ptr<CudaRunner>& s : later_) f(*s);
+  }
+  template <class F>
+  void for_each_stage(F&& f) const {
+    f(*this);
+    for (const std::unique_ptr<CudaRunner>& s : later_) f(std::as_const(*s));
+  }
+  CudaRunner& last_stage() { return later_.empty() ? *this : *later_.back(); }
+  // This stage's part of the public operations.
+  void reset_stage();
+  void rollback_stage(int64_t n);
+  void copy_sequence_stage(int from, int to);
+  void drop_stage_graphs();
+  // The host side of a chunk on this stage: its token ids (waiting for a queued upload of the previous ones) and the
+  // parts (one sequence at pos0, positions on the device when `graph`).
+  void stage_chunk(std::span<const int32_t> tokens, int64_t pos0, bool graph);
+  // The streams of the chunk's n rows from the previous stage (after its streams_ready_, a peer copy on this stage's
+  // stream), then streams_taken_ so that the previous stage does not overwrite them before.
+  void take_streams(const CudaRunner& previous, int n);
+  // Enqueues this stage's part of the chunk in parts_ (graph replay or direct launches) on its device.
+  void launch_stage(int n, Rows rows, bool drawn, bool graph);
+  // The last stage: waits for the chunk and appends its logits (or leaves the drawn ids in host_drawn_).
+  void collect(int n, Rows rows, bool drawn, std::vector<float>& logits);
   // A captured decode step: one token for each of `count` sequences from `first` on.
   struct DecodeGraph {
     cudaGraph_t graph = nullptr;
@@ -261,7 +330,7 @@ class CudaRunner final : public SequenceRunner {
   // After a forward of the selected sequence (or a batched step, `stored` false: no rows were kept): the MTP block
   // skips what fell out of the kept rows.
   void mtp_after_forward(SequenceDevice& seq, bool stored) const {
-    if (mtp_) seq.mtp_tokens = stored ? std::max(seq.mtp_tokens, seq.n_tokens - kMtpRows) : seq.n_tokens;
+    if (has_mtp()) seq.mtp_tokens = stored ? std::max(seq.mtp_tokens, seq.n_tokens - kMtpRows) : seq.n_tokens;
   }
   // The decode step of sequences 0..B-1; draws: their tokens drawn on the device (host_drawn_), else logits.
   std::vector<float> decode_rows(std::span<const int32_t> tokens, std::span<const TokenDraw> draws);
@@ -278,11 +347,11 @@ class CudaRunner final : public SequenceRunner {
     }
   }
   SequenceDevice make_sequence(size_t& state_bytes) const;  // adds the sizes SequenceState::create uses
-  // Device tables of layer l's per-sequence state pointers (index = sequence), for the batched kernels.
+  // Device tables of model layer l's per-sequence state pointers (index = sequence), for the batched kernels.
   enum StateTable { Window, Compressed, IndexKeys, CompressorKv, CompressorScore, IndexCompressorKv,
                     IndexCompressorScore, kStateTables };
   float* const* state_table(int l, StateTable which) const {
-    return state_tables_.as<float*>() + size_t(kStateTables * l + which) * seqs_.size();
+    return state_tables_.as<float*>() + (kStateTables * local(l) + size_t(which)) * seqs_.size();
   }
   float* const* window_rings(int l) const { return state_table(l, Window); }
   float* const* compressed_rows(int l) const { return state_table(l, Compressed); }
@@ -465,6 +534,14 @@ class CudaRunner final : public SequenceRunner {
     launched(site);
   }
 
+  // Declared first, so destroyed last: the destructor makes this stage's device current for the members' release and
+  // this gives the caller's device back afterwards.
+  struct RestoreDevice {
+    int device = -1;
+    ~RestoreDevice() {
+      if (device >= 0) cudaSetDevice(device);
+    }
+  } restore_device_;
   const Model& model_;
   const ModelConfig& c_;
   const Numerics numerics_;
@@ -485,6 +562,13 @@ class CudaRunner final : public SequenceRunner {
   cudaEvent_t fork_event_ = nullptr, join_event_ = nullptr;
   bool side_pending_ = false;  // launches on side_ that the main stream has not joined yet
   CudaRunnerOptions options_;
+  CudaStage stage_;  // this runner's device and layers [stage_.layer_begin, stage_.layer_end)
+  bool last_ = true;  // holds the head (and the MTP block)
+  std::vector<std::unique_ptr<CudaRunner>> later_;  // the first stage only: the stages after it, in order
+  CudaRunner* next_ = nullptr;                      // the stage after this one
+  cudaEvent_t streams_ready_ = nullptr;  // after this stage's layers of the chunk (not on the last stage)
+  cudaEvent_t streams_taken_ = nullptr;  // after this stage copied the previous stage's streams (not on the first)
+  int64_t stage_copies_ = 0;             // streams copies from the previous stage so far
   std::map<std::tuple<int, int, bool>, DecodeGraph> decode_graphs_;  // by (first sequence, count, drawn)
   cudaEvent_t tokens_uploaded_ = nullptr;  // host_tokens_ may be rewritten once this has completed
   bool upload_pending_ = false;
@@ -493,7 +577,9 @@ class CudaRunner final : public SequenceRunner {
   DeviceBuffer final_norm_, inv_freq_main_, inv_freq_compress_;
   DeviceLinear embed_, head_;
   std::optional<HcDevice> hc_head_;
-  std::vector<LayerDevice> layers_;  // n_layers blocks, then the MTP block's when the model has it
+  // This stage's blocks, model layer l at local(l), then (last stage) the MTP block's when the model has it.
+  std::vector<LayerDevice> layers_;
+  size_t local(int l) const { return size_t(l - stage_.layer_begin); }
   std::optional<MtpDevice> mtp_;
   DeviceBuffer mtp_e_, mtp_h_bf16_;  // MTP input workspaces: e_proj output [kMtpRows, D], hnorm'd rows bf16
 
@@ -534,13 +620,15 @@ class CudaRunner final : public SequenceRunner {
   std::vector<cudaEvent_t> events_;
 };
 
-CudaRunner::CudaRunner(const Model& model, int max_context, CudaRunnerOptions options)
+CudaRunner::CudaRunner(const Model& model, int max_context, CudaRunnerOptions options,
+                       const std::vector<CudaStage>& stages, size_t stage)
     : model_(model), c_(model.config()), numerics_(model.numerics()),
       act_(model.numerics().act == ActQuant::FP8 ? GemvAct::FP8 : GemvAct::BF16),
       max_context_(max_context),
-      options_(options) {
+      options_(options), stage_(stages.at(stage)), last_(stage + 1 == stages.size()) {
   DSV4_CHECK(cuda_available(), "--device cuda: no usable CUDA device or driver");
   DSV4_CHECK(max_context > 0, "--max-context must be positive, got {}", max_context);
+  DeviceScope scope(stage_.device);
   const ModelConfig& c = c_;
   const ModelWeights& W = model.weights();
   const int D = c.hidden_size, H = c.n_heads, hd = c.head_dim, rd = c.rope_dim, hc = c.hc_mult;
@@ -550,32 +638,37 @@ CudaRunner::CudaRunner(const Model& model, int max_context, CudaRunnerOptions op
   DSV4_CHECK(c.o_groups > 0 && H % c.o_groups == 0, "cuda runner: {} heads do not split into o_groups = {}", H,
              c.o_groups);
   DSV4_CHECK(c.moe_inter % 8 == 0, "cuda runner: moe_intermediate_size {} must be a multiple of 8", c.moe_inter);
-  {  // before any upload: a model larger than the GPU fails now, not after minutes of copying
-    size_t free_bytes = 0, total_bytes = 0;
-    DSV4_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
-    check_cuda_memory(cuda_memory_need(model, max_context, options), free_bytes, total_bytes, max_context);
-  }
   // Non-blocking (graph capture must not meet the legacy stream); the constructor ends with a device sync, so
   // the uploads and memsets on the legacy stream are complete before the first launch.
   DSV4_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
   DSV4_CUDA_CHECK(cudaEventCreateWithFlags(&tokens_uploaded_, cudaEventDisableTiming));
+  DSV4_CUDA_CHECK(cudaEventCreateWithFlags(&streams_ready_, cudaEventDisableTiming));
+  DSV4_CUDA_CHECK(cudaEventCreateWithFlags(&streams_taken_, cudaEventDisableTiming));
   cur_ = stream_;
   if (options_.overlap_branches) make_side_stream();
 
   window_slots_ = std::min(c.window + kMaxRollback, max_context);  // model/state.h: room for rolled-back tokens
   WeightUploader uploader(options.synthetic_format, options.synthetic_seed);
-  // The embedding is a gather from a bf16 table: the uploader's bf16 rows (of fp32 values, or synthetic codes).
-  embed_ = uploader.linear(W.embed, GemvWeight::BF16);
-  DSV4_CHECK(embed_.format == GemvWeight::BF16 && embed_.n == c.vocab_size && embed_.k == D,
-             "cuda runner: the embedding must be a bf16 [{}, {}] table", c.vocab_size, D);
-  head_ = uploader.linear(W.head, GemvWeight::BF16);
-  final_norm_ = upload_f32(W.norm);
-  hc_head_.emplace(W.hc_head);
+  // The embedding is a gather from a bf16 table: the uploader's bf16 rows (of fp32 values, or synthetic codes). The
+  // first stage embeds the tokens; the last one needs the table too for the MTP block's input.
+  if (stage_.first() || (last_ && model.has_mtp())) {
+    embed_ = uploader.linear(W.embed, GemvWeight::BF16);
+    DSV4_CHECK(embed_.format == GemvWeight::BF16 && embed_.n == c.vocab_size && embed_.k == D,
+               "cuda runner: the embedding must be a bf16 [{}, {}] table", c.vocab_size, D);
+  }
+  if (last_) {
+    head_ = uploader.linear(W.head, GemvWeight::BF16);
+    final_norm_ = upload_f32(W.norm);
+    hc_head_.emplace(W.hc_head);
+  }
   inv_freq_main_ = upload_f32(rope_inv_freq(c.rope_main, rd));
   inv_freq_compress_ = upload_f32(rope_inv_freq(c.rope_compress, rd));
 
   int max_n_x = 0, max_n_q = 0, max_inter = 1, max_shared = 1, shared_grouped_layers = 0;
-  layers_.reserve(c.n_layers + 1);
+  // Over every layer of the model, not only this stage's: all stages settle on the same prefill chunk.
+  for (int l = 0; l < c.n_layers; ++l)
+    if (c.ratio(l)) max_entries_ = std::max(max_entries_, max_context / c.ratio(l));
+  layers_.reserve(size_t(stage_.layer_end - stage_.layer_begin) + 1);
   // Block l of the model (l = n_layers: the MTP block, sliding-window attention only, like ModelConfig's accessors).
   auto add_layer = [&](const LayerWeights& L, int l) {
     const AttentionWeights& A = L.attn;
@@ -631,8 +724,6 @@ CudaRunner::CudaRunner(const Model& model, int max_context, CudaRunnerOptions op
     max_n_x = std::max(max_n_x, d.n_x);
     max_n_q = std::max(max_n_q, d.n_q);
 
-    if (d.ratio) max_entries_ = std::max(max_entries_, max_context / d.ratio);
-
     const MoEWeights& M = L.ffn;
     d.gate = upload_f32(M.gate.data);
     if (!M.gate_bias.empty()) d.gate_bias = upload_f32(M.gate_bias);
@@ -670,8 +761,8 @@ CudaRunner::CudaRunner(const Model& model, int max_context, CudaRunnerOptions op
     d.w2 = uploader.experts(w2);
     max_inter = std::max(max_inter, c.moe_inter);
   };
-  for (int l = 0; l < c.n_layers; ++l) add_layer(W.layers[size_t(l)], l);
-  if (model.has_mtp()) {
+  for (int l = stage_.layer_begin; l < stage_.layer_end; ++l) add_layer(W.layers[size_t(l)], l);
+  if (last_ && model.has_mtp()) {
     const MtpWeights& m = *W.mtp;
     add_layer(m.block, c.n_layers);
     mtp_.emplace(m.hc_head);
@@ -696,7 +787,7 @@ CudaRunner::CudaRunner(const Model& model, int max_context, CudaRunnerOptions op
   }
   const int n_mix = (2 + hc) * hc, k = c.n_experts_per_tok, pairs = k + 1;  // + the shared expert's pair
   chunk_ = cuda_prefill_chunk(options.prefill_chunk, pairs, max_entries_, max_context);
-  if (chunk_ < options.prefill_chunk && chunk_ < max_context)  // lowered by the limits, not by a short context
+  if (stage_.first() && chunk_ < options.prefill_chunk && chunk_ < max_context)  // lowered by the limits
     spdlog::info("cuda runner: prefill chunks of {} tokens instead of {} ({} routed pairs per token, {} indexer "
                  "scores per row)", chunk_, options.prefill_chunk, pairs, max_entries_);
   const size_t C = chunk_, f = sizeof(float), b16 = sizeof(uint16_t);
@@ -838,6 +929,19 @@ CudaRunner::CudaRunner(const Model& model, int max_context, CudaRunnerOptions op
     rollback_tables_.push_back(std::move(table));
   }
   DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+  if (stages.size() > 1)
+    spdlog::info("cuda runner: stage {} of {} on GPU {}: layers {}..{}{}{}, {:.2f} GiB of weights", stage + 1,
+                 stages.size(), stage_.device, stage_.layer_begin, stage_.layer_end - 1,
+                 stage_.first() ? " + embedding" : "", last_ ? (mtp_ ? " + head + MTP block" : " + head") : "",
+                 double(stats_.weight_bytes) / double(size_t(1) << 30));
+}
+
+void CudaRunner::add_stage(std::unique_ptr<CudaRunner> next) {
+  DSV4_CHECK(stage_.first() && next && next.get() != this, "cuda runner: stages are added to the first one");
+  CudaRunner& tail = last_stage();
+  tail.next_ = next.get();
+  tail.last_ = false;
+  later_.push_back(std::move(next));
 }
 
 SequenceDevice CudaRunner::make_sequence(size_t& state_bytes) const {
@@ -870,7 +974,8 @@ SequenceDevice CudaRunner::make_sequence(size_t& state_bytes) const {
   return s;
 }
 
-void CudaRunner::drop_graphs() {
+void CudaRunner::drop_stage_graphs() {
+  DeviceScope scope(stage_.device);
   if (stream_) cudaStreamSynchronize(stream_);
   for (auto& [key, g] : decode_graphs_) {
     if (g.exec) cudaGraphExecDestroy(g.exec);
@@ -880,7 +985,11 @@ void CudaRunner::drop_graphs() {
 }
 
 CudaRunner::~CudaRunner() {
-  drop_graphs();
+  later_.clear();
+  // The members are freed after this body, on this stage's device; restore_device_ then restores the caller's.
+  if (cudaGetDevice(&restore_device_.device) != cudaSuccess) restore_device_.device = -1;
+  cudaSetDevice(stage_.device);
+  drop_stage_graphs();
   if (host_tokens_) cudaFreeHost(host_tokens_);
   if (host_pos_) cudaFreeHost(host_pos_);
   if (host_logits_) cudaFreeHost(host_logits_);
@@ -888,13 +997,14 @@ CudaRunner::~CudaRunner() {
   if (host_drawn_) cudaFreeHost(host_drawn_);
   if (tokens_uploaded_) cudaEventDestroy(tokens_uploaded_);
   for (cudaEvent_t e : events_) cudaEventDestroy(e);
-  for (cudaEvent_t e : {fork_event_, join_event_})
+  for (cudaEvent_t e : {fork_event_, join_event_, streams_ready_, streams_taken_})
     if (e) cudaEventDestroy(e);
   if (side_) cudaStreamDestroy(side_);
   if (stream_) cudaStreamDestroy(stream_);
 }
 
-void CudaRunner::reset() {
+void CudaRunner::reset_stage() {
+  DeviceScope scope(stage_.device);
   SequenceDevice& s = seqs_[current_seq_];
   s.n_tokens = 0;
   s.mtp_tokens = 0;
@@ -913,13 +1023,18 @@ void CudaRunner::reset() {
 
 void CudaRunner::select_sequence(int seq) {
   DSV4_CHECK(seq >= 0 && seq < sequences(), "cuda runner: sequence {} is not one of the {} held", seq, sequences());
-  current_seq_ = seq;
+  for_each_stage([seq](CudaRunner& s) { s.current_seq_ = seq; });
 }
 
 void CudaRunner::copy_sequence(int from, int to) {
   DSV4_CHECK(from >= 0 && from < sequences() && to >= 0 && to < sequences(),
              "cuda runner: copy_sequence({}, {}) outside the {} sequences held", from, to, sequences());
   if (from == to) return;
+  for_each_stage([from, to](CudaRunner& s) { s.copy_sequence_stage(from, to); });
+}
+
+void CudaRunner::copy_sequence_stage(int from, int to) {
+  DeviceScope scope(stage_.device);
   std::vector<const DeviceBuffer*> src;
   seqs_[from].for_each_buffer([&](const DeviceBuffer& b) { src.push_back(&b); });
   size_t i = 0;
@@ -947,17 +1062,23 @@ std::vector<gpu::CopySpan> CudaRunner::snapshot_spans(int seq, bool restore) con
 }
 
 void CudaRunner::save_snapshot() {
+  DeviceScope scope(stage_.device);
   gpu::copy_spans(save_spans_[size_t(current_seq_)].as<gpu::CopySpan>(), snapshot_span_count_, stream_);
   snapshot_seq_ = current_seq_;
   snapshot_pos_ = seqs_[current_seq_].n_tokens;
 }
 
 void CudaRunner::rollback(int64_t n) {
+  for_each_stage([n](CudaRunner& s) { s.rollback_stage(n); });
+}
+
+void CudaRunner::rollback_stage(int64_t n) {
   SequenceDevice& seq = seqs_[current_seq_];
   if (n == seq.n_tokens) return;
   DSV4_CHECK(snapshot_seq_ == current_seq_ && n >= snapshot_pos_ && n < seq.n_tokens,
              "cuda runner: cannot roll back to {} tokens (holding {}): only tokens of the last forward, when it fed "
              "2 to {} tokens, can be forgotten", n, seq.n_tokens, kMaxRollback + 1);
+  DeviceScope scope(stage_.device);
   gpu::copy_spans(restore_spans_[size_t(current_seq_)].as<gpu::CopySpan>(), snapshot_span_count_, stream_);
   // Every compressor's state from the kept rows, in one launch (rollback_params: the history rows, this sequence's
   // state buffers).
@@ -988,9 +1109,10 @@ std::vector<float> CudaRunner::forward(std::span<const int32_t> tokens, bool las
 int32_t CudaRunner::forward_draw(std::span<const int32_t> tokens, const TokenDraw& draw) {
   if (!options_.draw_on_device) return SequenceRunner::forward_draw(tokens, draw);
   check_draw(draw, "forward_draw");
-  host_draws_[0] = draw;  // free: the last drawn chunk waited for its ids
+  CudaRunner& last = last_stage();  // it draws
+  last.host_draws_[0] = draw;       // free: the last drawn chunk waited for its ids
   run_sequence(tokens, Rows::Last, true);
-  return host_drawn_[0];
+  return last.host_drawn_[0];
 }
 
 // A verify step's rows drawn on the device (draw_on_device): ids come back instead of rows x vocab logits.
@@ -1002,34 +1124,43 @@ std::vector<int32_t> CudaRunner::forward_draw_rows(std::span<const int32_t> toke
     return SequenceRunner::forward_draw_rows(tokens, draws);
   }
   for (const TokenDraw& d : draws) check_draw(d, "forward_draw_rows");
-  std::copy(draws.begin(), draws.end(), host_draws_);
+  CudaRunner& last = last_stage();
+  std::copy(draws.begin(), draws.end(), last.host_draws_);
   run_sequence(tokens, Rows::All, true);
-  return std::vector<int32_t>(host_drawn_, host_drawn_ + tokens.size());
+  return std::vector<int32_t>(last.host_drawn_, last.host_drawn_ + tokens.size());
 }
 
 std::vector<float> CudaRunner::run_sequence(std::span<const int32_t> tokens, Rows rows, bool drawn) {
   check_tokens(tokens);
-  SequenceDevice& seq = seqs_[current_seq_];
   const int n = int(tokens.size());
-  recording_ = n >= 2 && n <= kMaxRollback + 1;  // a verify step of speculative decoding (one chunk)
+  const bool record = n >= 2 && n <= kMaxRollback + 1;  // a verify step of speculative decoding (one chunk)
   struct StopRecording {  // also when the forward throws: no later chunk or batched step keeps rows
-    bool& on;
-    ~StopRecording() { on = false; }
-  } stop_recording{recording_};
-  if (recording_) save_snapshot();
-  else if (snapshot_seq_ == current_seq_) snapshot_seq_ = -1;
-  launches_ = 0;
-  stats_.last_forward_replayed_graph = false;
+    CudaRunner& r;
+    ~StopRecording() {
+      r.for_each_stage([](CudaRunner& s) { s.recording_ = false; });
+    }
+  } stop_recording{*this};
+  for_each_stage([record](CudaRunner& s) {
+    s.recording_ = record;
+    if (record) s.save_snapshot();
+    else if (s.snapshot_seq_ == s.current_seq_) s.snapshot_seq_ = -1;
+    s.launches_ = 0;
+    s.stats_.last_forward_replayed_graph = false;
+  });
   std::vector<float> logits;
   for (int at = 0; at < n; at += chunk_) {
     const int len = std::min(chunk_, n - at);
     const bool last = at + len == n;
-    run_chunk(tokens.subspan(at, len), seq.n_tokens, rows == Rows::All ? Rows::All : last ? Rows::Last : Rows::None,
-              drawn && last, logits);
-    seq.n_tokens += len;
+    run_chunk(tokens.subspan(at, len), seqs_[current_seq_].n_tokens,
+              rows == Rows::All ? Rows::All : last ? Rows::Last : Rows::None, drawn && last, logits);
+    for_each_stage([len](CudaRunner& s) { s.seqs_[s.current_seq_].n_tokens += len; });
   }
-  mtp_after_forward(seq, true);
-  stats_.launches_last_forward = launches_;
+  int64_t launches = 0;
+  for_each_stage([&launches](CudaRunner& s) {
+    s.mtp_after_forward(s.seqs_[s.current_seq_], true);
+    launches += s.launches_;
+  });
+  stats_.launches_last_forward = launches;
   return logits;
 }
 
@@ -1040,7 +1171,8 @@ std::vector<int32_t> CudaRunner::decode_batch_draw(std::span<const int32_t> toke
   for (const TokenDraw& d : draws) check_draw(d, "decode_batch_draw");
   if (!options_.draw_on_device) return draw_rows(decode_rows(tokens, {}), draws);  // logits back, host draws
   decode_rows(tokens, draws);
-  return std::vector<int32_t>(host_drawn_, host_drawn_ + tokens.size());
+  const CudaRunner& last = last_stage();
+  return std::vector<int32_t>(last.host_drawn_, last.host_drawn_ + tokens.size());
 }
 
 std::vector<float> CudaRunner::decode_rows(std::span<const int32_t> tokens, std::span<const TokenDraw> draws) {
@@ -1053,47 +1185,84 @@ std::vector<float> CudaRunner::decode_rows(std::span<const int32_t> tokens, std:
                "decode_batch: sequence {} of {} tokens is at the context of {} tokens (--max-context)", b,
                seqs_[b].n_tokens, max_context_);
   }
-  snapshot_seq_ = -1;
-  if (upload_pending_) {
-    DSV4_CUDA_CHECK(cudaEventSynchronize(tokens_uploaded_));
-    upload_pending_ = false;
-  }
-  launches_ = 0;
-  stats_.last_forward_replayed_graph = false;
-  parts_.clear();
-  for (int b = 0; b < B; ++b) {
-    host_tokens_[b] = tokens[b];
-    host_pos_[b] = seqs_[b].n_tokens;
-    parts_.push_back({b, seqs_[b].n_tokens, pos_.as<int64_t>() + b});
-  }
+  for_each_stage([&](CudaRunner& s) {
+    s.snapshot_seq_ = -1;
+    if (s.upload_pending_) {
+      DSV4_CUDA_CHECK(cudaEventSynchronize(s.tokens_uploaded_));
+      s.upload_pending_ = false;
+    }
+    s.launches_ = 0;
+    s.stats_.last_forward_replayed_graph = false;
+    s.parts_.clear();
+    for (int b = 0; b < B; ++b) {
+      s.host_tokens_[b] = tokens[b];
+      s.host_pos_[b] = s.seqs_[b].n_tokens;
+      s.parts_.push_back({b, s.seqs_[b].n_tokens, s.pos_.as<int64_t>() + b});
+    }
+  });
   const bool drawn = !draws.empty();
-  if (drawn) std::copy(draws.begin(), draws.end(), host_draws_);
+  if (drawn) std::copy(draws.begin(), draws.end(), last_stage().host_draws_);
   std::vector<float> logits;
   run_parts(B, Rows::All, drawn, options_.graph_decode, logits);
-  for (int b = 0; b < B; ++b) {
-    ++seqs_[b].n_tokens;
-    mtp_after_forward(seqs_[b], B == 1);
-  }
-  stats_.launches_last_forward = launches_;
+  int64_t launches = 0;
+  for_each_stage([&](CudaRunner& s) {
+    for (int b = 0; b < B; ++b) {
+      ++s.seqs_[b].n_tokens;
+      s.mtp_after_forward(s.seqs_[b], B == 1);
+    }
+    launches += s.launches_;
+  });
+  stats_.launches_last_forward = launches;
   return logits;
 }
 
 void CudaRunner::run_chunk(std::span<const int32_t> tokens, int64_t pos0, Rows wanted, bool drawn,
                            std::vector<float>& logits) {
-  const int n = int(tokens.size());
+  const bool graph = options_.graph_decode && tokens.size() == 1 && wanted == Rows::Last;
+  for_each_stage([&](CudaRunner& s) { s.stage_chunk(tokens, pos0, graph); });
+  run_parts(int(tokens.size()), wanted, drawn, graph, logits);
+}
+
+void CudaRunner::stage_chunk(std::span<const int32_t> tokens, int64_t pos0, bool graph) {
   if (upload_pending_) {  // a chunk without logits did not synchronise: its token upload may still be queued
     DSV4_CUDA_CHECK(cudaEventSynchronize(tokens_uploaded_));
     upload_pending_ = false;
   }
-  std::memcpy(host_tokens_, tokens.data(), n * sizeof(int32_t));
-  const bool graph = options_.graph_decode && n == 1 && wanted == Rows::Last;
+  std::memcpy(host_tokens_, tokens.data(), tokens.size() * sizeof(int32_t));
   host_pos_[0] = pos0;
   parts_.clear();
   parts_.push_back({current_seq_, pos0, graph ? pos_.as<int64_t>() : nullptr});
-  run_parts(n, wanted, drawn, graph, logits);
 }
 
+// Each stage in turn: the streams from the previous stage, then its layers; the last stage's head and logits. Stage
+// i's next chunk waits until stage i + 1 has taken its streams, so prefill chunks pipeline over the GPUs.
 void CudaRunner::run_parts(int n, Rows wanted, bool drawn, bool graph, std::vector<float>& logits) {
+  const CudaRunner* previous = nullptr;
+  for_each_stage([&](CudaRunner& s) {
+    DeviceScope scope(s.stage_.device);
+    if (previous) s.take_streams(*previous, n);
+    if (s.next_) DSV4_CUDA_CHECK(cudaStreamWaitEvent(s.stream_, s.next_->streams_taken_, 0));
+    s.launch_stage(n, wanted, drawn && s.last_, graph);
+    if (s.next_) DSV4_CUDA_CHECK(cudaEventRecord(s.streams_ready_, s.stream_));
+    previous = &s;
+  });
+  if (wanted == Rows::None) {  // no synchronisation: the token uploads may still be queued
+    for_each_stage([](CudaRunner& s) { s.upload_pending_ = true; });
+    return;
+  }
+  last_stage().collect(n, wanted, drawn, logits);
+}
+
+void CudaRunner::take_streams(const CudaRunner& previous, int n) {
+  const size_t bytes = size_t(n) * size_t(c_.hc_mult) * size_t(c_.hidden_size) * sizeof(float);
+  DSV4_CUDA_CHECK(cudaStreamWaitEvent(stream_, previous.streams_ready_, 0));
+  DSV4_CUDA_CHECK(cudaMemcpyPeerAsync(streams_.data(), stage_.device, previous.streams_.data(),
+                                      previous.stage_.device, bytes, stream_));
+  DSV4_CUDA_CHECK(cudaEventRecord(streams_taken_, stream_));
+  ++stage_copies_;
+}
+
+void CudaRunner::launch_stage(int n, Rows wanted, bool drawn, bool graph) {
   if (graph) {
     // Captured once per (first sequence, count, drawn); later steps replay it with new tokens and positions.
     DecodeGraph& g = decode_graphs_[{parts_.front().seq, int(parts_.size()), drawn}];
@@ -1120,10 +1289,10 @@ void CudaRunner::run_parts(int n, Rows wanted, bool drawn, bool graph, std::vect
   } else {
     enqueue_chunk(n, wanted, drawn);
   }
-  if (wanted == Rows::None) {
-    upload_pending_ = true;
-    return;
-  }
+}
+
+void CudaRunner::collect(int n, Rows wanted, bool drawn, std::vector<float>& logits) {
+  DeviceScope scope(stage_.device);
   if (drawn) {  // the ids are in host_drawn_
     DSV4_CUDA_CHECK(cudaStreamSynchronize(stream_));
     return;
@@ -1150,7 +1319,7 @@ void CudaRunner::enqueue_chunk(int n, Rows wanted, bool drawn) {
   cur_ = stream_;  // also after a chunk that threw between fork_side() and join_side()
   side_pending_ = false;
   DSV4_CUDA_CHECK(cudaMemcpyAsync(tokens_.data(), host_tokens_, n * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
-  if (drawn)
+  if (drawn && last_)
     DSV4_CUDA_CHECK(cudaMemcpyAsync(draws_.data(), host_draws_, (wanted == Rows::All ? n : 1) * sizeof(TokenDraw),
                                     cudaMemcpyHostToDevice, stream_));
   if (parts_.front().pos_device)
@@ -1158,14 +1327,17 @@ void CudaRunner::enqueue_chunk(int n, Rows wanted, bool drawn) {
                                     stream_));
   else
     DSV4_CUDA_CHECK(cudaEventRecord(tokens_uploaded_, stream_));
-  gpu::embed_tokens(embed_.w.as<uint16_t>(), tokens_.as<int32_t>(), n, D, hc, streams_.as<float>(), stream_);
-  launched("embed");
-  for (int l = 0; l < c.n_layers; ++l) {
+  if (stage_.first()) {  // later stages got the streams from the previous one (take_streams)
+    gpu::embed_tokens(embed_.w.as<uint16_t>(), tokens_.as<int32_t>(), n, D, hc, streams_.as<float>(), stream_);
+    launched("embed");
+  }
+  for (int l = stage_.layer_begin; l < stage_.layer_end; ++l) {
     current_layer_ = l;
     attention_block(l, n);
     ffn_block(l, n);
   }
   current_layer_ = -1;
+  if (!last_) return;
   if (mtp_ && parts_.size() == 1) {  // the rows the MTP block trails by, by position (graph replays keep them too)
     const ChunkPart& part = parts_.front();
     gpu::window_store(streams_.as<float>(), n, hc * D, part.pos0, part.pos_device,
@@ -1199,8 +1371,16 @@ void CudaRunner::enqueue_head(int first, int rows, bool drawn, const HcDevice& c
 }
 
 void CudaRunner::run_mtp(std::span<const int32_t> next, bool drawn) {
+  if (CudaRunner& last = last_stage(); &last != this) {  // the block lives on the last stage
+    last.run_mtp(next, drawn);
+    const int64_t consumed = last.seqs_[last.current_seq_].mtp_tokens;
+    for_each_stage([consumed](CudaRunner& s) { s.seqs_[s.current_seq_].mtp_tokens = consumed; });
+    stats_.launches_last_forward = last.stats_.launches_last_forward;
+    return;
+  }
   const ModelConfig& c = c_;
-  DSV4_CHECK(mtp_, "mtp_draft: the model was loaded without its MTP block");
+  DSV4_CHECK(has_mtp() && mtp_, "mtp_draft: the model was loaded without its MTP block");
+  DeviceScope scope(stage_.device);
   SequenceDevice& seq = seqs_[current_seq_];
   const int n = int(next.size()), D = c.hidden_size, hc = c.hc_mult, L = c.n_layers;
   DSV4_CHECK(n >= 1 && n <= mtp_pending(), "mtp_draft: {} tokens for {} pending", n, mtp_pending());
@@ -1290,6 +1470,9 @@ void CudaRunner::launched(const char* site, int kernels) {
 }
 
 std::vector<LaunchTiming> CudaRunner::profile_step(std::span<const int32_t> tokens, bool prefill) {
+  DSV4_CHECK(later_.empty(), "cuda runner: profiled steps run on one GPU (this runner is split over {} stages)",
+             later_.size() + 1);
+  DeviceScope scope(stage_.device);
   marks_.clear();
   struct Restore {  // direct, serialised launches and events for this step only, however it ends
     CudaRunner& r;
@@ -1328,15 +1511,16 @@ std::vector<LaunchTiming> CudaRunner::profile_step(std::span<const int32_t> toke
 
 void CudaRunner::attention_block(int l, int n) {
   const ModelConfig& c = c_;
-  LayerDevice& d = layers_[l];
-  auto state = [&](const ChunkPart& part) -> SequenceDevice::Layer& { return seqs_[part.seq].layers[l]; };
+  const size_t li = local(l);  // this stage's index of the layer
+  LayerDevice& d = layers_[li];
+  auto state = [&](const ChunkPart& part) -> SequenceDevice::Layer& { return seqs_[part.seq].layers[li]; };
   const int D = c.hidden_size, H = c.n_heads, hd = c.head_dim, rd = c.rope_dim;
   const int r = d.ratio;
   float* y_x = y_x_.as<float>();
   float* y_q = y_q_.as<float>();
 
   // 2.3 mHC pre + attn_norm (the mix comes from the previous layer's hc_post when fused)
-  mhc_pre(Sublayer::Attention, d.hc_attn, d.attn_norm, n, l > 0 && l < c.n_layers && fused_mix(n));
+  mhc_pre(Sublayer::Attention, d.hc_attn, d.attn_norm, n, l > stage_.layer_begin && l < c.n_layers && fused_mix(n));
 
   // 3.2 / 3.3 / 3.5 input projections in one GEMM, then q_norm and the q projections in another.
   linear("attn: gemv x-side [wq_a|wkv|compressors]", d.w_x, normed_bf16_.data(), y_x, n, c.q_lora_rank + hd);
@@ -1571,7 +1755,8 @@ void CudaRunner::attention_block(int l, int n) {
 
 void CudaRunner::ffn_block(int l, int n) {
   const ModelConfig& c = c_;
-  LayerDevice& d = layers_[l];
+  const size_t li = local(l);
+  LayerDevice& d = layers_[li];
   const int D = c.hidden_size, E = c.n_routed_experts;
   const int k = c.n_experts_per_tok;
 
@@ -1665,7 +1850,39 @@ void CudaRunner::ffn_block(int l, int n) {
   if (shared && !side) shared_expert();
   if (side) join_side();
   mhc_post(Sublayer::Ffn, y_pairs_.as<float>(), pairs, shared ? shared_out_.as<float>() : nullptr, n,
-           l + 1 < c.n_layers ? &layers_[size_t(l + 1)].hc_attn : nullptr);  // the next layer's mix, when fused
+           l + 1 < stage_.layer_end ? &layers_[li + 1].hc_attn : nullptr);  // the next layer's mix, when fused
+}
+
+size_t CudaRunner::state_bytes() const {
+  size_t bytes = 0;
+  for_each_stage([&bytes](const CudaRunner& s) { bytes += s.state_bytes_; });
+  return bytes;
+}
+
+CudaRunnerStats CudaRunner::stats() const {
+  CudaRunnerStats total = stats_;  // launches_last_forward and the graph flag: the first stage keeps the step's
+  total.graph_kernels = total.cublas_linears = total.side_stream_kernels = 0;
+  total.weight_bytes = total.workspace_bytes = 0;
+  total.stages = 1 + int(later_.size());
+  for_each_stage([&total](const CudaRunner& s) {
+    total.graph_kernels += s.stats_.graph_kernels;
+    total.cublas_linears += s.stats_.cublas_linears;
+    total.side_stream_kernels += s.stats_.side_stream_kernels;
+    total.weight_bytes += s.stats_.weight_bytes;
+    total.workspace_bytes += s.stats_.workspace_bytes;
+    total.stage_copies += s.stage_copies_;
+  });
+  return total;
+}
+
+std::vector<CudaStage> CudaRunner::stages() const {
+  std::vector<CudaStage> out;
+  for_each_stage([&out](const CudaRunner& s) {
+    CudaStage stage = s.stage_;
+    stage.weight_bytes = s.stats_.weight_bytes;
+    out.push_back(stage);
+  });
+  return out;
 }
 
 }  // namespace
@@ -1683,15 +1900,25 @@ size_t f32_bytes(const Vector& v) { return v.size() * sizeof(float); }
 }  // namespace
 
 CudaMemoryNeed cuda_memory_need(const Model& model, int max_context, const CudaRunnerOptions& options) {
+  return cuda_memory_need(model, max_context, options, 0, model.config().n_layers);
+}
+
+CudaMemoryNeed cuda_memory_need(const Model& model, int max_context, const CudaRunnerOptions& options, int layer_begin,
+                                int layer_end) {
   const ModelConfig& c = model.config();
   const ModelWeights& W = model.weights();
+  DSV4_CHECK(0 <= layer_begin && layer_begin < layer_end && layer_end <= c.n_layers,
+             "cuda_memory_need: layers [{}, {}) outside the model's {}", layer_begin, layer_end, c.n_layers);
+  const bool first = layer_begin == 0, last = layer_end == c.n_layers;
   const std::optional<GemvWeight> synthetic = options.synthetic_format;
   CudaMemoryNeed need;
   need.sequences = options.sequences;
   size_t& w = need.weights;
-  const size_t bf16_table = size_t(c.vocab_size) * size_t(c.hidden_size) * 2;
-  w += 2 * bf16_table;  // embedding and lm_head: bf16
-  w += f32_bytes(W.norm) + f32_bytes(W.hc_head.fn) + f32_bytes(W.hc_head.base) + f32_bytes(W.hc_head.scale);
+  const size_t bf16_table = size_t(c.vocab_size) * size_t(c.hidden_size) * 2;  // embedding, lm_head: bf16
+  if (first || (last && W.mtp)) w += bf16_table;  // the MTP block embeds too
+  if (last)
+    w += bf16_table + f32_bytes(W.norm) + f32_bytes(W.hc_head.fn) + f32_bytes(W.hc_head.base) +
+         f32_bytes(W.hc_head.scale);
   auto compressor = [&](const CompressorWeights& cw) {
     w += linear_bytes(cw.wkv, synthetic) + linear_bytes(cw.wgate, synthetic) + f32_bytes(cw.ape) + f32_bytes(cw.norm);
   };
@@ -1715,8 +1942,8 @@ CudaMemoryNeed cuda_memory_need(const Model& model, int max_context, const CudaR
     for (const ExpertWeights& e : M.experts) expert(e);
     if (M.shared) expert(*M.shared);
   };
-  for (const LayerWeights& L : W.layers) layer(L);
-  if (W.mtp) {
+  for (int l = layer_begin; l < layer_end; ++l) layer(W.layers[size_t(l)]);
+  if (last && W.mtp) {
     layer(W.mtp->block);
     w += linear_bytes(W.mtp->e_proj, synthetic) + linear_bytes(W.mtp->h_proj, synthetic) + f32_bytes(W.mtp->enorm) +
          f32_bytes(W.mtp->hnorm) + f32_bytes(W.mtp->norm) + f32_bytes(W.mtp->hc_head.fn) +
@@ -1726,7 +1953,7 @@ CudaMemoryNeed cuda_memory_need(const Model& model, int max_context, const CudaR
   // indexer's keys and both compressors' partial blocks.
   size_t& s = need.state_per_sequence;
   const size_t window = size_t(std::min(c.window + kMaxRollback, max_context)) * c.head_dim;
-  for (int l = 0; l < c.n_layers; ++l) {
+  for (int l = layer_begin; l < layer_end; ++l) {
     s += window;
     const int ratio = c.has_compressor(l) ? c.compress_ratio[size_t(l)] : 0;
     if (ratio == 0) continue;
@@ -1736,7 +1963,7 @@ CudaMemoryNeed cuda_memory_need(const Model& model, int max_context, const CudaR
     s += 2 * size_t(series * ratio) * size_t(series * c.head_dim);  // kv and score partials
     if (c.is_csa(l)) s += entries * c.index_head_dim + 2 * size_t(series * ratio) * size_t(series * c.index_head_dim);
   }
-  if (W.mtp) s += window + size_t(kMtpRows) * c.hc_mult * c.hidden_size;  // its window ring, the rows it trails by
+  if (last && W.mtp) s += window + size_t(kMtpRows) * c.hc_mult * c.hidden_size;  // its window ring, the rows it trails by
   s *= sizeof(float);
   return need;
 }
@@ -1751,8 +1978,8 @@ void check_cuda_memory(const CudaMemoryNeed& need, size_t free_bytes, size_t tot
             need.total() / kGiB, need.weights / kGiB, need.state_per_sequence / kGiB, need.sequences, max_context,
             free_bytes / kGiB, total_bytes / kGiB,
             weights_fit ? "Lower --max-context (or --max-batch) so the state fits."
-                        : "The weights alone do not fit this GPU, and dsv4 runs a model on one GPU only (no "
-                          "multi-GPU support yet).");
+                        : "The weights alone do not fit this GPU: split the layers over several GPUs (--gpus 0,1 or "
+                          "more).");
 }
 
 int cuda_prefill_chunk(int requested, int pairs_per_token, int max_entries, int max_context) {
@@ -1769,8 +1996,66 @@ int cuda_prefill_chunk(int requested, int pairs_per_token, int max_entries, int 
   return std::max(kCudaMaxChunk, std::min({requested, by_slots, by_scores, by_context}));
 }
 
+std::vector<int> parse_cuda_devices(std::string_view list) {
+  std::vector<int> devices;
+  size_t at = 0;
+  while (at <= list.size()) {
+    const size_t end = std::min(list.find(',', at), list.size());
+    const std::string_view item = list.substr(at, end - at);
+    int device = -1;
+    const auto [ptr, ec] = std::from_chars(item.data(), item.data() + item.size(), device);
+    DSV4_CHECK(!item.empty() && ec == std::errc() && ptr == item.data() + item.size() && device >= 0,
+               "GPU list '{}': expected comma-separated device ordinals such as 0,1", list);
+    devices.push_back(device);
+    at = end + 1;
+  }
+  return devices;
+}
+
+std::vector<CudaStage> cuda_pipeline_stages(const Model& model, const CudaRunnerOptions& options, int current_device) {
+  const int L = model.config().n_layers;
+  const std::vector<int> devices = options.devices.empty() ? std::vector<int>{current_device} : options.devices;
+  const int G = int(devices.size());
+  for (int d : devices) DSV4_CHECK(d >= 0, "cuda runner: GPU {} is not a device ordinal", d);
+  DSV4_CHECK(G <= L, "cuda runner: {} GPUs for a model of {} layers: every GPU needs at least one layer", G, L);
+  std::vector<int> firsts = options.stage_first_layers;
+  if (!firsts.empty()) {
+    DSV4_CHECK(int(firsts.size()) == G - 1, "cuda runner: {} stage first layers for {} GPUs (expected {})",
+               firsts.size(), G, G - 1);
+    for (size_t i = 0; i < firsts.size(); ++i)
+      DSV4_CHECK(firsts[i] > (i ? firsts[i - 1] : 0) && firsts[i] < L,
+                 "cuda runner: stage first layers must increase inside (0, {}), got {} at position {}", L, firsts[i],
+                 i);
+  } else if (G > 1) {
+    // prefix[l]: weight bytes of the layers before l, the embedding with layer 0, the head and MTP block with the last
+    std::vector<double> prefix(size_t(L) + 1, 0.0);
+    for (int l = 0; l < L; ++l)
+      prefix[size_t(l) + 1] = prefix[size_t(l)] + double(cuda_memory_need(model, 1, options, l, l + 1).weights);
+    int previous = 0;
+    for (int i = 1; i < G; ++i) {
+      const double target = prefix[size_t(L)] * i / G;
+      int best = previous + 1;
+      for (int b = previous + 1; b <= L - (G - i); ++b)  // leave a layer for each later stage
+        if (std::abs(prefix[size_t(b)] - target) < std::abs(prefix[size_t(best)] - target)) best = b;
+      firsts.push_back(best);
+      previous = best;
+    }
+  }
+  std::vector<CudaStage> stages;
+  for (int i = 0; i < G; ++i) {
+    CudaStage s;
+    s.device = devices[size_t(i)];
+    s.layer_begin = i == 0 ? 0 : firsts[size_t(i) - 1];
+    s.layer_end = i + 1 == G ? L : firsts[size_t(i)];
+    s.weight_bytes = cuda_memory_need(model, 1, options, s.layer_begin, s.layer_end).weights;
+    stages.push_back(s);
+  }
+  return stages;
+}
+
 std::unique_ptr<SequenceRunner> make_cuda_runner(const Model& model, int max_context, CudaRunnerOptions options) {
   if (const char* env = std::getenv("DSV4_CUDA_GRAPH"); env && std::string(env) == "0") options.graph_decode = false;
+  if (const char* env = std::getenv("DSV4_CUDA_DEVICES"); env && *env) options.devices = parse_cuda_devices(env);
   for (const auto& [name, on] : {std::pair{"DSV4_DEVICE_DRAW", &options.draw_on_device},
                                  {"DSV4_FUSED_MHC", &options.fuse_mhc_mix},
                                  {"DSV4_FUSED_ROUTING", &options.fuse_moe_routing},
@@ -1778,7 +2063,66 @@ std::unique_ptr<SequenceRunner> make_cuda_runner(const Model& model, int max_con
                                  {"DSV4_FUSED_QNORM", &options.fuse_q_norm_rope},
                                  {"DSV4_GROUP_SHARED", &options.group_shared_expert}})
     if (const std::optional<bool> env = env_switch(name)) *on = *env;
-  return std::make_unique<CudaRunner>(model, max_context, options);
+  DSV4_CHECK(cuda_available(), "--device cuda: no usable CUDA device or driver");
+  DSV4_CHECK(max_context > 0, "--max-context must be positive, got {}", max_context);
+  int current = 0, count = 0;
+  DSV4_CUDA_CHECK(cudaGetDevice(&current));
+  DSV4_CUDA_CHECK(cudaGetDeviceCount(&count));
+  const std::vector<CudaStage> stages = cuda_pipeline_stages(model, options, current);
+  for (const CudaStage& s : stages)
+    DSV4_CHECK(s.device < count, "--gpus: GPU {} does not exist (this machine has {})", s.device, count);
+  // Before any upload: a model larger than its GPUs fails now, not after minutes of copying. A device holding
+  // several stages (tests) needs their sum.
+  std::map<int, CudaMemoryNeed> per_device;
+  for (const CudaStage& s : stages) {
+    const CudaMemoryNeed need = cuda_memory_need(model, max_context, options, s.layer_begin, s.layer_end);
+    CudaMemoryNeed& sum = per_device[s.device];
+    sum.weights += need.weights;
+    sum.state_per_sequence += need.state_per_sequence;
+    sum.sequences = need.sequences;
+  }
+  for (const auto& [device, need] : per_device) {
+    DeviceScope scope(device);
+    size_t free_bytes = 0, total_bytes = 0;
+    DSV4_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+    if (stages.size() == 1) {
+      check_cuda_memory(need, free_bytes, total_bytes, max_context);
+      continue;
+    }
+    try {
+      check_cuda_memory(need, free_bytes, total_bytes, max_context);
+    } catch (const Error& e) {
+      DSV4_FAIL("GPU {} (its share of the {} stages): {}", device, stages.size(), e.what());
+    }
+  }
+  // Each stage copies the streams from the previous one: directly when it may read that GPU's memory.
+  for (size_t i = 1; i < stages.size(); ++i) {
+    const int from = stages[i - 1].device, to = stages[i].device;
+    if (from == to) continue;
+    int can = 0;
+    DSV4_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, to, from));
+    if (!can) {
+      spdlog::warn("cuda runner: GPU {} cannot read GPU {}'s memory: the streams between their stages go through the "
+                   "host", to, from);
+      continue;
+    }
+    DeviceScope scope(to);
+    const cudaError_t e = cudaDeviceEnablePeerAccess(from, 0);
+    if (e == cudaErrorPeerAccessAlreadyEnabled)
+      cudaGetLastError();  // clear it: enabled by an earlier runner
+    else
+      DSV4_CUDA_CHECK(e);
+  }
+  auto first = std::make_unique<CudaRunner>(model, max_context, options, stages, 0);
+  for (size_t i = 1; i < stages.size(); ++i)
+    first->add_stage(std::make_unique<CudaRunner>(model, max_context, options, stages, i));
+  return first;
+}
+
+std::vector<CudaStage> cuda_runner_stages(const SequenceRunner& runner) {
+  const auto* cuda = dynamic_cast<const CudaRunner*>(&runner);
+  DSV4_CHECK(cuda, "cuda_runner_stages: not a CUDA runner");
+  return cuda->stages();
 }
 
 

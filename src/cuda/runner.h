@@ -26,6 +26,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "cuda/gemv.h"
@@ -84,7 +85,32 @@ struct CudaRunnerOptions {
   // encoding match the routed ones' (the default: one launch fewer per projection), or apart, through its own
   // gemvs (which overlap_branches can run beside the routing). DSV4_GROUP_SHARED=0 / 1 sets it.
   bool group_shared_expert = true;
+  // Layers split over GPUs (a pipeline, docs/multi_gpu.md): stage i runs on devices[i] a contiguous range of layers
+  // with its own weights, per-sequence state, workspaces and streams, and hands each row's hc·D fp32 streams to the
+  // next stage (a peer copy, 64 KB a token for Flash). The first stage holds the embedding, the last the head (and
+  // the MTP block, with a copy of the embedding for it). Empty: the current device alone. A device may appear more
+  // than once (tests split one GPU). DSV4_CUDA_DEVICES=0,1 in the environment sets it.
+  std::vector<int> devices;
+  // The first layer of each stage after the first: devices.size() - 1 increasing layers in (0, n_layers). Empty:
+  // chosen so the stages hold about equal weight bytes (cuda_pipeline_stages).
+  std::vector<int> stage_first_layers;
 };
+
+// One stage of a runner: layers [layer_begin, layer_end) on `device`; weight_bytes as cuda_memory_need counts them.
+struct CudaStage {
+  int device = 0, layer_begin = 0, layer_end = 0;
+  size_t weight_bytes = 0;
+  bool first() const { return layer_begin == 0; }
+};
+// The stages a runner of `model` makes from options.devices and options.stage_first_layers (host arithmetic, no GPU
+// needed; `current_device` is the one stage when devices is empty). Without stage_first_layers the layers are split
+// where the running sum of weight bytes (embedding with the first stage, head and MTP block with the last) crosses
+// i / stages of the total, every stage keeping at least one layer. Throws dsv4::Error for more stages than layers,
+// a negative device, or first layers that are not increasing inside (0, n_layers).
+std::vector<CudaStage> cuda_pipeline_stages(const Model& model, const CudaRunnerOptions& options,
+                                            int current_device = 0);
+// "0,1" -> {0, 1} (--gpus, DSV4_CUDA_DEVICES); throws dsv4::Error for anything but comma-separated ordinals.
+std::vector<int> parse_cuda_devices(std::string_view list);
 
 // The prefill chunk a runner settles on (host arithmetic, no GPU needed): `requested` (a multiple of 64 in
 // [64, 4096], else throws) lowered to a multiple of 64 so that a chunk's routed pairs (pairs_per_token each) fit
@@ -102,12 +128,16 @@ struct CudaMemoryNeed {
   size_t total() const { return weights + state_per_sequence * size_t(sequences); }
 };
 CudaMemoryNeed cuda_memory_need(const Model& model, int max_context, const CudaRunnerOptions& options);
+// The same for the stage holding layers [layer_begin, layer_end): the embedding when layer_begin is 0, the head, final
+// norm and MTP block (with its own embedding copy unless layer_begin is 0) when layer_end is n_layers.
+CudaMemoryNeed cuda_memory_need(const Model& model, int max_context, const CudaRunnerOptions& options, int layer_begin,
+                                int layer_end);
 // The check make_cuda_runner does before uploading anything: throws dsv4::Error, with the sizes and what to change,
 // when `need` exceeds `free_bytes` (so a checkpoint larger than the GPU fails in a second, not after the upload).
 void check_cuda_memory(const CudaMemoryNeed& need, size_t free_bytes, size_t total_bytes, int max_context);
 
-// Throws dsv4::Error when no CUDA device is usable, the model does not fit its free memory (check_cuda_memory) or has a
-// shape the kernels do not support.
+// Throws dsv4::Error when no CUDA device is usable, the model does not fit its free memory (check_cuda_memory; with
+// several stages, each device against the stages it holds) or has a shape the kernels do not support.
 std::unique_ptr<SequenceRunner> make_cuda_runner(const Model& model, int max_context, CudaRunnerOptions options = {});
 
 struct CudaRunnerStats {
@@ -117,9 +147,13 @@ struct CudaRunnerStats {
   int64_t cublas_linears = 0;         // dense linears run through cuBLASLt so far (prefill chunks of >= 256 rows)
   int64_t side_stream_kernels = 0;    // kernels enqueued on the second stream so far (overlap_branches)
   size_t weight_bytes = 0, workspace_bytes = 0;
+  int stages = 1;               // GPUs (pipeline stages) the layers are split over
+  int64_t stage_copies = 0;     // streams handed from one stage to the next so far (one per chunk and boundary)
 };
 // Stats of a runner made by make_cuda_runner (throws for other runners).
 CudaRunnerStats cuda_runner_stats(const SequenceRunner& runner);
+// The stages of a runner made by make_cuda_runner, weight_bytes as uploaded (throws for other runners).
+std::vector<CudaStage> cuda_runner_stages(const SequenceRunner& runner);
 
 // Several sequences on a runner made with options.sequences > 1 (all throw for other runners and bad indices).
 // forward() / reset() / n_tokens() act on the selected sequence (0 at construction).

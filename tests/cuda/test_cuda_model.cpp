@@ -335,11 +335,14 @@ CudaRunnerStats compare_runners(const std::string& name, const std::string& sour
   const int V = c.vocab_size, max_context = prompt_len + decode_steps + 8;
   std::unique_ptr<SequenceRunner> cpu = make_cpu_runner(reference, max_context);
   std::unique_ptr<SequenceRunner> gpu = make_cuda_runner(model, max_context);  // decode replays a CUDA graph
-  std::unique_ptr<SequenceRunner> plain = make_cuda_runner(model, max_context, {.graph_decode = false, .synthetic_format = std::nullopt});
+  CudaRunnerOptions no_graph;
+  no_graph.graph_decode = false;
+  std::unique_ptr<SequenceRunner> plain = make_cuda_runner(model, max_context, no_graph);
   // Prefill in 64-token chunks: the skinny gemv only (gpu and plain take the prompt as one chunk of up to 512
   // tokens, the tiled kernel's rows).
-  std::unique_ptr<SequenceRunner> small = make_cuda_runner(
-      model, max_context, {.graph_decode = false, .synthetic_format = std::nullopt, .prefill_chunk = kCudaMaxChunk});
+  CudaRunnerOptions small_chunks = no_graph;
+  small_chunks.prefill_chunk = kCudaMaxChunk;
+  std::unique_ptr<SequenceRunner> small = make_cuda_runner(model, max_context, small_chunks);
   EXPECT_EQ(gpu->state_bytes(), cpu->state_bytes());
   std::mt19937 rng(99);
   std::uniform_int_distribution<int32_t> token(2, V - 1);

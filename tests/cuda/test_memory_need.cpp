@@ -3,10 +3,14 @@
 // sequence must be exactly the CPU state's size (the CUDA state has its layout); the Flash-shaped model with all 256
 // routed experts in NVFP4 must need more than one H200 holds (spec 9: 284B parameters, 277B of them in experts at
 // 4.5 bits), and the check must say so before anything is uploaded; the bench's 32 experts must fit; a long context
-// on many sequences must be refused for its state, with the advice to lower --max-context.
+// on many sequences must be refused for its state, with the advice to lower --max-context. The layer split over
+// GPUs (cuda_pipeline_stages) must cover every layer once, balance the weight bytes, and make Flash fit two H200s or
+// four H100s.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdio>
+#include <vector>
 #include <string>
 
 #include "core/check.h"
@@ -74,6 +78,100 @@ TEST(CudaMemoryNeed, BenchModelFitsAndLongContextsAreRefusedForTheirState) {
   std::printf("[memory] %s\n", message.c_str());
   EXPECT_NE(message.find("Lower --max-context"), std::string::npos) << message;
   EXPECT_NE(message.find("x 64 for --max-context 1048576"), std::string::npos) << message;
+}
+
+// The stages' needs add up to the whole model's (the MTP block's embedding copy aside) and balance the weights: the
+// Flash shape with all 256 routed experts fits two H200s (~139 GiB free each) or four H100s (~78 GiB).
+TEST(CudaPipelineStages, SplitFlashOverTwoAndFourGpus) {
+  const ModelConfig c = flash_shaped_config(256);
+  const Model model(c, synthetic_weights(c, 1), Numerics{});
+  const CudaRunnerOptions one = nvfp4_synthetic();
+  const CudaMemoryNeed whole = cuda_memory_need(model, 8192, one);
+  const std::vector<CudaStage> alone = cuda_pipeline_stages(model, one, 3);
+  ASSERT_EQ(alone.size(), 1u);
+  EXPECT_EQ(alone[0].device, 3);  // the current device
+  EXPECT_EQ(alone[0].layer_end, c.n_layers);
+  EXPECT_EQ(alone[0].weight_bytes, whole.weights);
+  const size_t layer_bytes = cuda_memory_need(model, 8192, one, 5, 6).weights;  // a middle layer
+  for (const std::vector<int>& devices : {std::vector<int>{0, 1}, std::vector<int>{0, 1, 2, 3}}) {
+    CudaRunnerOptions o = nvfp4_synthetic();
+    o.devices = devices;
+    const std::vector<CudaStage> stages = cuda_pipeline_stages(model, o);
+    ASSERT_EQ(stages.size(), devices.size());
+    size_t weights = 0, state = 0, largest = 0;
+    for (size_t i = 0; i < stages.size(); ++i) {
+      const CudaStage& s = stages[i];
+      EXPECT_EQ(s.device, devices[i]);
+      EXPECT_EQ(s.layer_begin, i ? stages[i - 1].layer_end : 0);
+      EXPECT_LT(s.layer_begin, s.layer_end);
+      const CudaMemoryNeed need = cuda_memory_need(model, 8192, o, s.layer_begin, s.layer_end);
+      EXPECT_EQ(need.weights, s.weight_bytes);
+      weights += need.weights;
+      state += need.state_per_sequence;
+      largest = std::max(largest, need.weights);
+      std::printf("[pipeline] %zu GPUs: GPU %d layers %d..%d, %.2f GiB of weights\n", stages.size(), s.device,
+                  s.layer_begin, s.layer_end - 1, double(s.weight_bytes) / kGiB);
+    }
+    EXPECT_EQ(stages.back().layer_end, c.n_layers);
+    EXPECT_EQ(weights, whole.weights);
+    EXPECT_EQ(state, whole.state_per_sequence);
+    // Balanced to within a layer (the embedding and head are about half a layer each).
+    EXPECT_LE(double(largest), double(whole.weights) / double(stages.size()) + double(layer_bytes));
+    EXPECT_LT(largest, (stages.size() == 2 ? 80 : 41) * kGiB);
+  }
+}
+
+TEST(CudaPipelineStages, ChosenFirstLayersAndErrors) {
+  const ModelConfig c = flash_shaped_config(8);
+  const Model model(c, synthetic_weights(c, 1, SyntheticLinears::ShapeOnly, true), Numerics{});
+  ASSERT_TRUE(model.has_mtp());
+  CudaRunnerOptions o = nvfp4_synthetic();
+  o.devices = {1, 0, 1};
+  o.stage_first_layers = {10, 30};
+  const std::vector<CudaStage> stages = cuda_pipeline_stages(model, o);
+  ASSERT_EQ(stages.size(), 3u);
+  EXPECT_EQ(stages[0].layer_end, 10);
+  EXPECT_EQ(stages[1].layer_begin, 10);
+  EXPECT_EQ(stages[2].layer_begin, 30);
+  EXPECT_EQ(stages[2].layer_end, c.n_layers);
+  // The last stage holds the MTP block and its own copy of the embedding: the stages need one table more than the
+  // whole model on one GPU.
+  size_t weights = 0;
+  for (const CudaStage& s : stages) weights += s.weight_bytes;
+  const size_t table = size_t(c.vocab_size) * size_t(c.hidden_size) * 2;
+  EXPECT_EQ(weights, cuda_memory_need(model, 64, o).weights + table);
+  auto message = [&](std::vector<int> devices, std::vector<int> first_layers) -> std::string {
+    CudaRunnerOptions bad = nvfp4_synthetic();
+    bad.devices = std::move(devices);
+    bad.stage_first_layers = std::move(first_layers);
+    try {
+      cuda_pipeline_stages(model, bad);
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "";
+  };
+  EXPECT_NE(message({0, 1}, {0}).find("must increase inside (0, 43)"), std::string::npos);
+  EXPECT_NE(message({0, 1}, {43}).find("must increase"), std::string::npos);
+  EXPECT_NE(message({0, 1, 2}, {20, 20}).find("must increase"), std::string::npos);
+  EXPECT_NE(message({0, 1}, {5, 9}).find("2 stage first layers for 2 GPUs"), std::string::npos);
+  EXPECT_NE(message({0, -1}, {}).find("not a device ordinal"), std::string::npos);
+  EXPECT_NE(message(std::vector<int>(44, 0), {}).find("44 GPUs for a model of 43 layers"), std::string::npos);
+  EXPECT_EQ(cuda_pipeline_stages(model, [&] {
+              CudaRunnerOptions every = nvfp4_synthetic();
+              every.devices = std::vector<int>(43, 0);
+              return every;
+            }()).size(), 43u);  // one layer each
+  EXPECT_THROW(cuda_memory_need(model, 64, o, 5, 5), Error);
+  EXPECT_THROW(cuda_memory_need(model, 64, o, 0, 44), Error);
+}
+
+TEST(CudaPipelineStages, ParseGpuLists) {
+  EXPECT_EQ(parse_cuda_devices("0,1"), (std::vector<int>{0, 1}));
+  EXPECT_EQ(parse_cuda_devices("3"), (std::vector<int>{3}));
+  EXPECT_EQ(parse_cuda_devices("2,0,2"), (std::vector<int>{2, 0, 2}));
+  for (const char* bad : {"", ",", "0,", ",1", "0,,1", "a", "-1", "0 1", "1.5", "0,x"})
+    EXPECT_THROW(parse_cuda_devices(bad), Error) << "'" << bad << "'";
 }
 
 }  // namespace
