@@ -3,9 +3,14 @@
 
 #include <spdlog/spdlog.h>
 
+#include <fstream>
 #include <map>
+#include <optional>
+#include <string>
 
 #include "core/check.h"
+#include "core/dtype.h"
+#include "io/safetensors.h"
 #ifdef DSV4_HAVE_CUDA
 #include "cuda/runner.h"
 #endif
@@ -18,6 +23,11 @@ void add_engine_options(CLI::App* cmd, EngineOptions& o) {
   cmd->add_option("--gpus", o.gpus,
                   "With --device cuda: the GPUs to split the layers over, in order (e.g. 0,1; a model larger than one "
                   "GPU). Default: the current GPU alone");
+  cmd->add_option("--cpu-weights", o.cpu_weights,
+                  "With --device cpu: the linear layers as fp32 values, or packed in the checkpoint's encoding "
+                  "(FP8 / FP4 / NVFP4 / BF16; mapped from disk, decoded a tile at a time: 4-8x less memory), or auto "
+                  "(packed when fp32 would take more than half the available memory)")
+      ->capture_default_str()->check(CLI::IsMember({"auto", "fp32", "packed"}));
   cmd->add_option("--max-context", o.max_context, "Tokens of state preallocated per sequence")
       ->capture_default_str()->check(CLI::PositiveNumber);
   cmd->add_option("--kv-dtype", o.kv_dtype, "KV cache storage: fp8 (official rounding), bf16, f32")
@@ -30,9 +40,50 @@ void add_engine_options(CLI::App* cmd, EngineOptions& o) {
       ->capture_default_str()->check(CLI::IsMember({"none", "fp8"}));
 }
 
+namespace {
+
+// MemAvailable of /proc/meminfo, when there is one.
+std::optional<double> available_memory_bytes() {
+  std::ifstream in("/proc/meminfo");
+  std::string key;
+  double kib = 0;
+  std::string unit;
+  while (in >> key >> kib >> unit)
+    if (key == "MemAvailable:") return kib * 1024.0;
+  return std::nullopt;
+}
+
+WeightLoad cpu_weight_load(const EngineOptions& o) {
+  if (o.cpu_weights == "fp32") return WeightLoad::DecodeAll;
+  if (o.cpu_weights == "packed") return WeightLoad::KeepLinearsPacked;
+  // auto: the checkpoint's values as fp32 (a packed fp4 byte holds two) against the memory available. The config
+  // first: a directory that is not a model is reported as Model::load reports it.
+  (void)ModelConfig::from_model_dir(o.model_dir);
+  const Checkpoint checkpoint = Checkpoint::open(o.model_dir);
+  double fp32_bytes = 0, stored_bytes = 0;
+  for (const auto& [name, t] : checkpoint.tensors()) {
+    const bool fp4_pairs = t->dtype == DType::U8 || t->dtype == DType::I8;
+    fp32_bytes += double(t->numel()) * (fp4_pairs ? 2 : 1) * 4;
+    stored_bytes += double(t->nbytes);
+  }
+  const std::optional<double> available = available_memory_bytes();
+  if (!available) {
+    spdlog::info("--cpu-weights auto: no /proc/meminfo; the weights are decoded to fp32 ({:.2f} GB)", fp32_bytes / 1e9);
+    return WeightLoad::DecodeAll;
+  }
+  if (fp32_bytes <= 0.5 * *available) return WeightLoad::DecodeAll;
+  spdlog::info("--cpu-weights auto: the weights as fp32 would take {:.1f} GB of the {:.1f} GB available; the linear "
+               "layers stay in the checkpoint's encoding ({:.1f} GB stored, mapped from disk) and are decoded a tile of "
+               "rows at a time (--cpu-weights fp32 forces the decode)",
+               fp32_bytes / 1e9, *available / 1e9, stored_bytes / 1e9);
+  return WeightLoad::KeepLinearsPacked;
+}
+
+}  // namespace
+
 Model load_model(const EngineOptions& o) {
-  // The CUDA runner uploads the checkpoint's encodings as they are; only the CPU needs every weight in fp32.
-  const WeightLoad load = o.device == "cuda" ? WeightLoad::KeepLinearsPacked : WeightLoad::DecodeAll;
+  // The CUDA runner uploads the checkpoint's encodings as they are; the CPU decodes them to fp32 or keeps them too.
+  const WeightLoad load = o.device == "cuda" ? WeightLoad::KeepLinearsPacked : cpu_weight_load(o);
   Model model =
       Model::load(o.model_dir,
                   {parse_kv_storage(o.kv_dtype), parse_indexer_storage(o.indexer_dtype), parse_act_quant(o.act_quant)},

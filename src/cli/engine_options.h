@@ -19,6 +19,7 @@ struct EngineOptions {
   std::string model_dir, device = "cpu", kv_dtype = "fp8", indexer_dtype = "fp4",
               act_quant = "none";
   std::string gpus;  // --gpus 0,1: the CUDA runner's layers split over these GPUs (empty: the current one)
+  std::string cpu_weights = "auto";  // --cpu-weights: fp32, packed, or auto (packed when fp32 would not fit)
   int max_context = 8192;
   bool with_mtp = false;  // load the checkpoint's MTP block (--speculate mtp)
 
@@ -29,10 +30,12 @@ struct EngineOptions {
   }
 };
 
-// --model, --device, --gpus, --max-context, --kv-dtype, --indexer-dtype, --act-quant
+// --model, --device, --gpus, --cpu-weights, --max-context, --kv-dtype, --indexer-dtype, --act-quant
 void add_engine_options(CLI::App* cmd, EngineOptions& options);
 
-// Loads the model with the chosen numerics and logs its summary.
+// Loads the model with the chosen numerics and logs its summary. On the CPU the linear layers are decoded to fp32
+// (--cpu-weights fp32) or left in the checkpoint's encoding, mapped from disk and decoded a tile of rows at a time
+// (packed); auto takes fp32 unless those values would need more than half the memory available (MemAvailable).
 Model load_model(const EngineOptions& options);
 
 // Makes per-sequence runners on the chosen backend; throws for a backend this build does not have.

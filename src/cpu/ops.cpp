@@ -6,10 +6,12 @@
 #include <algorithm>
 #include <cmath>
 #include <numeric>
+#include <vector>
 
 #include "core/check.h"
 #include "formats/fp4.h"
 #include "formats/fp8.h"
+#include "quant/stored_weight.h"
 
 namespace dsv4::cpu {
 
@@ -111,5 +113,61 @@ namespace dsv4::cpu {
 void gemm_nt_strided(const float* x, int ldx, const float* w, float* y, int ldy, int M, int N, int K) {
   if (M == 0 || N == 0) return;
   cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, N, K, 1.0f, x, ldx, w, K, 0.0f, y, ldy);
+}
+
+namespace {
+
+// Eight independent partial sums: vectorised without reassociating any one of them (-ffp-contract=off, no
+// fast-math), then added in a fixed order.
+float dot(const float* a, const float* b, int k) {
+  float acc[8] = {};
+  int i = 0;
+  for (; i + 8 <= k; i += 8)
+    for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * b[i + j];
+  float sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  for (; i < k; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+// A thread's decoded tile, kept between calls (OpenMP threads persist): a fresh megabyte per call would be mapped and
+// faulted in every time.
+std::vector<float>& tile_buffer(size_t floats) {
+  thread_local std::vector<float> tile;
+  if (tile.size() < floats) tile.resize(floats);
+  return tile;
+}
+
+}  // namespace
+
+void gemm_nt_packed(const float* x, int ldx, const PackedWeight& w, int row0, float* y, int ldy, int M, int N, int K,
+                    bool accumulate) {
+  if (M == 0 || N == 0) return;
+  DSV4_CHECK(M > 0 && N > 0 && K > 0 && row0 >= 0, "gemm_nt_packed: M {} N {} K {} row0 {}", M, N, K, row0);
+  const bool parallel = int64_t(N) * K >= (1 << 16);  // below, waking the threads costs more than the product
+  if (M <= kPackedDotRows) {
+    constexpr int kTileRows = 32;
+    const int tiles = (N + kTileRows - 1) / kTileRows;
+#pragma omp parallel for schedule(static) if (parallel)
+    for (int t = 0; t < tiles; ++t) {
+      const int r0 = t * kTileRows, rows = std::min(kTileRows, N - r0);
+      float* tile = tile_buffer(size_t(kTileRows) * K).data();
+      decode_packed_rows(w, K, row0 + r0, rows, tile);
+      for (int m = 0; m < M; ++m)
+        for (int r = 0; r < rows; ++r) {
+          const float v = dot(x + int64_t(m) * ldx, tile + int64_t(r) * K, K);
+          float& out = y[int64_t(m) * ldy + r0 + r];
+          out = accumulate ? out + v : v;
+        }
+    }
+    return;
+  }
+  constexpr int kTileRows = 512;
+  float* tile = tile_buffer(size_t(std::min(kTileRows, N)) * K).data();
+  for (int r0 = 0; r0 < N; r0 += kTileRows) {
+    const int rows = std::min(kTileRows, N - r0);
+    decode_packed_rows(w, K, row0 + r0, rows, tile);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, rows, K, 1.0f, x, ldx, tile, K, accumulate ? 1.0f : 0.0f,
+                y + r0, ldy);
+  }
 }
 }  // namespace dsv4::cpu

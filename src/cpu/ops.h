@@ -45,7 +45,21 @@ std::vector<int> top_k_indices(std::span<const float> values, int k);
 
 }  // namespace dsv4::cpu
 
+namespace dsv4 {
+struct PackedWeight;  // quant/stored_weight.h
+}
+
 namespace dsv4::cpu {
 // Strided variant: y[M,N] (row stride ldy) = x[M,K] (row stride ldx) · W[N,K]^T.
 void gemm_nt_strided(const float* x, int ldx, const float* w, float* y, int ldy, int M, int N, int K);
+
+// y[M,N] (row stride ldy; += when accumulate) = x[M,K] (row stride ldx) · W[row0 .. row0+N, K]^T for a weight left in
+// its checkpoint encoding (WeightLoad::KeepLinearsPacked): tiles of rows are decoded to fp32 (decode_packed_rows, the
+// values dequantize gives) and multiplied, so the fp32 copy of the whole weight never exists. Up to
+// kPackedDotRows rows of x (decode steps) the tiles run in parallel, each thread decoding its tile and taking the dot
+// products, so the packed bytes stream once; above, one tile at a time through BLAS. The sums run in another order
+// than gemm_nt's on the decoded weight: the same results to fp32 rounding, not the same bits.
+constexpr int kPackedDotRows = 8;
+void gemm_nt_packed(const float* x, int ldx, const PackedWeight& w, int row0, float* y, int ldy, int M, int N, int K,
+                    bool accumulate = false);
 }  // namespace dsv4::cpu

@@ -43,6 +43,34 @@ namespace {
 // The input of an FP8/FP4 linear (8.1): x itself, or its quantised copy in `buf` (rows of k values). The
 // reference's act_quant sees bf16 activations, so x is rounded to bf16 first: the double rounding decides ~3 % of
 // the e4m3 values, and the tiny models amplify such flips to O(1) logit changes (CudaModel act fp8 test).
+// y[M, rows] (row stride ldy; += when accumulate) = x[M, w.cols] (row stride ldx) · W[row0 .. row0 + rows]ᵀ for a
+// linear layer's weight held as fp32 values (gemm_nt, BLAS) or left in its checkpoint encoding
+// (WeightLoad::KeepLinearsPacked: cpu::gemm_nt_packed decodes a tile of rows at a time). rows < 0: all of them.
+void linear_rows(const float* x, int ldx, const Matrix& w, int row0, int rows, float* y, int ldy, int M,
+                 bool accumulate = false) {
+  if (rows < 0) rows = w.rows - row0;
+  if (w.has_values()) {
+    const float* wr = w.row(row0);
+    if (accumulate) {
+      DSV4_CHECK(ldx == w.cols && ldy == rows, "linear: accumulate takes contiguous rows");
+      cpu::gemm_nt_accumulate(x, wr, y, M, rows, w.cols);
+    } else if (ldx == w.cols && ldy == rows) {
+      gemm_nt(x, wr, y, M, rows, w.cols);
+    } else {
+      cpu::gemm_nt_strided(x, ldx, wr, y, ldy, M, rows, w.cols);
+    }
+    return;
+  }
+  DSV4_CHECK(w.packed.has_value(), "the CPU forward needs the weights' values; this model holds shapes only "
+                                   "(a synthetic benchmark model)");
+  cpu::gemm_nt_packed(x, ldx, *w.packed, row0, y, ldy, M, rows, w.cols, accumulate);
+}
+
+// y[M, w.rows] = x[M, w.cols] · Wᵀ (+= when accumulate).
+void linear(const float* x, const Matrix& w, float* y, int M, bool accumulate = false) {
+  linear_rows(x, w.cols, w, 0, w.rows, y, w.rows, M, accumulate);
+}
+
 const float* linear_input(ActQuant act, const float* x, int rows, int k, std::vector<float>& buf) {
   if (act == ActQuant::None) return x;
   buf.resize(size_t(rows) * k);
@@ -205,8 +233,8 @@ void advance_compressor(CompressorState& st, const CompressorWeights& w, const f
                         float* entries, int max_entries, int& n_entries, Finish finish) {
   const int r = st.ratio, d = st.dim, width = st.width;
   std::vector<float> u(size_t(n) * width), g(size_t(n) * width);
-  gemm_nt(x, w.wkv.data.data(), u.data(), n, width, D);
-  gemm_nt(x, w.wgate.data.data(), g.data(), n, width, D);
+  linear(x, w.wkv, u.data(), n);
+  linear(x, w.wgate, g.data(), n);
   st.undo.clear();
   for (int t = 0; t < n; ++t) {
     const int64_t p = pos0 + t;
@@ -257,10 +285,10 @@ void Model::attention(int l, const float* x, Chunk& chunk, LayerState& S, const 
   // 3.2 query path
   std::vector<float> qr(size_t(n) * c.q_lora_rank), q(size_t(n) * H * hd), x_act, qr_act;
   const float* x_in = linear_input(numerics_.act, x, n, D, x_act);
-  gemm_nt(x_in, A.wq_a.data.data(), qr.data(), n, c.q_lora_rank, D);
+  linear(x_in, A.wq_a, qr.data(), n);
   cpu::rms_norm(qr.data(), A.q_norm.data(), qr.data(), n, c.q_lora_rank, c.rms_norm_eps);
   const float* qr_in = linear_input(numerics_.act, qr.data(), n, c.q_lora_rank, qr_act);
-  gemm_nt(qr_in, A.wq_b.data.data(), q.data(), n, H * hd, c.q_lora_rank);
+  linear(qr_in, A.wq_b, q.data(), n);
   cpu::rms_norm(q.data(), nullptr, q.data(), n * H, hd, c.rms_norm_eps);
   for (int t = 0; t < n; ++t)
     for (int h = 0; h < H; ++h)
@@ -269,7 +297,7 @@ void Model::attention(int l, const float* x, Chunk& chunk, LayerState& S, const 
 
   // 3.3 KV path (one head, K = V)
   std::vector<float> kv(size_t(n) * hd);
-  gemm_nt(x_in, A.wkv.data.data(), kv.data(), n, hd, D);
+  linear(x_in, A.wkv, kv.data(), n);
   cpu::rms_norm(kv.data(), A.kv_norm.data(), kv.data(), n, hd, c.rms_norm_eps);
   for (int t = 0; t < n; ++t) {
     cpu::rope_interleaved(&kv[size_t(t) * hd + nope], rd, inv_freq, chunk.pos0 + t, false);
@@ -302,7 +330,7 @@ void Model::attention(int l, const float* x, Chunk& chunk, LayerState& S, const 
                          cpu::round_indexer(entry, ihd, numerics_.indexer);
                        });
     qi.resize(size_t(n) * nh * ihd);
-    gemm_nt(qr_in, I.wq_b.data.data(), qi.data(), n, nh * ihd, c.q_lora_rank);
+    linear(qr_in, I.wq_b, qi.data(), n);
     for (int t = 0; t < n; ++t)
       for (int h = 0; h < nh; ++h) {
         float* qh = &qi[(size_t(t) * nh + h) * ihd];
@@ -389,10 +417,9 @@ void Model::attention(int l, const float* x, Chunk& chunk, LayerState& S, const 
   const int G = c.o_groups, group_width = H * hd / G, ol = c.o_lora_rank;
   std::vector<float> z(size_t(n) * G * ol);
   for (int g = 0; g < G; ++g)
-    cpu::gemm_nt_strided(o.data() + size_t(g) * group_width, H * hd, A.wo_a.row(g * ol), z.data() + size_t(g) * ol,
-                         G * ol, n, ol, group_width);
+    linear_rows(o.data() + size_t(g) * group_width, H * hd, A.wo_a, g * ol, ol, z.data() + size_t(g) * ol, G * ol, n);
   std::vector<float> z_act;
-  gemm_nt(linear_input(numerics_.act, z.data(), n, G * ol, z_act), A.wo_b.data.data(), out, n, D, G * ol);
+  linear(linear_input(numerics_.act, z.data(), n, G * ol, z_act), A.wo_b, out, n);
 }
 
 void Model::moe(int l, const float* x, const Chunk& chunk, float* out) const {
@@ -454,12 +481,12 @@ void Model::moe(int l, const float* x, const Chunk& chunk, float* out) const {
     const ExpertWeights& W = M.experts[e];
     std::vector<float> xs_act, g_act;
     const float* xs_in = linear_input(numerics_.act, xs.data(), m, D, xs_act);
-    gemm_nt(xs_in, W.w1.data.data(), g.data(), m, I, D);
-    gemm_nt(xs_in, W.w3.data.data(), u.data(), m, I, D);
+    linear(xs_in, W.w1, g.data(), m);
+    linear(xs_in, W.w3, u.data(), m);
     swiglu(g.data(), u.data(), m * I);
     for (int i = 0; i < m; ++i)
       for (int j = 0; j < I; ++j) g[size_t(i) * I + j] *= tokens[i].second;
-    gemm_nt(linear_input(numerics_.act, g.data(), m, I, g_act), W.w2.data.data(), y.data(), m, D, I);
+    linear(linear_input(numerics_.act, g.data(), m, I, g_act), W.w2, y.data(), m);
     for (int i = 0; i < m; ++i)
       for (int d = 0; d < D; ++d) out[size_t(tokens[i].first) * D + d] += y[size_t(i) * D + d];
   }
@@ -467,18 +494,17 @@ void Model::moe(int l, const float* x, const Chunk& chunk, float* out) const {
     const int Is = M.shared->w1.rows;
     std::vector<float> g(size_t(n) * Is), u(size_t(n) * Is), x_act, g_act;
     const float* x_in = linear_input(numerics_.act, x, n, D, x_act);
-    gemm_nt(x_in, M.shared->w1.data.data(), g.data(), n, Is, D);
-    gemm_nt(x_in, M.shared->w3.data.data(), u.data(), n, Is, D);
+    linear(x_in, M.shared->w1, g.data(), n);
+    linear(x_in, M.shared->w3, u.data(), n);
     swiglu(g.data(), u.data(), n * Is);
-    cpu::gemm_nt_accumulate(linear_input(numerics_.act, g.data(), n, Is, g_act), M.shared->w2.data.data(), out, n, D,
-                            Is);
+    linear(linear_input(numerics_.act, g.data(), n, Is, g_act), M.shared->w2, out, n, /*accumulate=*/true);
   }
 }
 
 std::vector<float> Model::forward(SequenceState& state, std::span<const int32_t> tokens, bool last_only,
                                   std::vector<float>* final_streams) const {
-  DSV4_CHECK(!weights_.storage && weights_.head.has_values(),
-             "the CPU forward needs fp32 weights; this model was loaded for the CUDA runner (packed or shape-only)");
+  DSV4_CHECK(weights_.head.has_values() || weights_.head.packed,
+             "the CPU forward needs the weights' values; this model holds shapes only (a synthetic benchmark model)");
   const ModelConfig& c = config_;
   const int n = int(tokens.size()), D = c.hidden_size, hc = c.hc_mult;
   DSV4_CHECK(n > 0, "forward: no tokens");
@@ -536,7 +562,7 @@ std::vector<float> Model::head_logits(const HyperConnWeights& collapse, const Ve
   cpu::rms_norm(y.data(), norm.data(), y.data(), rows, D, c.rms_norm_eps);
   trace("final_norm", -1, y.data(), rows, D);
   std::vector<float> logits(size_t(rows) * c.vocab_size);
-  gemm_nt(y.data(), weights_.head.data.data(), logits.data(), rows, c.vocab_size, D);
+  linear(y.data(), weights_.head, logits.data(), rows);
   return logits;
 }
 
@@ -558,11 +584,10 @@ std::vector<float> Model::mtp_forward(SequenceState& state, const float* main_st
   std::vector<float> e(size_t(n) * D), e_proj(size_t(n) * D), act;
   for (int t = 0; t < n; ++t) std::copy_n(weights_.embed.row(next_tokens[t]), D, &e[size_t(t) * D]);
   cpu::rms_norm(e.data(), m.enorm.data(), e.data(), n, D, c.rms_norm_eps);
-  gemm_nt(linear_input(numerics_.act, e.data(), n, D, act), m.e_proj.data.data(), e_proj.data(), n, D, D);
+  linear(linear_input(numerics_.act, e.data(), n, D, act), m.e_proj, e_proj.data(), n);
   std::vector<float> h(size_t(n) * hc * D), streams(size_t(n) * hc * D);
   cpu::rms_norm(main_streams, m.hnorm.data(), h.data(), n * hc, D, c.rms_norm_eps);
-  gemm_nt(linear_input(numerics_.act, h.data(), n * hc, D, act), m.h_proj.data.data(), streams.data(), n * hc, D,
-          D);
+  linear(linear_input(numerics_.act, h.data(), n * hc, D, act), m.h_proj, streams.data(), n * hc);
   for (int t = 0; t < n; ++t)
     for (int k = 0; k < hc; ++k)
       for (int d = 0; d < D; ++d) streams[(size_t(t) * hc + k) * D + d] += e_proj[size_t(t) * D + d];

@@ -145,7 +145,8 @@ class WeightReader {
     std::optional<PackedWeight> p = packed_view(stored, index, row0, rows, &why);
     if (!p) {
       if (refused_.insert(why).second)
-        spdlog::info("weights like \"{}\" are decoded and uploaded as bf16: {}", stored.weight->name, why);
+        spdlog::info("weights like \"{}\" are decoded (to fp32 on the CPU, bf16 on the GPU): {}", stored.weight->name,
+                     why);
       return std::nullopt;
     }
     if (validated_.insert(stored.weight->name).second) {  // same checks as the decoding path, values dropped

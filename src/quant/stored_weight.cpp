@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: MIT
 #include "quant/stored_weight.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -8,7 +9,10 @@
 #include <fmt/ranges.h>
 
 #include "core/check.h"
+#include "formats/bf16.h"
 #include "formats/blocks.h"
+#include "formats/fp4.h"
+#include "formats/fp8.h"
 #include "formats/nvfp4.h"
 #include "io/safetensors.h"
 
@@ -282,6 +286,87 @@ std::optional<PackedWeight> packed_view(const StoredWeight& w, int64_t matrix, i
     }
   }
   return refuse("unknown format");
+}
+
+namespace {
+
+// Every code of the packed formats as fp32 (the formats' own decoders, run once): the per-element decode of a tile
+// becomes a table lookup and one multiply by the group's scale.
+struct CodeTables {
+  float e2m1[16], e4m3[256], e8m0[256];
+  CodeTables() {
+    for (int c = 0; c < 16; ++c) e2m1[c] = e2m1_to_f32(uint8_t(c));
+    for (int c = 0; c < 256; ++c) {
+      e4m3[c] = e4m3_to_f32(uint8_t(c));
+      e8m0[c] = e8m0_to_f32(uint8_t(c));
+    }
+  }
+};
+const CodeTables& code_tables() {
+  static const CodeTables tables;
+  return tables;
+}
+
+// One row of packed e2m1 codes, `group` codes to a scale: value = e2m1 * scale (nvfp4_decode's e2m1 * (block scale
+// * global scale) with the product taken once per group; MXFP4's e8m0 scales are powers of two).
+void decode_fp4_row(const uint8_t* bytes, const float* group_scales, int64_t cols, int group, const float* e2m1,
+                    float* out) {
+  for (int64_t g = 0; g < cols / group; ++g) {
+    const float s = group_scales[g];
+    const uint8_t* b = bytes + g * group / 2;
+    float* o = out + g * group;
+    for (int j = 0; j < group / 2; ++j) {
+      o[2 * j] = e2m1[b[j] & 0xf] * s;
+      o[2 * j + 1] = e2m1[b[j] >> 4] * s;
+    }
+  }
+}
+
+}  // namespace
+
+void decode_packed_rows(const PackedWeight& w, int64_t cols, int64_t first, int64_t count, float* out) {
+  const CodeTables& t = code_tables();
+  for (int64_t r = first; r < first + count; ++r, out += cols) {
+    switch (w.format) {
+      case WeightFormat::Float: {  // bf16
+        const uint8_t* row = w.w + r * cols * 2;
+        for (int64_t i = 0; i < cols; ++i) {
+          uint16_t b;
+          std::memcpy(&b, row + 2 * i, 2);
+          out[i] = bf16_to_f32(b);
+        }
+        break;
+      }
+      case WeightFormat::Fp8Block: {
+        const uint8_t* codes = w.w + r * cols;
+        const int64_t col_blocks = ceil_div(cols, kFp8BlockSize), block_row = (r / kFp8BlockSize) * col_blocks;
+        for (int64_t b = 0; b < col_blocks; ++b) {
+          float scale;
+          if (w.scale_f32) std::memcpy(&scale, w.scale + 4 * (block_row + b), 4);
+          else scale = t.e8m0[w.scale[block_row + b]];
+          for (int64_t i = b * kFp8BlockSize; i < std::min<int64_t>(cols, (b + 1) * kFp8BlockSize); ++i)
+            out[i] = t.e4m3[codes[i]] * scale;
+        }
+        break;
+      }
+      case WeightFormat::Mxfp4:
+      case WeightFormat::Nvfp4: {
+        const bool nv = w.format == WeightFormat::Nvfp4;
+        const int group = nv ? kNvfp4GroupSize : kMxfp4GroupSize;
+        const uint8_t* scales = w.scale + r * (cols / group);
+        float group_scales[512];  // cols / group groups, a chunk at a time
+        for (int64_t g0 = 0; g0 < cols / group; g0 += 512) {
+          const int64_t n = std::min<int64_t>(512, cols / group - g0);
+          for (int64_t g = 0; g < n; ++g)
+            group_scales[g] = nv ? t.e4m3[scales[g0 + g]] * w.scale_2 : t.e8m0[scales[g0 + g]];
+          decode_fp4_row(w.w + r * (cols / 2) + g0 * group / 2, group_scales, n * group, group, t.e2m1,
+                         out + g0 * group);
+        }
+        break;
+      }
+      case WeightFormat::Fp8Tensor: DSV4_FAIL("decode_packed_rows: per-tensor FP8 has no packed view");
+    }
+  }
 }
 
 CompanionNames companion_names(const std::string& weight_name) {

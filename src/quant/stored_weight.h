@@ -58,6 +58,11 @@ struct PackedWeight {
 std::optional<PackedWeight> packed_view(const StoredWeight& w, int64_t matrix, int64_t row0, int64_t rows,
                                         std::string* why);
 
+// Rows [first, first + count) of a packed view of `cols` columns (rows counted from the view's first row) as fp32,
+// out [count, cols]: the values dequantize gives for them, bit for bit (the CPU backend's linears decode a tile of
+// rows at a time from the mapped checkpoint, cpu::gemm_nt_packed). The bytes were checked when the view was made.
+void decode_packed_rows(const PackedWeight& w, int64_t cols, int64_t first, int64_t count, float* out);
+
 // Companion names tried for `weight_name`, in order: {block-scale names}, {second-scale names}, {input-scale}.
 struct CompanionNames {
   std::vector<std::string> scale, scale_2, input_scale;

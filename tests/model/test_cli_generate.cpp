@@ -84,6 +84,8 @@ TEST(CliGenerate, BadInputGivesClearErrorAndNonZeroExit) {
       {"generate --model " + kTiny, "--prompt-ids or --prompt"},
       {"generate --model " + kTiny + " --prompt-ids 1 --speculate eagle", "--speculate"},
       {"generate --model " + kTiny + " --prompt-ids 1 --speculate ngram --draft-tokens 0", "--draft-tokens"},
+      {"generate --model " + kTiny + " --prompt-ids 1 --gpus 0,1", "--gpus 0,1 needs --device cuda"},
+      {"generate --model " + kTiny + " --prompt-ids 1 --cpu-weights fp16", "--cpu-weights"},
   };
   for (const Case& c : cases) {
     const RunResult r = run(c.args);
