@@ -37,7 +37,8 @@ uint8_t e4m3_code(std::mt19937& rng) {  // any finite code
   }
 }
 
-Packed make_packed(WeightFormat format, bool scale_f32, int N, int K, std::mt19937& rng) {
+// NVFP4 takes scale_2 as its global scale, and some of its block scales are +0 and -0.
+Packed make_packed(WeightFormat format, bool scale_f32, int N, int K, std::mt19937& rng, float scale_2 = 0.37f) {
   Packed p;
   p.view.format = format;
   p.values.resize(size_t(N) * K);
@@ -80,8 +81,9 @@ Packed make_packed(WeightFormat format, bool scale_f32, int N, int K, std::mt199
       p.w.resize(size_t(N) * K / 2);
       for (uint8_t& b : p.w) b = uint8_t(rng() & 0xff);
       p.scale.resize(size_t(N) * K / group);
-      for (uint8_t& s : p.scale) s = nv ? uint8_t(0x20 + rng() % 0x30) : uint8_t(118 + rng() % 8);
-      p.view.scale_2 = nv ? 0.37f : 1.0f;
+      for (size_t i = 0; i < p.scale.size(); ++i)
+        p.scale[i] = !nv ? uint8_t(118 + rng() % 8) : i % 7 == 3 ? 0x00 : i % 11 == 5 ? 0x80 : uint8_t(0x20 + rng() % 0x30);
+      p.view.scale_2 = nv ? scale_2 : 1.0f;
       for (int r = 0; r < N; ++r)
         for (int i = 0; i < K; ++i) {
           const uint8_t byte = p.w[size_t(r) * K / 2 + i / 2];
@@ -108,21 +110,32 @@ struct Case {
   const char* name;
 };
 
+// Bit for bit, signed zeros included (the fp4 rows also go through the AVX2 shuffle where the CPU has it; a tiny global
+// scale sends them down the table loop).
 TEST(PackedGemm, DecodedRowsFollowTheFormats) {
   std::mt19937 rng(5);
   for (const Case& c : {Case{WeightFormat::Float, false, "bf16"}, Case{WeightFormat::Fp8Block, false, "fp8 e8m0"},
                         Case{WeightFormat::Fp8Block, true, "fp8 f32"}, Case{WeightFormat::Mxfp4, false, "mxfp4"},
-                        Case{WeightFormat::Nvfp4, false, "nvfp4"}}) {
+                        Case{WeightFormat::Nvfp4, false, "nvfp4"}, Case{WeightFormat::Nvfp4, true, "nvfp4 tiny"}}) {
     const int N = 300, K = 256;
-    const Packed p = make_packed(c.format, c.scale_f32, N, K, rng);
+    const bool tiny = c.format == WeightFormat::Nvfp4 && c.scale_f32;
+    const Packed p = make_packed(c.format, c.scale_f32 && !tiny, N, K, rng, tiny ? 1e-38f : 0.37f);
     std::vector<float> rows(size_t(7) * K);
+    int negative_zeros = 0;
     for (int first : {0, 1, 127, 128, 293}) {
       decode_packed_rows(p.view, K, first, 7, rows.data());
       for (int r = 0; r < 7; ++r)
-        for (int i = 0; i < K; ++i)
-          ASSERT_EQ(double(rows[size_t(r) * K + i]), p.values[size_t(first + r) * K + i])
-              << c.name << " row " << first + r << " col " << i;
+        for (int i = 0; i < K; ++i) {
+          const float got = rows[size_t(r) * K + i], want = float(p.values[size_t(first + r) * K + i]);
+          uint32_t got_bits, want_bits;
+          std::memcpy(&got_bits, &got, 4);
+          std::memcpy(&want_bits, &want, 4);
+          ASSERT_EQ(got_bits, want_bits) << c.name << " row " << first + r << " col " << i << ": " << got << " vs "
+                                         << want;
+          negative_zeros += got == 0.0f && std::signbit(got);
+        }
     }
+    if (c.format == WeightFormat::Nvfp4 || c.format == WeightFormat::Mxfp4) EXPECT_GT(negative_zeros, 0) << c.name;
   }
 }
 
