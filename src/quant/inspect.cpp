@@ -2,6 +2,7 @@
 #include "quant/inspect.h"
 
 #include <algorithm>
+#include <cmath>
 #include <map>
 #include <set>
 
@@ -37,6 +38,23 @@ std::string human_bytes(double b) {
   int u = 0;
   while (b >= 1024.0 && u < 4) b /= 1024.0, ++u;
   return u == 0 ? fmt::format("{:.0f} B", b) : fmt::format("{:.2f} {}", b, units[u]);
+}
+
+}  // namespace
+
+namespace {
+
+// The weights the engine loads as linear layers (model/weights.cpp's WeightReader::linear): the head and the
+// matrices of attention, compressors, indexer and experts, not the compressors' ape, the indexer's weights_proj, the
+// norms or the router.
+bool is_loaded_linear(const StoredWeight& w, TensorGroup g) {
+  const std::string& name = w.weight->name;
+  const bool linear_group = g == TensorGroup::Head || g == TensorGroup::Attention || g == TensorGroup::Compressor ||
+                            g == TensorGroup::Indexer || g == TensorGroup::RoutedExperts ||
+                            g == TensorGroup::SharedExperts;
+  return linear_group && w.logical_shape.size() >= 2 && name.size() > 7 &&
+         name.compare(name.size() - 7, 7, ".weight") == 0 && name.find("weights_proj") == std::string::npos &&
+         name.find("norm") == std::string::npos;
 }
 
 }  // namespace
@@ -94,6 +112,17 @@ InspectReport inspect_checkpoint(const std::string& model_dir) {
     row.params += params;
     row.bytes += bytes;
     row.bytes_per_token += uint64_t(per_token + 0.5);
+    if (g != TensorGroup::Mtp) {
+      const uint64_t fp32 = uint64_t(params) * 4, bf16 = uint64_t(params) * 2;
+      const bool linear = is_loaded_linear(w, g);
+      const bool packable = linear && (w.format == WeightFormat::Nvfp4 || w.format == WeightFormat::Mxfp4 ||
+                                       (w.format == WeightFormat::Fp8Block && w.scale &&
+                                        (w.scale->dtype == DType::F8_E8M0 || w.scale->dtype == DType::F32)) ||
+                                       (w.format == WeightFormat::Float && w.weight->dtype == DType::BF16));
+      r.cpu_fp32_bytes += fp32;
+      r.cpu_packed_bytes += packable ? bytes : fp32;
+      r.gpu_bytes += packable ? bytes : linear || g == TensorGroup::Embed ? bf16 : fp32;
+    }
   }
   for (auto& [key, row] : rows) {
     r.params += row.params;
@@ -117,6 +146,24 @@ std::string format_report(const InspectReport& r) {
   s += fmt::format("\nparameters: {} ({:.3f} B); bytes on disk: {} ({}); bytes read per decoded token (batch 1): {} "
                    "({})\n", r.params, r.params / 1e9, r.bytes, human_bytes(double(r.bytes)), r.bytes_per_token,
                    human_bytes(double(r.bytes_per_token)));
+  // GPUs of each kind the weights need, at the memory a run finds free on them (H100 80GB: ~78 GiB, H200: ~139 GiB),
+  // less 10 % for per-sequence state and workspaces.
+  constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+  auto gpus = [&](double free_gib) { return int(std::ceil(double(r.gpu_bytes) / (0.9 * free_gib * kGiB))); };
+  auto split = [](int n) {
+    std::string list;
+    for (int i = 0; i < n; ++i) {
+      if (i) list += ',';
+      list += std::to_string(i);
+    }
+    return n == 1 ? std::string("one GPU") : fmt::format("--gpus {}", list);
+  };
+  s += fmt::format("\nmemory for the weights (MTP block aside; per-sequence state and workspaces on top):\n");
+  s += fmt::format("  --device cpu --cpu-weights fp32     {}\n", human_bytes(double(r.cpu_fp32_bytes)));
+  s += fmt::format("  --device cpu --cpu-weights packed   {} (linear layers mapped from the files)\n",
+                   human_bytes(double(r.cpu_packed_bytes)));
+  s += fmt::format("  --device cuda                       {}: H100 80GB x {} ({}), H200 x {} ({})\n",
+                   human_bytes(double(r.gpu_bytes)), gpus(78), split(gpus(78)), gpus(139), split(gpus(139)));
   return s;
 }
 

@@ -25,6 +25,12 @@ struct InspectReport {
   std::vector<InspectRow> rows;     // ordered by group, then format
   int64_t params = 0;
   uint64_t bytes = 0, bytes_per_token = 0;
+  // The weights' memory in each way of running the model (the MTP block left out; per-sequence state and workspaces
+  // come on top): --device cpu --cpu-weights fp32 (every value fp32), --cpu-weights packed (linear layers as stored
+  // and mapped from the files where their encoding has a packed form: BF16, FP8 blocks with e8m0 / f32 scales, MXFP4,
+  // NVFP4; the rest fp32), --device cuda (the same linears as stored, other linears and the embedding as bf16, the
+  // rest fp32: what cuda_memory_need counts).
+  uint64_t cpu_fp32_bytes = 0, cpu_packed_bytes = 0, gpu_bytes = 0;
 };
 
 // Bytes per decoded token: one row of the embedding and of tid2eid, top_k / n_routed_experts of the routed experts

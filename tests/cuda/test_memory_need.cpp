@@ -18,6 +18,7 @@
 #include "model/model.h"
 #include "model/state.h"
 #include "model/synthetic.h"
+#include "quant/inspect.h"
 
 namespace dsv4 {
 namespace {
@@ -164,6 +165,18 @@ TEST(CudaPipelineStages, ChosenFirstLayersAndErrors) {
             }()).size(), 43u);  // one layer each
   EXPECT_THROW(cuda_memory_need(model, 64, o, 5, 5), Error);
   EXPECT_THROW(cuda_memory_need(model, 64, o, 0, 44), Error);
+}
+
+// `dsv4 inspect` estimates the GPU weights from the checkpoint alone; on a checkpoint the runner would load they must
+// be what cuda_memory_need counts (tid2eid goes up as int32, the size inspect gives an fp32).
+TEST(CudaMemoryNeed, InspectEstimateIsTheRunnersNeed) {
+  for (const char* name : {"tiny-flash", "tiny-pro"}) {
+    const std::string dir = std::string(DSV4_TEST_DATA) + "/golden/" + name;
+    const Model model = Model::load(dir, Numerics{}, WeightLoad::KeepLinearsPacked);
+    const InspectReport report = inspect_checkpoint(dir);
+    EXPECT_EQ(report.gpu_bytes, cuda_memory_need(model, 64, CudaRunnerOptions{}).weights) << name;
+    EXPECT_EQ(report.cpu_fp32_bytes, uint64_t(report.params) * 4) << name;
+  }
 }
 
 TEST(CudaPipelineStages, ParseGpuLists) {

@@ -325,6 +325,12 @@ TEST(QuantE2E, InspectReportsFormatsAndBytes) {
   EXPECT_NEAR(double(expert_per_token), double(expert_bytes) * config.n_experts_per_tok / config.n_routed_experts,
               double(expert_tensors));
   EXPECT_EQ(r.bytes, Checkpoint::open(q).total_bytes());
+  // Memory to run it: fp32 everything on the CPU; packed, only the NVFP4 experts stay as stored (the attention
+  // linears are F32 here, which have no packed form).
+  EXPECT_EQ(r.cpu_fp32_bytes, uint64_t(r.params) * 4);
+  EXPECT_EQ(r.cpu_fp32_bytes - r.cpu_packed_bytes, uint64_t(expert_params) * 4 - expert_bytes);
+  EXPECT_NE(text.find("--cpu-weights packed"), std::string::npos) << text;
+  EXPECT_NE(text.find("H200 x 1 (one GPU)"), std::string::npos) << text;
 }
 
 // Writes the dequantised checkpoints for reference/quant/transformers_logits.py when asked:
