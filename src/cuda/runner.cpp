@@ -2055,7 +2055,8 @@ std::vector<CudaStage> cuda_pipeline_stages(const Model& model, const CudaRunner
 
 std::unique_ptr<SequenceRunner> make_cuda_runner(const Model& model, int max_context, CudaRunnerOptions options) {
   if (const char* env = std::getenv("DSV4_CUDA_GRAPH"); env && std::string(env) == "0") options.graph_decode = false;
-  if (const char* env = std::getenv("DSV4_CUDA_DEVICES"); env && *env) options.devices = parse_cuda_devices(env);
+  if (const char* env = std::getenv("DSV4_CUDA_DEVICES"); env && *env && options.devices.empty())  // --gpus wins
+    options.devices = parse_cuda_devices(env);
   for (const auto& [name, on] : {std::pair{"DSV4_DEVICE_DRAW", &options.draw_on_device},
                                  {"DSV4_FUSED_MHC", &options.fuse_mhc_mix},
                                  {"DSV4_FUSED_ROUTING", &options.fuse_moe_routing},

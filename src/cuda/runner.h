@@ -89,7 +89,7 @@ struct CudaRunnerOptions {
   // with its own weights, per-sequence state, workspaces and streams, and hands each row's hc·D fp32 streams to the
   // next stage (a peer copy, 64 KB a token for Flash). The first stage holds the embedding, the last the head (and
   // the MTP block, with a copy of the embedding for it). Empty: the current device alone. A device may appear more
-  // than once (tests split one GPU). DSV4_CUDA_DEVICES=0,1 in the environment sets it.
+  // than once (tests split one GPU). DSV4_CUDA_DEVICES=0,1 in the environment sets it when it is empty.
   std::vector<int> devices;
   // The first layer of each stage after the first: devices.size() - 1 increasing layers in (0, n_layers). Empty:
   // chosen so the stages hold about equal weight bytes (cuda_pipeline_stages).
