@@ -40,15 +40,11 @@ ActQuant parse_act_quant(const std::string& name) {
 
 namespace {
 
-// The input of an FP8/FP4 linear (8.1): x itself, or its quantised copy in `buf` (rows of k values). The
-// reference's act_quant sees bf16 activations, so x is rounded to bf16 first: the double rounding decides ~3 % of
-// the e4m3 values, and the tiny models amplify such flips to O(1) logit changes (CudaModel act fp8 test).
 // y[M, rows] (row stride ldy; += when accumulate) = x[M, w.cols] (row stride ldx) · W[row0 .. row0 + rows]ᵀ for a
 // linear layer's weight held as fp32 values (gemm_nt, BLAS) or left in its checkpoint encoding
-// (WeightLoad::KeepLinearsPacked: cpu::gemm_nt_packed decodes a tile of rows at a time). rows < 0: all of them.
+// (WeightLoad::KeepLinearsPacked: cpu::gemm_nt_packed decodes a tile of rows at a time).
 void linear_rows(const float* x, int ldx, const Matrix& w, int row0, int rows, float* y, int ldy, int M,
                  bool accumulate = false) {
-  if (rows < 0) rows = w.rows - row0;
   if (w.has_values()) {
     const float* wr = w.row(row0);
     if (accumulate) {
@@ -71,6 +67,9 @@ void linear(const float* x, const Matrix& w, float* y, int M, bool accumulate = 
   linear_rows(x, w.cols, w, 0, w.rows, y, w.rows, M, accumulate);
 }
 
+// The input of an FP8/FP4 linear (8.1): x itself, or its quantised copy in `buf` (rows of k values). The
+// reference's act_quant sees bf16 activations, so x is rounded to bf16 first: the double rounding decides ~3 % of
+// the e4m3 values, and the tiny models amplify such flips to O(1) logit changes (CudaModel act fp8 test).
 const float* linear_input(ActQuant act, const float* x, int rows, int k, std::vector<float>& buf) {
   if (act == ActQuant::None) return x;
   buf.resize(size_t(rows) * k);

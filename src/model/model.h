@@ -40,7 +40,8 @@ using TraceFn = std::function<void(const std::string& name, int layer, const flo
 class Model {
  public:
   Model(ModelConfig config, ModelWeights weights, Numerics numerics = {});
-  // WeightLoad::KeepLinearsPacked is for the CUDA runner only: forward() on the CPU needs every value decoded.
+  // WeightLoad::KeepLinearsPacked: the CUDA runner uploads the packed encodings; forward() on the CPU decodes them a
+  // tile of rows at a time (cpu::gemm_nt_packed), so a checkpoint runs in about its own size of memory.
   // mtp: also load the MTP block (throws when the checkpoint has none).
   static Model load(const std::string& model_dir, Numerics numerics = {}, WeightLoad load = WeightLoad::DecodeAll,
                     bool mtp = false);

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: MIT
-// The model's parameters as fp32 arrays for the CPU reference backend, one field per checkpoint tensor.
+// The model's parameters, one field per checkpoint tensor: fp32 arrays, or the linear layers packed in their encoding.
 // Field names follow the official DeepSeek-V4 tensor names (spec 7.1); shapes are [rows, cols] row-major.
 #pragma once
 #include <cstdint>
@@ -15,7 +15,7 @@ namespace dsv4 {
 class Checkpoint;
 
 // A weight matrix: fp32 values (data), or for linear layers loaded with WeightLoad::KeepLinearsPacked its
-// checkpoint encoding (packed, data empty), or neither (shape only: synthetic benchmark models).
+// checkpoint encoding (packed, data empty), or neither (shape only: synthetic benchmark models, GPU only).
 struct Matrix {
   int rows = 0, cols = 0;
   std::vector<float> data;
@@ -101,8 +101,9 @@ struct ModelWeights {
 // Loads and checks every tensor the config implies (official names, with or without a `model.` prefix, or the
 // transformers names). Missing tensors, wrong shapes and unsupported dtypes throw dsv4::Error naming the tensor;
 // tensors the engine does not use are listed in one warning (MTP weights in one info line).
-// KeepLinearsPacked (the CUDA backend): the linear layers' weights (embedding excluded) stay in their
-// checkpoint encoding as Matrix::packed views when the kernels read that encoding (every value is still checked);
+// KeepLinearsPacked (the CUDA backend, and the CPU's --cpu-weights packed): the linear layers' weights (embedding
+// excluded) stay in their checkpoint encoding as Matrix::packed views into the mapped files when the encoding has a
+// packed form (every value is still checked);
 // the rest, and encodings without a packed form (logged), are decoded to fp32 as with DecodeAll.
 enum class WeightLoad { DecodeAll, KeepLinearsPacked };
 // mtp: also the MTP block (throws when the checkpoint has none).
