@@ -321,7 +321,8 @@ bool avx2() {
 // e2m1 · scale: the magnitude k / 2 (k in 0..12) comes from a byte shuffle as the integer k, and k · (scale / 2) is the
 // same single rounding of the same exact product while scale / 2 is exact (the caller checks scale >= 2^-125 or
 // +0); the code's sign bit then becomes the float's (so -0 stays -0).
-__attribute__((target("avx2"))) void decode_fp4_16_avx2(const uint8_t* bytes, float half_scale, float* out) {
+__attribute__((target("avx2"), always_inline)) inline void fp4_16_avx2(const uint8_t* bytes, float half_scale,
+                                                                        __m256& first, __m256& second) {
   const __m128i magnitudes = _mm_setr_epi8(0, 1, 2, 3, 4, 6, 8, 12, 0, 1, 2, 3, 4, 6, 8, 12);
   const __m128i packed = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes));
   const __m128i nibble = _mm_set1_epi8(0x0f);
@@ -330,12 +331,20 @@ __attribute__((target("avx2"))) void decode_fp4_16_avx2(const uint8_t* bytes, fl
   const __m128i k = _mm_shuffle_epi8(magnitudes, codes);
   const __m128i sign = _mm_and_si128(codes, _mm_set1_epi8(8));
   const __m256 scale = _mm256_set1_ps(half_scale);
+  __m256* out[2] = {&first, &second};
   for (int half = 0; half < 2; ++half) {
     const __m128i k8 = half ? _mm_srli_si128(k, 8) : k, sign8 = half ? _mm_srli_si128(sign, 8) : sign;
     const __m256 value = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(k8)), scale);
     const __m256i sign_bits = _mm256_slli_epi32(_mm256_cvtepu8_epi32(sign8), 28);  // code bit 3 -> float bit 31
-    _mm256_storeu_ps(out + 8 * half, _mm256_or_ps(value, _mm256_castsi256_ps(sign_bits)));
+    *out[half] = _mm256_or_ps(value, _mm256_castsi256_ps(sign_bits));
   }
+}
+
+__attribute__((target("avx2"))) void decode_fp4_16_avx2(const uint8_t* bytes, float half_scale, float* out) {
+  __m256 first, second;
+  fp4_16_avx2(bytes, half_scale, first, second);
+  _mm256_storeu_ps(out, first);
+  _mm256_storeu_ps(out + 8, second);
 }
 
 // 8 e4m3 codes times `scale`, bit for bit the table's e4m3 · scale: normal codes become the float with the code's
@@ -355,6 +364,42 @@ __attribute__((target("avx2"))) void decode_e4m3_8_avx2(const uint8_t* codes, fl
 }
 #endif
 
+// scale / 2 is exact, and the shuffle decode gives the table's bits (decode_fp4_16_avx2).
+bool half_scale_exact(float s) { return (s >= 0x1p-125f || (s == 0.0f && !std::signbit(s))) && std::isfinite(s); }
+
+#if defined(__x86_64__)
+// x · row r of a packed fp4 view with the row decoded in registers, 16 codes at a time (the values of
+// decode_packed_rows), multiplied by x and summed in 16 lanes, then the lanes in a fixed order.
+__attribute__((target("avx2"))) float fp4_row_dot_avx2(const PackedWeight& w, int64_t cols, int64_t r, const float* x) {
+  const CodeTables& t = code_tables();
+  const bool nv = w.format == WeightFormat::Nvfp4;
+  const int group = nv ? kNvfp4GroupSize : kMxfp4GroupSize;
+  const uint8_t* bytes = w.w + r * (cols / 2);
+  const uint8_t* scales = w.scale + r * (cols / group);
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  float rest = 0.0f;  // groups whose scale takes the table loop
+  for (int64_t g = 0; g < cols / group; ++g) {
+    const float s = nv ? t.e4m3[scales[g]] * w.scale_2 : t.e8m0[scales[g]];
+    const uint8_t* b = bytes + g * group / 2;
+    const float* xg = x + g * group;
+    if (!half_scale_exact(s)) {
+      for (int j = 0; j < group / 2; ++j)
+        rest += t.e2m1[b[j] & 0xf] * s * xg[2 * j] + t.e2m1[b[j] >> 4] * s * xg[2 * j + 1];
+      continue;
+    }
+    for (int j = 0; j < group; j += 16) {
+      __m256 first, second;
+      fp4_16_avx2(b + j / 2, s * 0.5f, first, second);
+      acc0 = _mm256_add_ps(acc0, _mm256_mul_ps(first, _mm256_loadu_ps(xg + j)));
+      acc1 = _mm256_add_ps(acc1, _mm256_mul_ps(second, _mm256_loadu_ps(xg + j + 8)));
+    }
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, _mm256_add_ps(acc0, acc1));
+  return (((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]))) + rest;
+}
+#endif
+
 // One row of packed e2m1 codes, `group` codes to a scale: value = e2m1 * scale (nvfp4_decode's e2m1 * (block scale
 // * global scale) with the product taken once per group; MXFP4's e8m0 scales are powers of two). With AVX2, 16 codes
 // at a time through a byte shuffle (docs/perf.md), same bits.
@@ -365,7 +410,7 @@ void decode_fp4_row(const uint8_t* bytes, const float* group_scales, int64_t col
     const uint8_t* b = bytes + g * group / 2;
     float* o = out + g * group;
 #if defined(__x86_64__)
-    if (avx2() && group % 16 == 0 && (s >= 0x1p-125f || (s == 0.0f && !std::signbit(s))) && std::isfinite(s)) {
+    if (avx2() && group % 16 == 0 && half_scale_exact(s)) {
       for (int j = 0; j < group; j += 16) decode_fp4_16_avx2(b + j / 2, s * 0.5f, o + j);
       continue;
     }
@@ -427,6 +472,21 @@ void decode_packed_rows(const PackedWeight& w, int64_t cols, int64_t first, int6
       case WeightFormat::Fp8Tensor: DSV4_FAIL("decode_packed_rows: per-tensor FP8 has no packed view");
     }
   }
+}
+
+bool packed_row_dot_fused(const PackedWeight& w) {
+#if defined(__x86_64__)
+  return avx2() && (w.format == WeightFormat::Nvfp4 || w.format == WeightFormat::Mxfp4);
+#else
+  return false;
+#endif
+}
+
+float packed_row_dot(const PackedWeight& w, int64_t cols, int64_t row, const float* x) {
+#if defined(__x86_64__)
+  if (packed_row_dot_fused(w)) return fp4_row_dot_avx2(w, cols, row, x);
+#endif
+  DSV4_FAIL("packed_row_dot: no fused path for {} here (packed_row_dot_fused is false)", format_name(w.format));
 }
 
 CompanionNames companion_names(const std::string& weight_name) {

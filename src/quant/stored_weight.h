@@ -63,6 +63,12 @@ std::optional<PackedWeight> packed_view(const StoredWeight& w, int64_t matrix, i
 // rows at a time from the mapped checkpoint, cpu::gemm_nt_packed). The bytes were checked when the view was made.
 void decode_packed_rows(const PackedWeight& w, int64_t cols, int64_t first, int64_t count, float* out);
 
+// x · row `row` of a packed view (x has `cols` values) with the row decoded in registers, for one-row products:
+// the values of decode_packed_rows, summed in an order of its own. Available where packed_row_dot_fused(w) says so
+// (NVFP4 / MXFP4 on CPUs with AVX2); throws elsewhere.
+bool packed_row_dot_fused(const PackedWeight& w);
+float packed_row_dot(const PackedWeight& w, int64_t cols, int64_t row, const float* x);
+
 // Companion names tried for `weight_name`, in order: {block-scale names}, {second-scale names}, {input-scale}.
 struct CompanionNames {
   std::vector<std::string> scale, scale_2, input_scale;
