@@ -350,7 +350,7 @@ __attribute__((target("avx2"))) void decode_fp4_16_avx2(const uint8_t* bytes, fl
 // 8 e4m3 codes times `scale`, bit for bit the table's e4m3 · scale: normal codes become the float with the code's
 // exponent and mantissa bits moved into place and the bias changed (7 -> 127), subnormal ones (exponent 0) the integer
 // mantissa times 2^-9, both exact; the sign bit moves to bit 31. The caller checks that no code is NaN (0x7f / 0xff).
-__attribute__((target("avx2"))) void decode_e4m3_8_avx2(const uint8_t* codes, float scale, float* out) {
+__attribute__((target("avx2"), always_inline)) inline __m256 e4m3_8_avx2(const uint8_t* codes, __m256 scale) {
   const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes)));
   const __m256i magnitude = _mm256_and_si256(c, _mm256_set1_epi32(0x7f));
   const __m256 normal =
@@ -360,7 +360,37 @@ __attribute__((target("avx2"))) void decode_e4m3_8_avx2(const uint8_t* codes, fl
   const __m256i is_subnormal = _mm256_cmpeq_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x78)), _mm256_setzero_si256());
   const __m256 value = _mm256_blendv_ps(normal, subnormal, _mm256_castsi256_ps(is_subnormal));
   const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(c, _mm256_set1_epi32(0x80)), 24);
-  _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_or_ps(value, _mm256_castsi256_ps(sign)), _mm256_set1_ps(scale)));
+  return _mm256_mul_ps(_mm256_or_ps(value, _mm256_castsi256_ps(sign)), scale);
+}
+
+__attribute__((target("avx2"))) void decode_e4m3_8_avx2(const uint8_t* codes, float scale, float* out) {
+  _mm256_storeu_ps(out, e4m3_8_avx2(codes, _mm256_set1_ps(scale)));
+}
+
+// x · row r of a packed FP8-block view, the row decoded in registers 8 codes at a time (decode_packed_rows' values),
+// summed in 16 lanes, then the lanes in a fixed order; a block's last cols % 8 codes through the table.
+__attribute__((target("avx2"))) float fp8_row_dot_avx2(const PackedWeight& w, int64_t cols, int64_t r, const float* x,
+                                                       const float* e4m3, const float* e8m0) {
+  const uint8_t* codes = w.w + r * cols;
+  const int64_t col_blocks = ceil_div(cols, kFp8BlockSize), block_row = (r / kFp8BlockSize) * col_blocks;
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  float rest = 0.0f;
+  for (int64_t b = 0; b < col_blocks; ++b) {
+    float scale;
+    if (w.scale_f32) std::memcpy(&scale, w.scale + 4 * (block_row + b), 4);
+    else scale = e8m0[w.scale[block_row + b]];
+    const __m256 s = _mm256_set1_ps(scale);
+    int64_t i = b * kFp8BlockSize;
+    const int64_t end = std::min<int64_t>(cols, (b + 1) * kFp8BlockSize);
+    for (; i + 16 <= end; i += 16) {
+      acc0 = _mm256_add_ps(acc0, _mm256_mul_ps(e4m3_8_avx2(codes + i, s), _mm256_loadu_ps(x + i)));
+      acc1 = _mm256_add_ps(acc1, _mm256_mul_ps(e4m3_8_avx2(codes + i + 8, s), _mm256_loadu_ps(x + i + 8)));
+    }
+    for (; i < end; ++i) rest += e4m3[codes[i]] * scale * x[i];
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, _mm256_add_ps(acc0, acc1));
+  return (((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]))) + rest;
 }
 #endif
 
@@ -476,7 +506,8 @@ void decode_packed_rows(const PackedWeight& w, int64_t cols, int64_t first, int6
 
 bool packed_row_dot_fused(const PackedWeight& w) {
 #if defined(__x86_64__)
-  return avx2() && (w.format == WeightFormat::Nvfp4 || w.format == WeightFormat::Mxfp4);
+  return avx2() && (w.format == WeightFormat::Nvfp4 || w.format == WeightFormat::Mxfp4 ||
+                    w.format == WeightFormat::Fp8Block);
 #else
   return false;
 #endif
@@ -484,7 +515,10 @@ bool packed_row_dot_fused(const PackedWeight& w) {
 
 float packed_row_dot(const PackedWeight& w, int64_t cols, int64_t row, const float* x) {
 #if defined(__x86_64__)
-  if (packed_row_dot_fused(w)) return fp4_row_dot_avx2(w, cols, row, x);
+  if (packed_row_dot_fused(w))
+    return w.format == WeightFormat::Fp8Block
+               ? fp8_row_dot_avx2(w, cols, row, x, code_tables().e4m3, code_tables().e8m0)
+               : fp4_row_dot_avx2(w, cols, row, x);
 #endif
   DSV4_FAIL("packed_row_dot: no fused path for {} here (packed_row_dot_fused is false)", format_name(w.format));
 }

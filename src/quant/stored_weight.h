@@ -65,7 +65,7 @@ void decode_packed_rows(const PackedWeight& w, int64_t cols, int64_t first, int6
 
 // x · row `row` of a packed view (x has `cols` values) with the row decoded in registers, for one-row products:
 // the values of decode_packed_rows, summed in an order of its own. Available where packed_row_dot_fused(w) says so
-// (NVFP4 / MXFP4 on CPUs with AVX2); throws elsewhere.
+// (NVFP4, MXFP4 and FP8 blocks on CPUs with AVX2); throws elsewhere.
 bool packed_row_dot_fused(const PackedWeight& w);
 float packed_row_dot(const PackedWeight& w, int64_t cols, int64_t row, const float* x);
 
