@@ -35,36 +35,19 @@ double copy_bandwidth_gbs() {
   return 3 * 2.0 * double(bytes) / seconds_since(start) / 1e9;  // read + write
 }
 
-// The linear layers the CPU forward reads through linear() (model/model.cpp), in the model's order.
+// The linear layers the CPU forward reads through linear() (model/model.cpp): linear_matrices without the embedding,
+// which the forward gathers rows from as fp32.
 std::vector<Matrix*> linears(ModelWeights& w) {
-  std::vector<Matrix*> out = {&w.head};
-  for (LayerWeights& L : w.layers) {
-    AttentionWeights& A = L.attn;
-    for (Matrix* m : {&A.wq_a, &A.wq_b, &A.wkv, &A.wo_a, &A.wo_b}) out.push_back(m);
-    if (A.compressor) out.push_back(&A.compressor->wkv), out.push_back(&A.compressor->wgate);
-    if (A.indexer)
-      for (Matrix* m : {&A.indexer->wq_b, &A.indexer->compressor.wkv, &A.indexer->compressor.wgate}) out.push_back(m);
-    for (ExpertWeights& e : L.ffn.experts) out.push_back(&e.w1), out.push_back(&e.w2), out.push_back(&e.w3);
-    if (L.ffn.shared) out.push_back(&L.ffn.shared->w1), out.push_back(&L.ffn.shared->w2), out.push_back(&L.ffn.shared->w3);
-  }
+  std::vector<Matrix*> out = linear_matrices(w);
+  out.erase(out.begin());
   return out;
 }
 
-size_t weight_bytes(const ModelWeights& w, const std::deque<Nvfp4Matrix>& packed) {
-  size_t fp32 = 0, nvfp4 = 0;
-  auto add = [&](const Matrix& m) { fp32 += m.data.size() * sizeof(float); };
-  add(w.embed);
-  add(w.head);
-  for (const LayerWeights& L : w.layers) {
-    const AttentionWeights& A = L.attn;
-    for (const Matrix* m : {&A.wq_a, &A.wq_b, &A.wkv, &A.wo_a, &A.wo_b}) add(*m);
-    if (A.compressor) add(A.compressor->wkv), add(A.compressor->wgate);
-    if (A.indexer) add(A.indexer->wq_b), add(A.indexer->compressor.wkv), add(A.indexer->compressor.wgate);
-    for (const ExpertWeights& e : L.ffn.experts) add(e.w1), add(e.w2), add(e.w3);
-    if (L.ffn.shared) add(L.ffn.shared->w1), add(L.ffn.shared->w2), add(L.ffn.shared->w3);
-  }
-  for (const Nvfp4Matrix& m : packed) nvfp4 += m.packed.size() + m.scale.size();
-  return fp32 + nvfp4;
+size_t weight_bytes(ModelWeights& w, const std::deque<Nvfp4Matrix>& packed) {
+  size_t bytes = 0;
+  for (const Matrix* m : linear_matrices(w)) bytes += m->data.size() * sizeof(float);
+  for (const Nvfp4Matrix& m : packed) bytes += m.packed.size() + m.scale.size();
+  return bytes;
 }
 
 struct Timing {

@@ -326,4 +326,32 @@ ModelWeights load_weights(const ModelConfig& c, std::shared_ptr<const Checkpoint
   return w;
 }
 
+namespace {
+template <class W, class M>
+std::vector<M*> linears_of(W& w) {
+  std::vector<M*> out = {&w.embed, &w.head};
+  auto block = [&](auto& L) {
+    auto& A = L.attn;
+    for (M* m : {&A.wq_a, &A.wq_b, &A.wkv, &A.wo_a, &A.wo_b}) out.push_back(m);
+    if (A.compressor) out.push_back(&A.compressor->wkv), out.push_back(&A.compressor->wgate);
+    if (A.indexer)
+      for (M* m : {&A.indexer->wq_b, &A.indexer->compressor.wkv, &A.indexer->compressor.wgate}) out.push_back(m);
+    for (auto& e : L.ffn.experts) out.push_back(&e.w1), out.push_back(&e.w2), out.push_back(&e.w3);
+    if (L.ffn.shared) out.push_back(&L.ffn.shared->w1), out.push_back(&L.ffn.shared->w2), out.push_back(&L.ffn.shared->w3);
+  };
+  for (auto& L : w.layers) block(L);
+  if (w.mtp) {
+    block(w.mtp->block);
+    out.push_back(&w.mtp->e_proj);
+    out.push_back(&w.mtp->h_proj);
+  }
+  return out;
+}
+}  // namespace
+
+std::vector<Matrix*> linear_matrices(ModelWeights& w) { return linears_of<ModelWeights, Matrix>(w); }
+std::vector<const Matrix*> linear_matrices(const ModelWeights& w) {
+  return linears_of<const ModelWeights, const Matrix>(w);
+}
+
 }  // namespace dsv4

@@ -106,6 +106,11 @@ struct ModelWeights {
 // packed form (every value is still checked);
 // the rest, and encodings without a packed form (logged), are decoded to fp32 as with DecodeAll.
 enum class WeightLoad { DecodeAll, KeepLinearsPacked };
+
+// The matrices of the linear layers in a fixed order: the embedding and the head first, then each block's (attention,
+// compressors, indexer, routed and shared experts), the MTP block's (and its e_proj, h_proj) last when loaded.
+std::vector<Matrix*> linear_matrices(ModelWeights& w);
+std::vector<const Matrix*> linear_matrices(const ModelWeights& w);
 // mtp: also the MTP block (throws when the checkpoint has none).
 ModelWeights load_weights(const ModelConfig& config, std::shared_ptr<const Checkpoint> checkpoint,
                           WeightLoad mode = WeightLoad::DecodeAll, bool mtp = false);
