@@ -96,10 +96,10 @@ int main(int argc, char** argv) {
         codes[fi].scale.emplace_back(scale_bytes, f == WeightFormat::Nvfp4 ? 0x30 : 120);
       }
     }
-    for (int M : {1, 64, 256}) {
+    for (int M : {1, 4, 64, 256}) {
       std::vector<float> x(size_t(M) * s.k, 0.5f), y(size_t(M) * s.n);
-      const int warm = M == 1 ? copies : 1;
-      const int calls = M == 1 ? reps : std::max(2, reps / 8);
+      const int warm = M <= 4 ? copies : 1;
+      const int calls = M <= 4 ? reps : std::max(2, reps / 8);
       const double fp32 = seconds_per_call(calls, warm, [&](int i) {
         cpu::gemm_nt(x.data(), w[size_t(i % copies)].data(), y.data(), M, s.n, s.k);
       });

@@ -146,11 +146,15 @@ void gemm_nt_packed(const float* x, int ldx, const PackedWeight& w, int row0, fl
   // Checked here: nothing may throw inside the OpenMP region below.
   DSV4_CHECK(w.format != WeightFormat::Fp8Tensor, "gemm_nt_packed: per-tensor FP8 has no packed form");
   const bool parallel = int64_t(N) * K >= (1 << 16);  // below, waking the threads costs more than the product
-  if (M == 1 && packed_row_dot_fused(w)) {  // decode steps of fp4 weights: each row decoded in registers
+  if (M <= kPackedDotRows && packed_row_dot_fused(w)) {  // each weight row decoded in registers, used for every x row
 #pragma omp parallel for schedule(static) if (parallel)
     for (int r = 0; r < N; ++r) {
-      const float v = packed_row_dot(w, K, row0 + r, x);
-      y[r] = accumulate ? y[r] + v : v;
+      float v[kPackedDotRows];
+      packed_row_dot(w, K, row0 + r, x, ldx, M, v);
+      for (int m = 0; m < M; ++m) {
+        float& out = y[int64_t(m) * ldy + r];
+        out = accumulate ? out + v[m] : v[m];
+      }
     }
     return;
   }

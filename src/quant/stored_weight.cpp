@@ -367,14 +367,24 @@ __attribute__((target("avx2"))) void decode_e4m3_8_avx2(const uint8_t* codes, fl
   _mm256_storeu_ps(out, e4m3_8_avx2(codes, _mm256_set1_ps(scale)));
 }
 
-// x · row r of a packed FP8-block view, the row decoded in registers 8 codes at a time (decode_packed_rows' values),
-// summed in 16 lanes, then the lanes in a fixed order; a block's last cols % 8 codes through the table.
-__attribute__((target("avx2"))) float fp8_row_dot_avx2(const PackedWeight& w, int64_t cols, int64_t r, const float* x,
-                                                       const float* e4m3, const float* e8m0) {
+// Sums of 16 lanes in a fixed order.
+__attribute__((target("avx2"), always_inline)) inline float lane_sum(__m256 a, __m256 b) {
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, _mm256_add_ps(a, b));
+  return ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+}
+
+// out[m] = x_m · row r of a packed FP8-block view for R rows of x (stride ldx), the row decoded in registers 8 codes
+// at a time (decode_packed_rows' values) and used for every x row, each summed in 16 lanes, then the lanes in a
+// fixed order; a block's last cols % 16 codes through the table.
+template <int R>
+__attribute__((target("avx2"))) void fp8_row_dot_avx2(const PackedWeight& w, int64_t cols, int64_t r, const float* x,
+                                                      int64_t ldx, const float* e4m3, const float* e8m0, float* out) {
   const uint8_t* codes = w.w + r * cols;
   const int64_t col_blocks = ceil_div(cols, kFp8BlockSize), block_row = (r / kFp8BlockSize) * col_blocks;
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  float rest = 0.0f;
+  __m256 acc0[R], acc1[R];
+  float rest[R];
+  for (int m = 0; m < R; ++m) acc0[m] = acc1[m] = _mm256_setzero_ps(), rest[m] = 0.0f;
   for (int64_t b = 0; b < col_blocks; ++b) {
     float scale;
     if (w.scale_f32) std::memcpy(&scale, w.scale + 4 * (block_row + b), 4);
@@ -383,14 +393,16 @@ __attribute__((target("avx2"))) float fp8_row_dot_avx2(const PackedWeight& w, in
     int64_t i = b * kFp8BlockSize;
     const int64_t end = std::min<int64_t>(cols, (b + 1) * kFp8BlockSize);
     for (; i + 16 <= end; i += 16) {
-      acc0 = _mm256_add_ps(acc0, _mm256_mul_ps(e4m3_8_avx2(codes + i, s), _mm256_loadu_ps(x + i)));
-      acc1 = _mm256_add_ps(acc1, _mm256_mul_ps(e4m3_8_avx2(codes + i + 8, s), _mm256_loadu_ps(x + i + 8)));
+      const __m256 first = e4m3_8_avx2(codes + i, s), second = e4m3_8_avx2(codes + i + 8, s);
+      for (int m = 0; m < R; ++m) {
+        acc0[m] = _mm256_add_ps(acc0[m], _mm256_mul_ps(first, _mm256_loadu_ps(x + m * ldx + i)));
+        acc1[m] = _mm256_add_ps(acc1[m], _mm256_mul_ps(second, _mm256_loadu_ps(x + m * ldx + i + 8)));
+      }
     }
-    for (; i < end; ++i) rest += e4m3[codes[i]] * scale * x[i];
+    for (; i < end; ++i)
+      for (int m = 0; m < R; ++m) rest[m] += e4m3[codes[i]] * scale * x[m * ldx + i];
   }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, _mm256_add_ps(acc0, acc1));
-  return (((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]))) + rest;
+  for (int m = 0; m < R; ++m) out[m] = lane_sum(acc0[m], acc1[m]) + rest[m];
 }
 #endif
 
@@ -398,35 +410,49 @@ __attribute__((target("avx2"))) float fp8_row_dot_avx2(const PackedWeight& w, in
 bool half_scale_exact(float s) { return (s >= 0x1p-125f || (s == 0.0f && !std::signbit(s))) && std::isfinite(s); }
 
 #if defined(__x86_64__)
-// x · row r of a packed fp4 view with the row decoded in registers, 16 codes at a time (the values of
-// decode_packed_rows), multiplied by x and summed in 16 lanes, then the lanes in a fixed order.
-__attribute__((target("avx2"))) float fp4_row_dot_avx2(const PackedWeight& w, int64_t cols, int64_t r, const float* x) {
+// out[m] = x_m · row r of a packed fp4 view for R rows of x (stride ldx), the row decoded in registers 16 codes at a
+// time (decode_packed_rows' values) and used for every x row, each summed in 16 lanes, then the lanes in a fixed
+// order.
+template <int R>
+__attribute__((target("avx2"))) void fp4_row_dot_avx2(const PackedWeight& w, int64_t cols, int64_t r, const float* x,
+                                                      int64_t ldx, float* out) {
   const CodeTables& t = code_tables();
   const bool nv = w.format == WeightFormat::Nvfp4;
   const int group = nv ? kNvfp4GroupSize : kMxfp4GroupSize;
   const uint8_t* bytes = w.w + r * (cols / 2);
   const uint8_t* scales = w.scale + r * (cols / group);
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  float rest = 0.0f;  // groups whose scale takes the table loop
+  __m256 acc0[R], acc1[R];
+  float rest[R];  // groups whose scale takes the table loop
+  for (int m = 0; m < R; ++m) acc0[m] = acc1[m] = _mm256_setzero_ps(), rest[m] = 0.0f;
   for (int64_t g = 0; g < cols / group; ++g) {
     const float s = nv ? t.e4m3[scales[g]] * w.scale_2 : t.e8m0[scales[g]];
     const uint8_t* b = bytes + g * group / 2;
-    const float* xg = x + g * group;
+    const int64_t i0 = g * group;
     if (!half_scale_exact(s)) {
-      for (int j = 0; j < group / 2; ++j)
-        rest += t.e2m1[b[j] & 0xf] * s * xg[2 * j] + t.e2m1[b[j] >> 4] * s * xg[2 * j + 1];
+      for (int m = 0; m < R; ++m)
+        for (int j = 0; j < group / 2; ++j)
+          rest[m] += t.e2m1[b[j] & 0xf] * s * x[m * ldx + i0 + 2 * j] +
+                     t.e2m1[b[j] >> 4] * s * x[m * ldx + i0 + 2 * j + 1];
       continue;
     }
     for (int j = 0; j < group; j += 16) {
       __m256 first, second;
       fp4_16_avx2(b + j / 2, s * 0.5f, first, second);
-      acc0 = _mm256_add_ps(acc0, _mm256_mul_ps(first, _mm256_loadu_ps(xg + j)));
-      acc1 = _mm256_add_ps(acc1, _mm256_mul_ps(second, _mm256_loadu_ps(xg + j + 8)));
+      for (int m = 0; m < R; ++m) {
+        acc0[m] = _mm256_add_ps(acc0[m], _mm256_mul_ps(first, _mm256_loadu_ps(x + m * ldx + i0 + j)));
+        acc1[m] = _mm256_add_ps(acc1[m], _mm256_mul_ps(second, _mm256_loadu_ps(x + m * ldx + i0 + j + 8)));
+      }
     }
   }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, _mm256_add_ps(acc0, acc1));
-  return (((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]))) + rest;
+  for (int m = 0; m < R; ++m) out[m] = lane_sum(acc0[m], acc1[m]) + rest[m];
+}
+
+template <int R>
+void row_dot_avx2(const PackedWeight& w, int64_t cols, int64_t r, const float* x, int64_t ldx, float* out) {
+  if (w.format == WeightFormat::Fp8Block)
+    fp8_row_dot_avx2<R>(w, cols, r, x, ldx, code_tables().e4m3, code_tables().e8m0, out);
+  else
+    fp4_row_dot_avx2<R>(w, cols, r, x, ldx, out);
 }
 #endif
 
@@ -513,14 +539,21 @@ bool packed_row_dot_fused(const PackedWeight& w) {
 #endif
 }
 
-float packed_row_dot(const PackedWeight& w, int64_t cols, int64_t row, const float* x) {
+void packed_row_dot(const PackedWeight& w, int64_t cols, int64_t row, const float* x, int64_t ldx, int rows,
+                    float* out) {
+  DSV4_CHECK(packed_row_dot_fused(w), "packed_row_dot: no fused path for {} here (packed_row_dot_fused is false)",
+             format_name(w.format));
 #if defined(__x86_64__)
-  if (packed_row_dot_fused(w))
-    return w.format == WeightFormat::Fp8Block
-               ? fp8_row_dot_avx2(w, cols, row, x, code_tables().e4m3, code_tables().e8m0)
-               : fp4_row_dot_avx2(w, cols, row, x);
+  for (int m = 0; m < rows; m += 4) {  // four rows of x at a time keep the 16 accumulators in registers
+    const float* xm = x + m * ldx;
+    switch (std::min(4, rows - m)) {
+      case 1: row_dot_avx2<1>(w, cols, row, xm, ldx, out + m); break;
+      case 2: row_dot_avx2<2>(w, cols, row, xm, ldx, out + m); break;
+      case 3: row_dot_avx2<3>(w, cols, row, xm, ldx, out + m); break;
+      default: row_dot_avx2<4>(w, cols, row, xm, ldx, out + m); break;
+    }
+  }
 #endif
-  DSV4_FAIL("packed_row_dot: no fused path for {} here (packed_row_dot_fused is false)", format_name(w.format));
 }
 
 CompanionNames companion_names(const std::string& weight_name) {

@@ -63,11 +63,13 @@ std::optional<PackedWeight> packed_view(const StoredWeight& w, int64_t matrix, i
 // rows at a time from the mapped checkpoint, cpu::gemm_nt_packed). The bytes were checked when the view was made.
 void decode_packed_rows(const PackedWeight& w, int64_t cols, int64_t first, int64_t count, float* out);
 
-// x · row `row` of a packed view (x has `cols` values) with the row decoded in registers, for one-row products:
-// the values of decode_packed_rows, summed in an order of its own. Available where packed_row_dot_fused(w) says so
-// (NVFP4, MXFP4 and FP8 blocks on CPUs with AVX2); throws elsewhere.
+// out[m] = x_m · row `row` of a packed view for `rows` rows of x (`cols` values each, stride ldx), the weight row
+// decoded in registers once per four x rows: the values of decode_packed_rows, summed in an order of its own (each
+// x row in the same order whatever `rows` is). Available where packed_row_dot_fused(w) says so (NVFP4, MXFP4 and
+// FP8 blocks on CPUs with AVX2); throws elsewhere.
 bool packed_row_dot_fused(const PackedWeight& w);
-float packed_row_dot(const PackedWeight& w, int64_t cols, int64_t row, const float* x);
+void packed_row_dot(const PackedWeight& w, int64_t cols, int64_t row, const float* x, int64_t ldx, int rows,
+                    float* out);
 
 // Companion names tried for `weight_name`, in order: {block-scale names}, {second-scale names}, {input-scale}.
 struct CompanionNames {
