@@ -311,6 +311,20 @@ const CodeTables& code_tables() {
   return tables;
 }
 
+// The scale of FP8 block b (index into the view's scales) and of fp4 group g of row r: how decode_packed_rows and the
+// fused row products read them.
+float fp8_block_scale(const PackedWeight& w, int64_t b) {
+  if (!w.scale_f32) return code_tables().e8m0[w.scale[b]];
+  float scale;
+  std::memcpy(&scale, w.scale + 4 * b, 4);
+  return scale;
+}
+int fp4_group(const PackedWeight& w) { return w.format == WeightFormat::Nvfp4 ? kNvfp4GroupSize : kMxfp4GroupSize; }
+float fp4_group_scale(const PackedWeight& w, int64_t cols, int64_t r, int64_t g) {
+  const uint8_t code = w.scale[r * (cols / fp4_group(w)) + g];
+  return w.format == WeightFormat::Nvfp4 ? code_tables().e4m3[code] * w.scale_2 : code_tables().e8m0[code];
+}
+
 #if defined(__x86_64__)
 bool avx2() {
   static const bool supported = __builtin_cpu_supports("avx2");
@@ -379,16 +393,15 @@ __attribute__((target("avx2"), always_inline)) inline float lane_sum(__m256 a, _
 // fixed order; a block's last cols % 16 codes through the table.
 template <int R>
 __attribute__((target("avx2"))) void fp8_row_dot_avx2(const PackedWeight& w, int64_t cols, int64_t r, const float* x,
-                                                      int64_t ldx, const float* e4m3, const float* e8m0, float* out) {
+                                                      int64_t ldx, float* out) {
+  const float* e4m3 = code_tables().e4m3;
   const uint8_t* codes = w.w + r * cols;
   const int64_t col_blocks = ceil_div(cols, kFp8BlockSize), block_row = (r / kFp8BlockSize) * col_blocks;
   __m256 acc0[R], acc1[R];
   float rest[R];
   for (int m = 0; m < R; ++m) acc0[m] = acc1[m] = _mm256_setzero_ps(), rest[m] = 0.0f;
   for (int64_t b = 0; b < col_blocks; ++b) {
-    float scale;
-    if (w.scale_f32) std::memcpy(&scale, w.scale + 4 * (block_row + b), 4);
-    else scale = e8m0[w.scale[block_row + b]];
+    const float scale = fp8_block_scale(w, block_row + b);
     const __m256 s = _mm256_set1_ps(scale);
     int64_t i = b * kFp8BlockSize;
     const int64_t end = std::min<int64_t>(cols, (b + 1) * kFp8BlockSize);
@@ -417,15 +430,13 @@ template <int R>
 __attribute__((target("avx2"))) void fp4_row_dot_avx2(const PackedWeight& w, int64_t cols, int64_t r, const float* x,
                                                       int64_t ldx, float* out) {
   const CodeTables& t = code_tables();
-  const bool nv = w.format == WeightFormat::Nvfp4;
-  const int group = nv ? kNvfp4GroupSize : kMxfp4GroupSize;
+  const int group = fp4_group(w);
   const uint8_t* bytes = w.w + r * (cols / 2);
-  const uint8_t* scales = w.scale + r * (cols / group);
   __m256 acc0[R], acc1[R];
   float rest[R];  // groups whose scale takes the table loop
   for (int m = 0; m < R; ++m) acc0[m] = acc1[m] = _mm256_setzero_ps(), rest[m] = 0.0f;
   for (int64_t g = 0; g < cols / group; ++g) {
-    const float s = nv ? t.e4m3[scales[g]] * w.scale_2 : t.e8m0[scales[g]];
+    const float s = fp4_group_scale(w, cols, r, g);
     const uint8_t* b = bytes + g * group / 2;
     const int64_t i0 = g * group;
     if (!half_scale_exact(s)) {
@@ -450,19 +461,21 @@ __attribute__((target("avx2"))) void fp4_row_dot_avx2(const PackedWeight& w, int
 template <int R>
 void row_dot_avx2(const PackedWeight& w, int64_t cols, int64_t r, const float* x, int64_t ldx, float* out) {
   if (w.format == WeightFormat::Fp8Block)
-    fp8_row_dot_avx2<R>(w, cols, r, x, ldx, code_tables().e4m3, code_tables().e8m0, out);
+    fp8_row_dot_avx2<R>(w, cols, r, x, ldx, out);
   else
     fp4_row_dot_avx2<R>(w, cols, r, x, ldx, out);
 }
 #endif
 
-// One row of packed e2m1 codes, `group` codes to a scale: value = e2m1 * scale (nvfp4_decode's e2m1 * (block scale
+// Row r of a packed fp4 view, `group` codes to a scale: value = e2m1 * scale (nvfp4_decode's e2m1 * (block scale
 // * global scale) with the product taken once per group; MXFP4's e8m0 scales are powers of two). With AVX2, 16 codes
 // at a time through a byte shuffle (docs/perf.md), same bits.
-void decode_fp4_row(const uint8_t* bytes, const float* group_scales, int64_t cols, int group, const float* e2m1,
-                    float* out) {
+void decode_fp4_row(const PackedWeight& w, int64_t cols, int64_t r, float* out) {
+  const float* e2m1 = code_tables().e2m1;
+  const int group = fp4_group(w);
+  const uint8_t* bytes = w.w + r * (cols / 2);
   for (int64_t g = 0; g < cols / group; ++g) {
-    const float s = group_scales[g];
+    const float s = fp4_group_scale(w, cols, r, g);
     const uint8_t* b = bytes + g * group / 2;
     float* o = out + g * group;
 #if defined(__x86_64__)
@@ -497,9 +510,7 @@ void decode_packed_rows(const PackedWeight& w, int64_t cols, int64_t first, int6
         const uint8_t* codes = w.w + r * cols;
         const int64_t col_blocks = ceil_div(cols, kFp8BlockSize), block_row = (r / kFp8BlockSize) * col_blocks;
         for (int64_t b = 0; b < col_blocks; ++b) {
-          float scale;
-          if (w.scale_f32) std::memcpy(&scale, w.scale + 4 * (block_row + b), 4);
-          else scale = t.e8m0[w.scale[block_row + b]];
+          const float scale = fp8_block_scale(w, block_row + b);
           int64_t i = b * kFp8BlockSize;
           const int64_t end = std::min<int64_t>(cols, (b + 1) * kFp8BlockSize);
 #if defined(__x86_64__)
@@ -511,20 +522,7 @@ void decode_packed_rows(const PackedWeight& w, int64_t cols, int64_t first, int6
         break;
       }
       case WeightFormat::Mxfp4:
-      case WeightFormat::Nvfp4: {
-        const bool nv = w.format == WeightFormat::Nvfp4;
-        const int group = nv ? kNvfp4GroupSize : kMxfp4GroupSize;
-        const uint8_t* scales = w.scale + r * (cols / group);
-        float group_scales[512];  // cols / group groups, a chunk at a time
-        for (int64_t g0 = 0; g0 < cols / group; g0 += 512) {
-          const int64_t n = std::min<int64_t>(512, cols / group - g0);
-          for (int64_t g = 0; g < n; ++g)
-            group_scales[g] = nv ? t.e4m3[scales[g0 + g]] * w.scale_2 : t.e8m0[scales[g0 + g]];
-          decode_fp4_row(w.w + r * (cols / 2) + g0 * group / 2, group_scales, n * group, group, t.e2m1,
-                         out + g0 * group);
-        }
-        break;
-      }
+      case WeightFormat::Nvfp4: decode_fp4_row(w, cols, r, out); break;
       case WeightFormat::Fp8Tensor: DSV4_FAIL("decode_packed_rows: per-tensor FP8 has no packed view");
     }
   }
