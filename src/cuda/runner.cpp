@@ -568,7 +568,6 @@ class CudaRunner final : public SequenceRunner {
   CudaRunner* next_ = nullptr;                      // the stage after this one
   cudaEvent_t streams_ready_ = nullptr;  // after this stage's layers of the chunk (not on the last stage)
   cudaEvent_t streams_taken_ = nullptr;  // after this stage copied the previous stage's streams (not on the first)
-  int64_t stage_copies_ = 0;             // streams copies from the previous stage so far
   std::map<std::tuple<int, int, bool>, DecodeGraph> decode_graphs_;  // by (first sequence, count, drawn)
   cudaEvent_t tokens_uploaded_ = nullptr;  // host_tokens_ may be rewritten once this has completed
   bool upload_pending_ = false;
@@ -1259,7 +1258,7 @@ void CudaRunner::take_streams(const CudaRunner& previous, int n) {
   DSV4_CUDA_CHECK(cudaMemcpyPeerAsync(streams_.data(), stage_.device, previous.streams_.data(),
                                       previous.stage_.device, bytes, stream_));
   DSV4_CUDA_CHECK(cudaEventRecord(streams_taken_, stream_));
-  ++stage_copies_;
+  ++stats_.stage_copies;
 }
 
 void CudaRunner::launch_stage(int n, Rows wanted, bool drawn, bool graph) {
@@ -1861,7 +1860,7 @@ size_t CudaRunner::state_bytes() const {
 
 CudaRunnerStats CudaRunner::stats() const {
   CudaRunnerStats total = stats_;  // launches_last_forward and the graph flag: the first stage keeps the step's
-  total.graph_kernels = total.cublas_linears = total.side_stream_kernels = 0;
+  total.graph_kernels = total.cublas_linears = total.side_stream_kernels = total.stage_copies = 0;
   total.weight_bytes = total.workspace_bytes = 0;
   total.stages = 1 + int(later_.size());
   for_each_stage([&total](const CudaRunner& s) {
@@ -1870,7 +1869,7 @@ CudaRunnerStats CudaRunner::stats() const {
     total.side_stream_kernels += s.stats_.side_stream_kernels;
     total.weight_bytes += s.stats_.weight_bytes;
     total.workspace_bytes += s.stats_.workspace_bytes;
-    total.stage_copies += s.stage_copies_;
+    total.stage_copies += s.stats_.stage_copies;
   });
   return total;
 }
@@ -2086,13 +2085,10 @@ std::unique_ptr<SequenceRunner> make_cuda_runner(const Model& model, int max_con
     DeviceScope scope(device);
     size_t free_bytes = 0, total_bytes = 0;
     DSV4_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
-    if (stages.size() == 1) {
-      check_cuda_memory(need, free_bytes, total_bytes, max_context);
-      continue;
-    }
     try {
       check_cuda_memory(need, free_bytes, total_bytes, max_context);
     } catch (const Error& e) {
+      if (stages.size() == 1) throw;
       DSV4_FAIL("GPU {} (its share of the {} stages): {}", device, stages.size(), e.what());
     }
   }
