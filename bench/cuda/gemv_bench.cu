@@ -4,7 +4,8 @@
 // launch reads from L2 (60 MB); each timing is the median of 15 graph replays measured with events.
 // Usage: dsv4_gemv_bench [--md FILE] [--pdl] [--quick]   (FILE gets the markdown table for docs/perf.md)
 // FP4 / FP8 rows (and the W4A8 rows) are also timed with the weights through the copy engine (set_gemv_bulk):
-// "bulk" gives its time at the heuristic's split and its best split, next to the register kernel's in the same run.
+// "bulk" gives its time at the heuristic's split and its best split, next to the register kernel's in the same run;
+// "tiles" the register kernel's on fp4 weights in the tile layout (GemvLayout::Tiles; random bytes, so only timing).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -258,6 +259,16 @@ int main(int argc, char** argv) {
             bulk_note = buf;
           }
           set_gemv_bulk(false);
+          if (fp4 && act == GemvAct::BF16) {  // the same kernel on weights in the tile layout (weight_tiles.h)
+            p.layout = GemvLayout::Tiles;
+            const Sweep t = sweep();
+            p.layout = GemvLayout::Rows;
+            char buf[160];
+            std::snprintf(buf, sizeof buf, "  tiles %.2f us %.3f, best %d (%.3f)", t.t_auto * 1e6,
+                          double(step_bytes) / t.t_auto / copy_bw, t.best_split,
+                          double(step_bytes) / t.t_best / copy_bw);
+            bulk_note += buf;
+          }
           const double bw = double(step_bytes) / t_auto;
           char line[512];
           std::snprintf(line, sizeof line, "%-9s %-13s %3d%s %5d %10.2f %9.0f %8.3f %8.3f  %d (%.3f)%s\n", f.name,
@@ -302,10 +313,13 @@ int main(int argc, char** argv) {
         }
         const double bytes = double(wb + sb) * picks * (second ? 2 : 1);
         const bool fp4 = f.w == GemvWeight::MXFP4 || f.w == GemvWeight::NVFP4;
-        for (const bool bulk : {false, true}) {
-        if (bulk && !fp4) continue;
+        for (const int mode : {0, 1, 2}) {  // register kernel, copy engine, register kernel on tiled weights
+        const bool bulk = mode == 1, tiles = mode == 2;
+        if ((bulk || tiles) && !fp4) continue;
+        if (tiles && act == GemvAct::FP8) continue;  // the W4A8 kernel reads rows
         set_gemv_bulk(bulk);
-        std::printf("  %-9s %-4s %-16s%s", f.name, act == GemvAct::FP8 ? "a8" : "a16", name, bulk ? " bulk" : "     ");
+        std::printf("  %-9s %-4s %-16s%s", f.name, act == GemvAct::FP8 ? "a8" : "a16", name,
+                    bulk ? " bulk " : tiles ? " tiles" : "      ");
         for (int split : {0, 1, 2, 4, 8}) {  // 0: the heuristic (7 active slots)
             const double t = time_steps(
                 [&](cudaStream_t st_, int step) {
@@ -313,6 +327,7 @@ int main(int argc, char** argv) {
                   g.base.m = 1, g.base.n = n, g.base.k = k, g.base.x = x.data(), g.base.y = y.data();
                   g.base.w = w.data(), g.base.w_scale = sb ? sc.data() : nullptr, g.base.weight = f.w;
                   g.base.out = GemvOut::F32, g.base.split_k = split, g.base.act = act;
+                  g.base.layout = tiles ? GemvLayout::Tiles : GemvLayout::Rows;
                   g.base.stream = st_;
                   g.w_expert_stride = wb, g.scale_expert_stride = sb, g.scale_2 = s2.as<float>();
                   g.max_slots = E, g.active_slots_hint = picks, g.slots = slots[step % sets], g.x_row_div = picks;

@@ -26,8 +26,10 @@ constexpr int kUnroll = 4;       // chunks loaded per thread before the first is
 
 // Two blocks per SM up to 4 n-tiles (m <= 32: 48-64 bytes of spills at 4 tiles, still 6-8 % faster at batch 32 than
 // one block); three at m <= 8 (80 registers) spill a little and lose 8 % at batch 1 (docs/perf.md).
-template <Fmt F, int kTilesN, bool kGrouped>
+// kTiles: w / w_scale in the tile layout (cuda/weight_tiles.h; fp4 only): a warp's loads of a chunk are contiguous.
+template <Fmt F, int kTilesN, bool kGrouped, bool kTiles = false>
 __global__ void __launch_bounds__(kThreads, kTilesN <= 4 ? 2 : 1) gemv_kernel(const KernelArgs a) {
+  static_assert(!kTiles || F == Fmt::MXFP4 || F == Fmt::NVFP4, "the tile layout is for fp4 weights");
   gpu::allow_dependents();
   constexpr int kElems = elems_per_16b<F>();  // per thread, per row, per chunk
   constexpr int kChunkK = 4 * kElems;
@@ -52,8 +54,16 @@ __global__ void __launch_bounds__(kThreads, kTilesN <= 4 ? 2 : 1) gemv_kernel(co
   const uint8_t* w_scale = rows.w_scale;
   if constexpr (F == Fmt::MXFP4) w_scale += size_t(rows.w_row0) * (a.k / 32);
   if constexpr (F == Fmt::NVFP4) w_scale += size_t(rows.w_row0) * (a.k / 16);
-  const uint8_t* w_lo = w_base + size_t(r_lo) * row_bytes + t * 16;
-  const uint8_t* w_hi = w_lo + 8 * row_bytes;
+  // Where this thread's pieces of chunk 0 are, and how far the next chunk's are (weight_tiles.h for the tiles).
+  constexpr int kScalePiece = F == Fmt::NVFP4 ? 2 : 1;  // fp4 scale bytes per 32-element piece
+  const uint8_t* w_lo = kTiles ? w_base + size_t(row0) * row_bytes + lane * 16 : w_base + size_t(r_lo) * row_bytes + t * 16;
+  const uint8_t* w_hi = kTiles ? w_lo + 8 * 64 : w_lo + 8 * row_bytes;
+  constexpr size_t kWChunkStride = kTiles ? 16 * kChunkBytes : kChunkBytes;
+  const size_t scale_row_bytes = size_t(a.k / 32) * kScalePiece;
+  const uint8_t* s_lo = kTiles ? w_scale + size_t(row0) * scale_row_bytes + lane * kScalePiece
+                               : w_scale + size_t(r_lo) * scale_row_bytes + t * kScalePiece;
+  const uint8_t* s_hi = kTiles ? s_lo + 8 * 4 * kScalePiece : s_lo + 8 * scale_row_bytes;
+  constexpr size_t kSChunkStride = (kTiles ? 16 : 1) * 4 * kScalePiece;
   auto pair_of = [&](int row) { return kGrouped ? a.row_order[rows.order0 + row] : row; };
   if constexpr (!kGrouped) gpu::dependent_wait();  // x and y belong to the step
 
@@ -81,8 +91,8 @@ __global__ void __launch_bounds__(kThreads, kTilesN <= 4 ? 2 : 1) gemv_kernel(co
         const int kk = c * kChunkK + t * kElems;
         const bool in_k = c < n_chunks && kk < a.k;
         const uint4 zero = make_uint4(0, 0, 0, 0);
-        raw_lo[u] = in_k && ok_lo ? dq::load_weights(w_lo + size_t(c) * kChunkBytes) : zero;
-        raw_hi[u] = in_k && ok_hi ? dq::load_weights(w_hi + size_t(c) * kChunkBytes) : zero;
+        raw_lo[u] = in_k && ok_lo ? dq::load_weights(w_lo + size_t(c) * kWChunkStride) : zero;
+        raw_hi[u] = in_k && ok_hi ? dq::load_weights(w_hi + size_t(c) * kWChunkStride) : zero;
         sc_lo[u] = sc_hi[u] = 0;
         if constexpr (kFp8) {  // one scale per (128-row block, 128-k block): uniform over the warp's chunk
           if (c < n_chunks) {
@@ -91,14 +101,11 @@ __global__ void __launch_bounds__(kThreads, kTilesN <= 4 ? 2 : 1) gemv_kernel(co
                                           : __ldg(reinterpret_cast<const uint32_t*>(w_scale) + idx);
           }
         } else if constexpr (F == Fmt::MXFP4) {  // [n, k/32] e8m0: one byte per 32-element piece
-          const size_t ld = size_t(a.k / 32);
-          if (in_k && ok_lo) sc_lo[u] = __ldg(w_scale + size_t(r_lo) * ld + kk / 32);
-          if (in_k && ok_hi) sc_hi[u] = __ldg(w_scale + size_t(r_hi) * ld + kk / 32);
+          if (in_k && ok_lo) sc_lo[u] = __ldg(s_lo + size_t(c) * kSChunkStride);
+          if (in_k && ok_hi) sc_hi[u] = __ldg(s_hi + size_t(c) * kSChunkStride);
         } else if constexpr (F == Fmt::NVFP4) {  // [n, k/16] e4m3: two bytes per piece
-          const size_t ld = size_t(a.k / 16);
-          const uint16_t* s16 = reinterpret_cast<const uint16_t*>(w_scale);
-          if (in_k && ok_lo) sc_lo[u] = __ldg(s16 + (size_t(r_lo) * ld + kk / 16) / 2);
-          if (in_k && ok_hi) sc_hi[u] = __ldg(s16 + (size_t(r_hi) * ld + kk / 16) / 2);
+          if (in_k && ok_lo) sc_lo[u] = __ldg(reinterpret_cast<const uint16_t*>(s_lo + size_t(c) * kSChunkStride));
+          if (in_k && ok_hi) sc_hi[u] = __ldg(reinterpret_cast<const uint16_t*>(s_hi + size_t(c) * kSChunkStride));
         }
       }
 #pragma unroll
@@ -123,18 +130,29 @@ __global__ void __launch_bounds__(kThreads, kTilesN <= 4 ? 2 : 1) gemv_kernel(co
   }  // row passes
 }
 
+template <Fmt F, bool kGrouped, bool kTiles>
+void launch_tiles_n(const KernelArgs& a, dim3 grid, cudaStream_t stream) {
+  if (a.m <= 8)
+    gpu::launch(gemv_kernel<F, 1, kGrouped, kTiles>, grid, kThreads, 0, stream, a);
+  else if (a.m <= 16)
+    gpu::launch(gemv_kernel<F, 2, kGrouped, kTiles>, grid, kThreads, 0, stream, a);
+  else if (a.m <= 32)
+    gpu::launch(gemv_kernel<F, 4, kGrouped, kTiles>, grid, kThreads, 0, stream, a);
+  else
+    gpu::launch(gemv_kernel<F, 8, kGrouped, kTiles>, grid, kThreads, 0, stream, a);
+}
+
 template <Fmt F, bool kGrouped>
 cudaError_t launch_fmt(const KernelArgs& a, dim3 grid, cudaStream_t stream) {
   const int rows_per_block = kGemvWarps / a.split * 16;
   grid.x = (a.n + rows_per_block - 1) / rows_per_block;
-  if (a.m <= 8)
-    gpu::launch(gemv_kernel<F, 1, kGrouped>, grid, kThreads, 0, stream, a);
-  else if (a.m <= 16)
-    gpu::launch(gemv_kernel<F, 2, kGrouped>, grid, kThreads, 0, stream, a);
-  else if (a.m <= 32)
-    gpu::launch(gemv_kernel<F, 4, kGrouped>, grid, kThreads, 0, stream, a);
-  else
-    gpu::launch(gemv_kernel<F, 8, kGrouped>, grid, kThreads, 0, stream, a);
+  if constexpr (F == Fmt::MXFP4 || F == Fmt::NVFP4)
+    if (a.tiles) {
+      launch_tiles_n<F, kGrouped, true>(a, grid, stream);
+      return cudaGetLastError();
+    }
+  if (a.tiles) return cudaErrorInvalidValue;  // gemv.cpp refuses the tile layout for other formats
+  launch_tiles_n<F, kGrouped, false>(a, grid, stream);
   return cudaGetLastError();
 }
 
@@ -163,6 +181,7 @@ KernelArgs plain_args(const GemvParams& p, int split_k) {
   a.w_row0 = p.w_row0;
   a.y_factor = p.weight == GemvWeight::NVFP4 ? p.w_scale_2 * dq::kNvfp4OutputFactor : 1.0f;
   a.out_bf16 = p.out == GemvOut::BF16;
+  a.tiles = p.layout == GemvLayout::Tiles;
   a.x_row_div = 1;
   return a;
 }

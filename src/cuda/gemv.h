@@ -21,6 +21,9 @@
 //                                                                            W = e2m1 * 2^(E - 127)
 //     NVFP4      w [n, k/2] e2m1 as MXFP4, w_scale [n, k/16] e4m3, w_scale_2 fp32 scalar
 //                                                                            W = e2m1 * e4m3(scale) * w_scale_2
+//   layout Tiles (MXFP4 / NVFP4, the skinny kernel only: m <= kGemvMaxM, bf16 activations into the kernel): w and
+//      w_scale hold the same bytes regrouped per 16-row tile and 64-byte chunk (cuda/weight_tiles.h), so each warp
+//      load is contiguous; n, w_row0 multiples of 16, k a multiple of 128.
 //   y  [m, n] fp32 or bf16 (round to nearest even), row stride ldy (0 = n). Every element y[i, 0..n) is written,
 //      nothing else (a fused projection writes its parts side by side into one [m, ldy] buffer).
 //   k: multiple of 8 (BF16), 16 (FP8_BLOCK), 32 (MXFP4, NVFP4). m in [0, kGemvMaxRows]; m == 0 or n == 0 is a
@@ -50,7 +53,8 @@ namespace dsv4 {
 enum class GemvWeight { BF16, FP8_BLOCK, MXFP4, NVFP4 };
 enum class GemvScale { E8M0, F32 };  // element type of the FP8_BLOCK scale tensor
 enum class GemvOut { F32, BF16 };
-enum class GemvAct { BF16, FP8 };  // activations as given, or quantised per 128-block (see Activations above)
+enum class GemvAct { BF16, FP8 };
+enum class GemvLayout { Rows, Tiles };  // w / w_scale row-major, or in 16-row tiles (cuda/weight_tiles.h)  // activations as given, or quantised per 128-block (see Activations above)
 
 constexpr int kGemvMaxM = 64;            // the skinny kernel's rows; above, the tiled kernel
 constexpr int kGemvMaxRows = 1 << 20;     // rows of one call
@@ -67,6 +71,7 @@ struct GemvParams {
   int64_t ldy = 0;                // 0 = n
   GemvWeight weight = GemvWeight::BF16;
   GemvScale fp8_scale = GemvScale::E8M0;
+  GemvLayout layout = GemvLayout::Rows;
   GemvOut out = GemvOut::F32;
   int split_k = 0;  // warps sharing one 16-row tile (1, 2, 4 or 8); 0 = chosen from the shape (benchmarks set it)
   GemvAct act = GemvAct::BF16;

@@ -314,7 +314,7 @@ cudaError_t launch_any(const KernelArgs& a, dim3 grid, cudaStream_t stream, bool
 int tiled_weight_tiles = 0;
 
 bool gemv_tiled_supported(const GemvParams& p) {
-  return p.m > kGemvMaxM && !(p.weight == GemvWeight::FP8_BLOCK && p.fp8_scale == GemvScale::F32);
+  return p.m > kGemvMaxM && p.layout == GemvLayout::Rows && !(p.weight == GemvWeight::FP8_BLOCK && p.fp8_scale == GemvScale::F32);
 }
 
 cudaError_t gemv_tiled_launch(const KernelArgs& a, const GemvParams& p, dim3 grid, bool grouped) {

@@ -397,6 +397,7 @@ cudaError_t launch_bulk(const KernelArgs& a, dim3 grid, size_t smem, cudaStream_
 
 bool gemv_w4a8_supported(const GemvParams& p) {
   return p.act == GemvAct::FP8 && (p.weight == GemvWeight::MXFP4 || p.weight == GemvWeight::NVFP4) && p.m == 1 &&
+         p.layout == GemvLayout::Rows &&
          p.k <= kW4a8MaxK && gemv_w4a8_enabled();
 }
 

@@ -21,6 +21,7 @@
 #include "cuda/fp4_layout.h"
 #include "cuda/gemv.h"
 #include "cuda/gemv_launch.h"
+#include "cuda/weight_tiles.h"
 #include "dequant_probe.h"
 #include "formats/fp4.h"
 #include "formats/fp8.h"
@@ -510,6 +511,151 @@ TEST(GemvBulk, MatchesRegisterKernelBitForBitAtSplit1) {
     }
 }
 
+// The tile layout (weight_tiles.h) moves bytes only: every lane loads the same pieces, so plain, batched and grouped
+// launches give the row-major results bit for bit, at every split and n-tile width.
+struct TiledCopy {
+  std::vector<uint8_t> w, scale;
+};
+TiledCopy to_tiles(const HostProblem& h, GemvWeight w, int n, int k) {
+  const size_t piece = w == GemvWeight::NVFP4 ? 2 : 1;
+  TiledCopy t{std::vector<uint8_t>(h.w.size()), std::vector<uint8_t>(h.scale.size())};
+  weight_tiles::from_rows(h.w.data(), t.w.data(), size_t(n), size_t(k) / 2, weight_tiles::kWeightPiece);
+  weight_tiles::from_rows(h.scale.data(), t.scale.data(), size_t(n), size_t(k) / 32 * piece, piece);
+  return t;
+}
+
+TEST(GemvTiles, OffsetsArePermutations) {
+  for (const auto& [rows, row_bytes, piece] : {std::tuple{16, 64, 16}, {48, 2048, 16}, {32, 256, 2}, {16, 128, 1}}) {
+    std::vector<int> hit(size_t(rows) * row_bytes, 0);
+    for (int r = 0; r < rows; ++r)
+      for (int b = 0; b < row_bytes; ++b) {
+        const size_t o = weight_tiles::offset(size_t(r), size_t(b), size_t(row_bytes), size_t(piece));
+        ASSERT_LT(o, hit.size());
+        ++hit[o];
+        ASSERT_EQ(o / (16 * size_t(row_bytes)), size_t(r / 16)) << "a byte left its tile";
+      }
+    EXPECT_EQ(std::count(hit.begin(), hit.end(), 1), int(hit.size())) << rows << " x " << row_bytes;
+  }
+  // Lane l's piece of chunk 0, row l / 4 (lo) and l / 4 + 8 (hi), at l * 16 and 512 + l * 16.
+  EXPECT_EQ(weight_tiles::offset(3, 2 * 16 + 5, 2048, 16), size_t((3 * 4 + 2) * 16 + 5));
+  EXPECT_EQ(weight_tiles::offset(11, 64 + 16, 2048, 16), size_t(1024 + 512 + 13 * 16));
+}
+
+TEST(GemvTiles, SameBitsAsRowMajor) {
+  DSV4_REQUIRE_CUDA();
+  std::mt19937_64 rng(123);
+  auto run = [](const GemvParams& p, DeviceBuffer& y, size_t count) {
+    y.fill_bytes(0xff);
+    gemv(p);
+    DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<float> out(count);
+    y.download(out.data(), count * 4);
+    return out;
+  };
+  for (const GemvWeight w : {GemvWeight::MXFP4, GemvWeight::NVFP4})
+    for (const auto& [m, n, k] : {std::tuple{1, 304, 4096}, {5, 48, 1152}, {8, 2048, 512}, {16, 64, 2048},
+                                  {33, 96, 1024}, {64, 32, 640}})
+      for (const int split : {0, 1, 2, 8}) {
+        const Case c{w, GemvScale::E8M0, m, n, k, GemvOut::F32, split};
+        const HostProblem h = make_problem(c, rng);
+        const TiledCopy t = to_tiles(h, w, n, k);
+        DeviceBuffer x(h.x.size() * 2), dw(h.w.size()), ds(h.scale.size()), tw(t.w.size()), ts(t.scale.size()),
+            y(size_t(m) * n * 4);
+        x.upload(h.x.data(), h.x.size() * 2);
+        dw.upload(h.w.data(), h.w.size());
+        ds.upload(h.scale.data(), h.scale.size());
+        tw.upload(t.w.data(), t.w.size());
+        ts.upload(t.scale.data(), t.scale.size());
+        GemvParams p;
+        p.m = m, p.n = n, p.k = k, p.x = x.data(), p.w = dw.data(), p.w_scale = ds.data(), p.w_scale_2 = h.scale_2;
+        p.y = y.data(), p.weight = w, p.split_k = split;
+        const std::vector<float> rows = run(p, y, size_t(m) * n);
+        GemvParams q = p;
+        q.w = tw.data(), q.w_scale = ts.data(), q.layout = GemvLayout::Tiles;
+        const std::vector<float> tiles = run(q, y, size_t(m) * n);
+        ASSERT_TRUE(std::all_of(rows.begin(), rows.end(), [](float v) { return std::isfinite(v); }));
+        EXPECT_EQ(0, std::memcmp(rows.data(), tiles.data(), rows.size() * 4))
+            << case_name(c);
+        // A 16-row-aligned slice of the tiled matrix (w_row0) is the same rows.
+        if (n >= 32) {
+          q.w_row0 = 16, q.n = n - 16, p.w_row0 = 16, p.n = n - 16;
+          const std::vector<float> a = run(p, y, size_t(m) * (n - 16)), b = run(q, y, size_t(m) * (n - 16));
+          EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * 4)) << case_name(c) << " w_row0 16";
+        }
+      }
+  // Batched (wo_a's form): each batch's n rows start a tile.
+  for (const GemvWeight w : {GemvWeight::MXFP4, GemvWeight::NVFP4}) {
+    const int batch = 8, n = 48, k = 1024, m = 1;
+    const HostProblem h = make_problem({w, GemvScale::E8M0, m * batch, batch * n, k, GemvOut::F32, 0}, rng);
+    const TiledCopy t = to_tiles(h, w, batch * n, k);
+    DeviceBuffer x(h.x.size() * 2), dw(h.w.size()), ds(h.scale.size()), tw(t.w.size()), ts(t.scale.size()),
+        y(size_t(batch) * n * 4);
+    x.upload(h.x.data(), h.x.size() * 2);
+    dw.upload(h.w.data(), h.w.size());
+    ds.upload(h.scale.data(), h.scale.size());
+    tw.upload(t.w.data(), t.w.size());
+    ts.upload(t.scale.data(), t.scale.size());
+    std::vector<std::vector<float>> got;
+    for (const bool tiled : {false, true}) {
+      GemvBatchedParams b;
+      b.base.m = m, b.base.n = n, b.base.k = k, b.base.x = x.data(), b.base.w = tiled ? tw.data() : dw.data();
+      b.base.w_scale = tiled ? ts.data() : ds.data(), b.base.w_scale_2 = h.scale_2, b.base.y = y.data();
+      b.base.weight = w, b.base.layout = tiled ? GemvLayout::Tiles : GemvLayout::Rows, b.base.ldy = batch * n;
+      b.batch = batch, b.x_batch_stride = int64_t(m) * k, b.y_batch_stride = n;
+      y.fill_bytes(0xff);
+      gemv_batched(b);
+      DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+      got.emplace_back(size_t(batch) * n);
+      y.download(got.back().data(), got.back().size() * 4);
+    }
+    EXPECT_EQ(0, std::memcmp(got[0].data(), got[1].data(), got[0].size() * 4)) << "batched " << gemv_weight_name(w);
+  }
+  // Grouped with a second projection (the experts' w1 + w3): 3 tokens x 6 picks of 9 experts.
+  for (const GemvWeight w : {GemvWeight::MXFP4, GemvWeight::NVFP4}) {
+    const int E = 9, tokens = 3, picks = 6, pairs = tokens * picks, n = 64, k = 2048;
+    const size_t ws = size_t(gemv_weight_bytes(w, n, k)), ss = size_t(gemv_scale_bytes(w, n, k));
+    DeviceBuffer x(size_t(tokens) * k * 2), dw(2 * E * ws), ds(2 * E * ss), tw(2 * E * ws), ts(2 * E * ss),
+        s2(2 * E * 4), ids(pairs * 4), y(2 * size_t(pairs) * n * 4), count(4), slot_expert(E * 4),
+        slot_offset((E + 1) * 4), order(pairs * 4);
+    std::vector<float> scale_2;
+    for (int e = 0; e < 2 * E; ++e) {
+      const HostProblem h = make_problem({w, GemvScale::E8M0, e == 0 ? tokens : 1, n, k, GemvOut::F32, 0}, rng);
+      if (e == 0) x.upload(h.x.data(), h.x.size() * 2);
+      const TiledCopy t = to_tiles(h, w, n, k);
+      dw.upload(h.w.data(), ws, e * ws), ds.upload(h.scale.data(), ss, e * ss);
+      tw.upload(t.w.data(), ws, e * ws), ts.upload(t.scale.data(), ss, e * ss);
+      scale_2.push_back(h.scale_2);
+    }
+    s2.upload(scale_2.data(), scale_2.size() * 4);
+    std::vector<int32_t> h_ids(pairs);
+    for (int i = 0; i < pairs; ++i) h_ids[size_t(i)] = (i * 5 + i / picks) % E;
+    ids.upload(h_ids.data(), h_ids.size() * 4);
+    MoeSlotsParams sp;
+    sp.ids = ids.as<int32_t>(), sp.n = tokens, sp.k = picks, sp.experts = E;
+    sp.slots = {count.as<int32_t>(), slot_expert.as<int32_t>(), slot_offset.as<int32_t>(), order.as<int32_t>()};
+    moe_slots(sp);
+    std::vector<std::vector<float>> got;
+    for (const bool tiled : {false, true}) {
+      GemvGroupedParams g;
+      g.base.m = tokens, g.base.n = n, g.base.k = k, g.base.x = x.data(), g.base.y = y.data(), g.base.weight = w;
+      g.base.w = tiled ? tw.data() : dw.data(), g.base.w_scale = tiled ? ts.data() : ds.data();
+      g.base.layout = tiled ? GemvLayout::Tiles : GemvLayout::Rows;
+      g.w_expert_stride = ws, g.scale_expert_stride = ss, g.scale_2 = s2.as<float>(), g.max_slots = E;
+      g.slots = sp.slots, g.x_row_div = picks;
+      g.second.w = (tiled ? tw.as<char>() : dw.as<char>()) + E * ws;
+      g.second.w_scale = (tiled ? ts.as<char>() : ds.as<char>()) + E * ss;
+      g.second.scale_2 = s2.as<float>() + E, g.second.y = y.as<float>() + size_t(pairs) * n;
+      y.fill_bytes(0xff);
+      gemv_grouped(g);
+      DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+      got.emplace_back(2 * size_t(pairs) * n);
+      y.download(got.back().data(), got.back().size() * 4);
+    }
+    ASSERT_TRUE(std::all_of(got[0].begin(), got[0].end(), [](float v) { return std::isfinite(v); }));
+    EXPECT_EQ(0, std::memcmp(got[0].data(), got[1].data(), got[0].size() * 4)) << "grouped " << gemv_weight_name(w);
+  }
+}
+
 // Grouped (MoE) gemv and its slot builder, against the same fp64 reference per routed pair.
 
 struct GroupedCase {
@@ -953,6 +1099,27 @@ TEST(GemvArgs, RejectsBadShapesAndPointers) {
   }
   const W4a8Scope w4a8(false);
   EXPECT_FALSE(gemv_uses_w4a8(p));
+}
+
+TEST(GemvArgs, TileLayoutNeedsFp4AndWholeTiles) {
+  auto tiled = [](GemvWeight w, int m, int n, int k) {
+    GemvParams p = fake_params(w, m, n, k);
+    p.layout = GemvLayout::Tiles;
+    return p;
+  };
+  EXPECT_THROW(gemv(tiled(GemvWeight::BF16, 1, 16, 128)), Error);
+  EXPECT_THROW(gemv(tiled(GemvWeight::FP8_BLOCK, 1, 16, 128)), Error);
+  EXPECT_THROW(gemv(tiled(GemvWeight::NVFP4, 1, 24, 128)), Error);   // n % 16
+  EXPECT_THROW(gemv(tiled(GemvWeight::NVFP4, 1, 16, 96)), Error);    // k % 128
+  EXPECT_THROW(gemv(tiled(GemvWeight::MXFP4, 65, 16, 128)), Error);  // the tiled (prefill) kernel reads rows
+  GemvParams p = tiled(GemvWeight::NVFP4, 1, 16, 128);
+  p.w_row0 = 8;
+  try {
+    gemv(p);
+    ADD_FAILURE() << "w_row0 8 accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("tile layout"), std::string::npos) << e.what();
+  }
 }
 
 // Act FP8 at m = 1 without the W4A8 kernel (x quantised into act_scratch, then the bf16-activation kernel) computes
