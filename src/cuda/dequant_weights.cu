@@ -9,6 +9,7 @@
 
 #include "cuda/dequant.cuh"
 #include "cuda/gemm.h"
+#include "cuda/weight_tiles.h"
 
 namespace dsv4::detail {
 namespace {
@@ -25,6 +26,7 @@ struct DequantArgs {
   const uint8_t* w;
   const uint8_t* w_scale;
   uint16_t* out;         // [n, k]
+  bool tiles;            // w / w_scale in the tile layout (weight_tiles.h): piece i of w is not piece i of the rows
 };
 
 template <Fmt F>
@@ -54,8 +56,26 @@ __global__ void __launch_bounds__(kThreads) dequant_kernel(const DequantArgs a) 
   constexpr int kElems = elems_per_piece<F>();
   const int64_t piece = int64_t(blockIdx.x) * kThreads + threadIdx.x;
   if (piece >= a.pieces) return;
-  const int64_t row = piece / a.pieces_per_row;
-  const int col = int(piece - row * a.pieces_per_row) * kElems;  // first element of the piece
+  // The row and first element of this thread's piece: in the tile layout the flat offset piece·16 decomposes as
+  // tile, chunk, half, lane (weight_tiles.h).
+  int64_t row;
+  int col;
+  if (a.tiles) {
+    const int64_t tile_pieces = 16 * int64_t(a.pieces_per_row), in_tile = piece % tile_pieces;
+    const int64_t chunk = in_tile / 64, half = in_tile % 64 / 32, lane = in_tile % 32;
+    row = piece / tile_pieces * 16 + half * 8 + lane / 4;
+    col = int(chunk * 4 + lane % 4) * kElems;
+  } else {
+    row = piece / a.pieces_per_row;
+    col = int(piece - row * a.pieces_per_row) * kElems;
+  }
+  // The scale byte of element `e` of this row (the tile layout moves scales in pieces of one per 32 elements).
+  auto scale_at = [&](int e, int per_scale, int piece_bytes) -> const uint8_t* {
+    const int64_t j = e / per_scale;  // scale index in the row
+    return a.w_scale + (a.tiles ? int64_t(weight_tiles::offset(size_t(row), size_t(j), size_t(a.scale_row_stride),
+                                                               size_t(piece_bytes)))
+                                : row * a.scale_row_stride + j);
+  };
   const uint4 raw = load_streaming(a.w + piece * 16);
   const uint32_t word[4] = {raw.x, raw.y, raw.z, raw.w};
   uint32_t out[kElems / 2];
@@ -72,11 +92,11 @@ __global__ void __launch_bounds__(kThreads) dequant_kernel(const DequantArgs a) 
 #pragma unroll
     for (int i = 0; i < kElems / 2; ++i) out[i] = scale_bf16x2_f32(out[i], scale);
   } else if constexpr (F == Fmt::MXFP4) {
-    const uint32_t factor = dq::mxfp4_factor(a.w_scale[row * a.scale_row_stride + col / 32]);
+    const uint32_t factor = dq::mxfp4_factor(*scale_at(col, 32, 1));
 #pragma unroll
     for (int i = 0; i < 4; ++i) dq::e2m1x8_to_bf16x2(word[i], factor, out + 4 * i);
   } else {  // NVFP4: two 16-element blocks (words 0-1 and 2-3); nvfp4_factor leaves a 2^-8 that 2^8 undoes exactly
-    const uint16_t s = *reinterpret_cast<const uint16_t*>(a.w_scale + row * a.scale_row_stride + col / 16);
+    const uint16_t s = *reinterpret_cast<const uint16_t*>(scale_at(col, 16, 2));
     uint32_t f0, f1;
     dq::nvfp4_factor_pair(s, f0, f1);
     const uint32_t undo = dq::bf16x2_pow2(8);
@@ -108,6 +128,7 @@ cudaError_t dequant_weight_launch(const WeightDesc& w, uint16_t* out_bf16, cudaS
   a.w = static_cast<const uint8_t*>(w.w);
   a.w_scale = static_cast<const uint8_t*>(w.w_scale);
   a.out = out_bf16;
+  a.tiles = w.layout == GemvLayout::Tiles;
   const unsigned blocks = unsigned((a.pieces + kThreads - 1) / kThreads);
   switch (w.weight) {
     case GemvWeight::FP8_BLOCK:

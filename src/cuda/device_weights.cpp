@@ -8,6 +8,7 @@
 #include "cuda/cuda_check.h"
 #include "cuda/fp4_layout.h"
 #include "cuda/synthetic.h"
+#include "cuda/weight_tiles.h"
 #include "formats/bf16.h"
 
 namespace dsv4 {
@@ -66,6 +67,7 @@ GemvParams DeviceLinear::params(const void* x, void* y, int m, GemvOut out, int6
   p.ldy = ldy;
   p.weight = format;
   p.fp8_scale = fp8_scale;
+  p.layout = layout;
   p.out = out;
   return p;
 }
@@ -99,24 +101,44 @@ WeightUploader::Encoding WeightUploader::encoding_of(const Matrix& m, std::optio
   return e;
 }
 
+bool WeightUploader::tiled(GemvWeight format, const std::vector<int>& rows, int k) const {
+  return fp4_tiles_ && (format == GemvWeight::MXFP4 || format == GemvWeight::NVFP4) && k % 128 == 0 &&
+         std::all_of(rows.begin(), rows.end(), [](int r) { return r % weight_tiles::kRows == 0; });
+}
+
+void WeightUploader::to_tiles(GemvWeight format, void* w, void* scale, int rows, int k) {
+  const size_t w_bytes = size_t(gemv_weight_bytes(format, rows, k)), s_bytes = size_t(gemv_scale_bytes(format, rows, k));
+  if (tile_scratch_.size() < w_bytes) tile_scratch_ = DeviceBuffer(w_bytes);
+  gpu::rows_to_tiles(w, tile_scratch_.data(), size_t(rows), w_bytes / size_t(rows), weight_tiles::kWeightPiece,
+                     nullptr);
+  const size_t scale_piece = format == GemvWeight::NVFP4 ? 2 : 1;  // per 32 elements
+  gpu::rows_to_tiles(scale, tile_scratch_.data(), size_t(rows), s_bytes / size_t(rows), scale_piece, nullptr);
+  DSV4_CUDA_CHECK(cudaStreamSynchronize(nullptr));  // the scratch is reused by the next matrix
+}
+
 DeviceLinear WeightUploader::upload(const std::vector<const Matrix*>& parts, const Encoding& e) {
   DeviceLinear d;
   d.format = e.format;
   d.fp8_scale = e.fp8_scale;
   d.scale_2 = e.scale_2;
   d.k = parts.front()->cols;
-  for (const Matrix* m : parts) d.n += m->rows;
+  std::vector<int> rows;
+  for (const Matrix* m : parts) d.n += m->rows, rows.push_back(m->rows);
   if (e.synthetic) {
     d.w = DeviceBuffer(std::max<int64_t>(gemv_weight_bytes(e.format, d.n, d.k), 16));
     const int64_t scale_bytes = gemv_scale_bytes(e.format, d.n, d.k);
     if (scale_bytes) d.scale = DeviceBuffer(scale_bytes);
     fill_synthetic_weight(e.format, d.w.data(), d.scale.data(), d.n, d.k, seed_++, nullptr);
-    return d;
+  } else {
+    std::vector<uint8_t> w, scale;
+    for (const Matrix* m : parts) append_encoded(*m, w, scale);
+    d.w = upload_bytes(w);
+    if (!scale.empty()) d.scale = upload_bytes(scale);
   }
-  std::vector<uint8_t> w, scale;
-  for (const Matrix* m : parts) append_encoded(*m, w, scale);
-  d.w = upload_bytes(w);
-  if (!scale.empty()) d.scale = upload_bytes(scale);
+  if (tiled(d.format, rows, d.k)) {  // the same matrix either way (synthetic codes too): only the bytes move
+    to_tiles(d.format, d.w.data(), d.scale.data(), d.n, d.k);
+    d.layout = GemvLayout::Tiles;
+  }
   return d;
 }
 
@@ -203,6 +225,12 @@ DeviceExperts WeightUploader::experts(const std::vector<const Matrix*>& per_expe
                d.w_stride, d.scale_stride);
     d.w.upload(w.data(), w.size(), size_t(x) * d.w_stride);
     if (s_at) d.scale.upload(scale.data(), scale.size(), size_t(x) * d.scale_stride);
+  }
+  if (tiled(d.format, {d.n}, d.k)) {
+    for (int x = 0; x < d.experts; ++x)
+      to_tiles(d.format, d.w.as<uint8_t>() + size_t(x) * d.w_stride, d.scale.as<uint8_t>() + size_t(x) * d.scale_stride,
+               d.n, d.k);
+    d.layout = GemvLayout::Tiles;
   }
   if (d.format == GemvWeight::NVFP4) {
     d.scale_2 = DeviceBuffer(scale_2.size() * sizeof(float));

@@ -18,6 +18,7 @@ struct DeviceLinear {
   GemvWeight format = GemvWeight::BF16;
   GemvScale fp8_scale = GemvScale::E8M0;
   float scale_2 = 1.0f;  // NVFP4
+  GemvLayout layout = GemvLayout::Rows;
   int n = 0, k = 0;
   DeviceBuffer w, scale;
 
@@ -43,6 +44,7 @@ struct FusedLinear {
 struct DeviceExperts {
   GemvWeight format = GemvWeight::BF16;
   GemvScale fp8_scale = GemvScale::E8M0;
+  GemvLayout layout = GemvLayout::Rows;
   int experts = 0, n = 0, k = 0;
   size_t w_stride = 0, scale_stride = 0;
   DeviceBuffer w, scale, scale_2;
@@ -51,8 +53,11 @@ struct DeviceExperts {
 
 class WeightUploader {
  public:
-  // synthetic: the format of shape-only matrices (nullopt: such a matrix is an error).
-  WeightUploader(std::optional<GemvWeight> synthetic, uint64_t seed) : synthetic_(synthetic), seed_(seed) {}
+  // synthetic: the format of shape-only matrices (nullopt: such a matrix is an error). fp4_tiles: MXFP4 / NVFP4
+  // matrices whose rows come in whole 16-row tiles (every part of a fused projection too) and whose k is a multiple
+  // of 128 go to the GPU in the tile layout (GemvLayout::Tiles, cuda/weight_tiles.h).
+  WeightUploader(std::optional<GemvWeight> synthetic, uint64_t seed, bool fp4_tiles = false)
+      : synthetic_(synthetic), seed_(seed), fp4_tiles_(fp4_tiles) {}
 
   // synthetic_as: overrides the synthetic format for this matrix (the lm_head stays bf16 in benchmarks).
   DeviceLinear linear(const Matrix& m, std::optional<GemvWeight> synthetic_as = std::nullopt);
@@ -72,9 +77,15 @@ class WeightUploader {
   // m can share one DeviceExperts with `first`: same shape, format, FP8 scale type and synthetic-ness.
   bool same_group(const Matrix& m, const Matrix& first) const;
   DeviceLinear upload(const std::vector<const Matrix*>& parts, const Encoding& e);
+  // Whether matrices of `format` with these row counts and k go up in the tile layout.
+  bool tiled(GemvWeight format, const std::vector<int>& rows, int k) const;
+  // The [rows, k] matrix at w / scale (row-major) regrouped into the tile layout on the device.
+  void to_tiles(GemvWeight format, void* w, void* scale, int rows, int k);
 
   std::optional<GemvWeight> synthetic_;
   uint64_t seed_;
+  bool fp4_tiles_;
+  DeviceBuffer tile_scratch_;  // to_tiles's copy of one matrix, grown as needed
 };
 
 }  // namespace dsv4

@@ -15,6 +15,8 @@
 //                                                                            W = e2m1 * 2^(E - 127)
 //     NVFP4      w [n, k/2] e2m1 as MXFP4, w_scale [n, k/16] e4m3, w_scale_2 fp32 scalar
 //                                                                            W = e2m1 * e4m3(scale) * w_scale_2
+//   layout Tiles: MXFP4 / NVFP4 w and w_scale in 16-row tiles as gemv.h (cuda/weight_tiles.h); n a multiple of 16,
+//      k of 128.
 //   y  [m, n] fp32 or bf16 (round to nearest even), row stride ldy (0 = n) elements. Every element y[i, 0..n) is
 //      written; columns n..ldy of each row are never touched. accumulate = true (fp32 out only): y += x Wᵀ.
 //   k: multiple of 8 (BF16), 16 (FP8_BLOCK), 32 (MXFP4, NVFP4). m == 0 or n == 0 is a no-op.
@@ -48,6 +50,7 @@ struct GemmParams {
   const void* w_scale = nullptr;  // see the table above; nullptr for BF16
   float w_scale_2 = 1.0f;         // NVFP4 weight_scale_2; ignored otherwise
   GemvScale fp8_scale = GemvScale::E8M0;
+  GemvLayout layout = GemvLayout::Rows;
   void* y = nullptr;  // [m, n] of `out`, row stride ldy
   int64_t ldy = 0;    // elements; 0 = n
   GemvOut out = GemvOut::F32;
@@ -62,6 +65,7 @@ struct WeightDesc {
   const void* w = nullptr;
   const void* w_scale = nullptr;
   GemvScale fp8_scale = GemvScale::E8M0;
+  GemvLayout layout = GemvLayout::Rows;
 };
 
 // Decodes W into out_bf16 [n, k] (row-major, contiguous, 16-byte aligned) on `stream`: bf16 bits of W, except

@@ -21,9 +21,9 @@
 //                                                                            W = e2m1 * 2^(E - 127)
 //     NVFP4      w [n, k/2] e2m1 as MXFP4, w_scale [n, k/16] e4m3, w_scale_2 fp32 scalar
 //                                                                            W = e2m1 * e4m3(scale) * w_scale_2
-//   layout Tiles (MXFP4 / NVFP4, the skinny kernel only: m <= kGemvMaxM, bf16 activations into the kernel): w and
-//      w_scale hold the same bytes regrouped per 16-row tile and 64-byte chunk (cuda/weight_tiles.h), so each warp
-//      load is contiguous; n, w_row0 multiples of 16, k a multiple of 128.
+//   layout Tiles (MXFP4 / NVFP4): w and w_scale hold the same bytes regrouped per 16-row tile and 64-byte chunk
+//      (cuda/weight_tiles.h), so each warp load of the skinny kernel is contiguous; n, w_row0 multiples of 16, k a
+//      multiple of 128. Act FP8 then quantises x first (no W4A8 kernel) and no copy-engine kernel runs.
 //   y  [m, n] fp32 or bf16 (round to nearest even), row stride ldy (0 = n). Every element y[i, 0..n) is written,
 //      nothing else (a fused projection writes its parts side by side into one [m, ldy] buffer).
 //   k: multiple of 8 (BF16), 16 (FP8_BLOCK), 32 (MXFP4, NVFP4). m in [0, kGemvMaxRows]; m == 0 or n == 0 is a

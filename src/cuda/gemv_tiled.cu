@@ -19,6 +19,7 @@
 #include "cuda/gemv_launch.h"
 #include "cuda/gemv_slot.cuh"
 #include "cuda/launch.cuh"
+#include "cuda/weight_tiles.h"
 
 namespace dsv4::detail {
 namespace {
@@ -126,6 +127,10 @@ __global__ void __launch_bounds__(kThreads, kWeightTiles == 1 ? 2 : 1) gemv_tile
   if (!block_rows<kGrouped>(a, rows)) return;  // an empty slot: the whole block, before any barrier
   auto pair_of = [&](int row) { return kGrouped ? a.row_order[rows.order0 + row] : row; };
 
+  // fp4 weights in the tile layout (weight_tiles.h): a row's 64-byte slice of chunk c is 4 pieces of 16 bytes
+  // spread over the tile's KB of that chunk.
+  const bool tiles = (F == Fmt::MXFP4 || F == Fmt::NVFP4) && a.tiles;
+  const size_t w_chunk_stride = tiles ? 16 * 64 : 64;
   const uint8_t* w_base = rows.w + size_t(rows.w_row0) * row_bytes;
   const uint8_t* w_scale = rows.w_scale;
   if constexpr (F == Fmt::MXFP4) w_scale += size_t(rows.w_row0) * (a.k / 32);
@@ -151,9 +156,13 @@ __global__ void __launch_bounds__(kThreads, kWeightTiles == 1 ? 2 : 1) gemv_tile
         if constexpr (F == Fmt::FP8) {  // [ceil(n/128), ceil(k/128)] e8m0, one per 128 x 128 block
           if (ok) v = __ldg(w_scale + size_t((rows.w_row0 + r) / 128) * size_t((a.k + 127) / 128) + size_t(kk / 128));
         } else if constexpr (F == Fmt::MXFP4) {
-          if (ok) v = __ldg(w_scale + size_t(r) * (a.k / 32) + kk / 32);
+          const size_t at = tiles ? weight_tiles::offset(size_t(r), size_t(kk / 32), size_t(a.k / 32), 1)
+                                  : size_t(r) * (a.k / 32) + kk / 32;
+          if (ok) v = __ldg(w_scale + at);
         } else if constexpr (F == Fmt::NVFP4) {
-          if (ok) v = __ldg(reinterpret_cast<const uint16_t*>(w_scale) + (size_t(r) * (a.k / 16) + kk / 16) / 2);
+          const size_t at = tiles ? weight_tiles::offset(size_t(r), size_t(kk / 16), size_t(a.k / 16), 2)
+                                  : size_t(r) * (a.k / 16) + kk / 16;
+          if (ok) v = __ldg(reinterpret_cast<const uint16_t*>(w_scale + at));
         }
         sc[wt][h] = v;
       }
@@ -166,7 +175,9 @@ __global__ void __launch_bounds__(kThreads, kWeightTiles == 1 ? 2 : 1) gemv_tile
   for (int i = 0; i < kWCopies; ++i) {
     const int idx = threadIdx.x + i * kThreads, r = row_block0 + idx / 4;
     w_piece_k[i] = (idx % 4) * kPiece;
-    w_src[i] = r < a.n ? w_base + size_t(r) * row_bytes + (idx % 4) * 16 : nullptr;
+    const size_t at = tiles ? weight_tiles::offset(size_t(r), size_t(idx % 4) * 16, row_bytes, 16)
+                            : size_t(r) * row_bytes + (idx % 4) * 16;
+    w_src[i] = r < a.n ? w_base + at : nullptr;
   }
 
   if constexpr (!kGrouped) gpu::dependent_wait();  // x and y belong to the step
@@ -197,7 +208,7 @@ __global__ void __launch_bounds__(kThreads, kWeightTiles == 1 ? 2 : 1) gemv_tile
 #pragma unroll
       for (int i = 0; i < kWCopies; ++i) {
         const bool valid = w_src[i] && c * kChunkK + w_piece_k[i] < a.k;
-        cp_async_16(ws + threadIdx.x + i * kThreads, valid ? w_src[i] + size_t(c) * 64 : a.w, valid);
+        cp_async_16(ws + threadIdx.x + i * kThreads, valid ? w_src[i] + size_t(c) * w_chunk_stride : a.w, valid);
       }
     }
     cp_async_commit();  // empty groups keep the wait counts uniform
@@ -314,7 +325,7 @@ cudaError_t launch_any(const KernelArgs& a, dim3 grid, cudaStream_t stream, bool
 int tiled_weight_tiles = 0;
 
 bool gemv_tiled_supported(const GemvParams& p) {
-  return p.m > kGemvMaxM && p.layout == GemvLayout::Rows && !(p.weight == GemvWeight::FP8_BLOCK && p.fp8_scale == GemvScale::F32);
+  return p.m > kGemvMaxM && !(p.weight == GemvWeight::FP8_BLOCK && p.fp8_scale == GemvScale::F32);
 }
 
 cudaError_t gemv_tiled_launch(const KernelArgs& a, const GemvParams& p, dim3 grid, bool grouped) {

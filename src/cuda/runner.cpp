@@ -415,6 +415,7 @@ class CudaRunner final : public SequenceRunner {
     GemmParams g;
     g.m = p.m, g.n = p.n, g.k = p.k, g.x = p.x, g.weight = p.weight, g.w = p.w, g.w_scale = p.w_scale;
     g.w_scale_2 = p.w_scale_2, g.fp8_scale = p.fp8_scale, g.y = p.y, g.ldy = ldy, g.out = p.out, g.stream = p.stream;
+    g.layout = p.layout;
     gemm_->gemm(g);
     ++stats_.cublas_linears;
   }
@@ -450,6 +451,7 @@ class CudaRunner final : public SequenceRunner {
     g.base.y = y;
     g.base.weight = w.format;
     g.base.fp8_scale = w.fp8_scale;
+    g.base.layout = w.layout;
     g.base.out = out;
     g.base.stream = cur_;
     g.w_expert_stride = w.w_stride;
@@ -462,7 +464,8 @@ class CudaRunner final : public SequenceRunner {
     g.x_rows = x_rows;
     g.base = quantised(g.base);  // the routed and shared experts are FP8/FP4 linears of the reference
     if (second) {
-      DSV4_CHECK(second->format == w.format && second->fp8_scale == w.fp8_scale && second->n == w.n &&
+      DSV4_CHECK(second->format == w.format && second->fp8_scale == w.fp8_scale && second->layout == w.layout &&
+                     second->n == w.n &&
                      second->k == w.k && second->w_stride == w.w_stride && second->scale_stride == w.scale_stride,
                  "cuda runner: experts' w1 and w3 differ in encoding or shape");
       g.second.w = second->w.data();
@@ -647,7 +650,7 @@ CudaRunner::CudaRunner(const Model& model, int max_context, CudaRunnerOptions op
   if (options_.overlap_branches) make_side_stream();
 
   window_slots_ = std::min(c.window + kMaxRollback, max_context);  // model/state.h: room for rolled-back tokens
-  WeightUploader uploader(options.synthetic_format, options.synthetic_seed);
+  WeightUploader uploader(options.synthetic_format, options.synthetic_seed, options.fp4_tiles);
   // The embedding is a gather from a bf16 table: the uploader's bf16 rows (of fp32 values, or synthetic codes). The
   // first stage embeds the tokens; the last one needs the table too for the MTP block's input.
   if (stage_.first() || (last_ && model.has_mtp())) {
@@ -2061,7 +2064,8 @@ std::unique_ptr<SequenceRunner> make_cuda_runner(const Model& model, int max_con
                                  {"DSV4_FUSED_ROUTING", &options.fuse_moe_routing},
                                  {"DSV4_OVERLAP", &options.overlap_branches},
                                  {"DSV4_FUSED_QNORM", &options.fuse_q_norm_rope},
-                                 {"DSV4_GROUP_SHARED", &options.group_shared_expert}})
+                                 {"DSV4_GROUP_SHARED", &options.group_shared_expert},
+                                 {"DSV4_GEMV_TILES", &options.fp4_tiles}})
     if (const std::optional<bool> env = env_switch(name)) *on = *env;
   DSV4_CHECK(cuda_available(), "--device cuda: no usable CUDA device or driver");
   DSV4_CHECK(max_context > 0, "--max-context must be positive, got {}", max_context);

@@ -10,6 +10,8 @@
 // A tile holds exactly the bytes of its 16 rows, so every 16-row-aligned range of rows is the same byte range in
 // both layouts: row offsets of fused projections, expert strides and scale tensor sizes do not change.
 #pragma once
+#include <cuda_runtime.h>
+
 #include <cstddef>
 #include <cstdint>
 
@@ -47,3 +49,11 @@ inline void from_rows(const uint8_t* src, uint8_t* dst, size_t rows, size_t row_
 }
 
 }  // namespace dsv4::weight_tiles
+
+namespace dsv4::gpu {
+
+// data [rows, row_bytes] row-major -> the tile layout in place, through scratch (>= rows · row_bytes bytes) on
+// `stream` (weight_tiles::fits must hold; piece_bytes 16, 2 or 1). Errors are thrown as dsv4::Error.
+void rows_to_tiles(void* data, void* scratch, size_t rows, size_t row_bytes, size_t piece_bytes, cudaStream_t stream);
+
+}  // namespace dsv4::gpu

@@ -32,6 +32,7 @@
 #include "core/check.h"
 #include "cpu/ops.h"
 #include "cuda/device.h"
+#include "cuda/gemv.h"
 #include "cuda_test_util.h"
 #include "model_test_util.h"
 #include "cuda/ops.h"
@@ -1130,6 +1131,40 @@ TEST(CudaModel, AllStagedSwitchesTogether) {
   const std::vector<int32_t> host_ids = cuda_runner_decode_batch_draw(*staged_host, next, draws);
   set_gemv_bulk(false);
   EXPECT_EQ(device_ids, host_ids);
+}
+
+// CudaRunnerOptions::fp4_tiles moves bytes only: decode (graph, batch 1 and 5), 64-row chunks (skinny kernel), a
+// 300-row chunk (the tiled kernel for the experts, cuBLASLt on the decoded weights for the dense projections) give
+// the bits of the row-major runner, NVFP4 and MXFP4, and under act fp8 (x quantised before the bf16 kernel: the W4A8
+// kernel reads rows, so both runners run without it here).
+TEST(CudaModel, Fp4TilesChangeNoBits) {
+  DSV4_REQUIRE_CUDA();
+  const ModelConfig c = k512_synthetic_config();
+  const int V = c.vocab_size, steps = 6, B = 5;
+  for (const Numerics numerics : {kF32, Numerics{kDefault.kv, kDefault.indexer, ActQuant::FP8}}) {
+    const Model model(c, synthetic_weights(c, 7), numerics);
+    for (const GemvWeight format : {GemvWeight::NVFP4, GemvWeight::MXFP4})
+      for (const auto& [n, chunk] : {std::pair{40, 64}, {300, 512}}) {
+        const auto [prompt, fed] = random_prompt_and_fed(V, n, steps, 43);
+        set_gemv_w4a8(false);
+        auto run = [&](bool tiles) {
+          CudaRunnerOptions o;
+          o.synthetic_format = format;
+          o.sequences = B;
+          o.prefill_chunk = chunk;
+          o.fp4_tiles = tiles;
+          std::unique_ptr<SequenceRunner> r = make_cuda_runner(model, n + 2 * steps + 2, o);
+          return prefill_and_decode(*r, prompt, fed, B);
+        };
+        const DecodeRun rows = run(false), tiles = run(true);
+        set_gemv_w4a8(kGemvW4a8Default);
+        const std::string what = std::string(gemv_weight_name(format)) + " prompt " + std::to_string(n) +
+                                 (numerics.act == ActQuant::FP8 ? " act fp8" : "");
+        ASSERT_FALSE(rows.logits.empty()) << what;
+        EXPECT_EQ(rows.graph_kernels, tiles.graph_kernels) << what;
+        EXPECT_TRUE(rows.logits == tiles.logits) << what << ": the tile layout must not change a bit";
+      }
+  }
 }
 
 TEST(CudaModel, DependentLaunchChangesNoBits) {
