@@ -496,6 +496,8 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
                  {"state_bytes", runner->state_bytes()}, {"gpu_memory_used_bytes", used}};
   // --switches: each set is applied on top of the options the runner was built with.
   const CudaRunnerOptions built_options = cuda_runner_options(*runner);
+  if (built_options.fp4_tiles) fmt::print("fp4 weights in the tile layout (DSV4_GEMV_TILES)\n");
+  report["fp4_tiles"] = built_options.fp4_tiles;
   const GemvBulk built_bulk = gemv_bulk_mode();
   const bool built_w4a8 = gemv_w4a8_enabled();
   auto use_switches = [&](const std::string& spec) {
