@@ -26,10 +26,11 @@ constexpr int kUnroll = 4;       // chunks loaded per thread before the first is
 
 // Two blocks per SM up to 4 n-tiles (m <= 32: 48-64 bytes of spills at 4 tiles, still 6-8 % faster at batch 32 than
 // one block); three at m <= 8 (80 registers) spill a little and lose 8 % at batch 1 (docs/perf.md).
-// kTiles: w / w_scale in the tile layout (cuda/weight_tiles.h; fp4 only): a warp's loads of a chunk are contiguous.
-template <Fmt F, int kTilesN, bool kGrouped, bool kTiles = false>
+// kTileLayout: w / w_scale in the tile layout (cuda/weight_tiles.h; fp4 only): a warp's loads of a chunk are
+// contiguous.
+template <Fmt F, int kTilesN, bool kGrouped, bool kTileLayout = false>
 __global__ void __launch_bounds__(kThreads, kTilesN <= 4 ? 2 : 1) gemv_kernel(const KernelArgs a) {
-  static_assert(!kTiles || F == Fmt::MXFP4 || F == Fmt::NVFP4, "the tile layout is for fp4 weights");
+  static_assert(!kTileLayout || F == Fmt::MXFP4 || F == Fmt::NVFP4, "the tile layout is for fp4 weights");
   gpu::allow_dependents();
   constexpr int kElems = elems_per_16b<F>();  // per thread, per row, per chunk
   constexpr int kChunkK = 4 * kElems;
@@ -56,14 +57,15 @@ __global__ void __launch_bounds__(kThreads, kTilesN <= 4 ? 2 : 1) gemv_kernel(co
   if constexpr (F == Fmt::NVFP4) w_scale += size_t(rows.w_row0) * (a.k / 16);
   // Where this thread's pieces of chunk 0 are, and how far the next chunk's are (weight_tiles.h for the tiles).
   constexpr int kScalePiece = F == Fmt::NVFP4 ? 2 : 1;  // fp4 scale bytes per 32-element piece
-  const uint8_t* w_lo = kTiles ? w_base + size_t(row0) * row_bytes + lane * 16 : w_base + size_t(r_lo) * row_bytes + t * 16;
-  const uint8_t* w_hi = kTiles ? w_lo + 8 * 64 : w_lo + 8 * row_bytes;
-  constexpr size_t kWChunkStride = kTiles ? 16 * kChunkBytes : kChunkBytes;
+  const uint8_t* w_lo =
+      kTileLayout ? w_base + size_t(row0) * row_bytes + lane * 16 : w_base + size_t(r_lo) * row_bytes + t * 16;
+  const uint8_t* w_hi = kTileLayout ? w_lo + 8 * 64 : w_lo + 8 * row_bytes;
+  constexpr size_t kWChunkStride = kTileLayout ? 16 * kChunkBytes : kChunkBytes;
   const size_t scale_row_bytes = size_t(a.k / 32) * kScalePiece;
-  const uint8_t* s_lo = kTiles ? w_scale + size_t(row0) * scale_row_bytes + lane * kScalePiece
+  const uint8_t* s_lo = kTileLayout ? w_scale + size_t(row0) * scale_row_bytes + lane * kScalePiece
                                : w_scale + size_t(r_lo) * scale_row_bytes + t * kScalePiece;
-  const uint8_t* s_hi = kTiles ? s_lo + 8 * 4 * kScalePiece : s_lo + 8 * scale_row_bytes;
-  constexpr size_t kSChunkStride = (kTiles ? 16 : 1) * 4 * kScalePiece;
+  const uint8_t* s_hi = kTileLayout ? s_lo + 8 * 4 * kScalePiece : s_lo + 8 * scale_row_bytes;
+  constexpr size_t kSChunkStride = (kTileLayout ? 16 : 1) * 4 * kScalePiece;
   auto pair_of = [&](int row) { return kGrouped ? a.row_order[rows.order0 + row] : row; };
   if constexpr (!kGrouped) gpu::dependent_wait();  // x and y belong to the step
 
@@ -130,16 +132,16 @@ __global__ void __launch_bounds__(kThreads, kTilesN <= 4 ? 2 : 1) gemv_kernel(co
   }  // row passes
 }
 
-template <Fmt F, bool kGrouped, bool kTiles>
-void launch_tiles_n(const KernelArgs& a, dim3 grid, cudaStream_t stream) {
+template <Fmt F, bool kGrouped, bool kTileLayout>
+void launch_for_m(const KernelArgs& a, dim3 grid, cudaStream_t stream) {
   if (a.m <= 8)
-    gpu::launch(gemv_kernel<F, 1, kGrouped, kTiles>, grid, kThreads, 0, stream, a);
+    gpu::launch(gemv_kernel<F, 1, kGrouped, kTileLayout>, grid, kThreads, 0, stream, a);
   else if (a.m <= 16)
-    gpu::launch(gemv_kernel<F, 2, kGrouped, kTiles>, grid, kThreads, 0, stream, a);
+    gpu::launch(gemv_kernel<F, 2, kGrouped, kTileLayout>, grid, kThreads, 0, stream, a);
   else if (a.m <= 32)
-    gpu::launch(gemv_kernel<F, 4, kGrouped, kTiles>, grid, kThreads, 0, stream, a);
+    gpu::launch(gemv_kernel<F, 4, kGrouped, kTileLayout>, grid, kThreads, 0, stream, a);
   else
-    gpu::launch(gemv_kernel<F, 8, kGrouped, kTiles>, grid, kThreads, 0, stream, a);
+    gpu::launch(gemv_kernel<F, 8, kGrouped, kTileLayout>, grid, kThreads, 0, stream, a);
 }
 
 template <Fmt F, bool kGrouped>
@@ -148,11 +150,11 @@ cudaError_t launch_fmt(const KernelArgs& a, dim3 grid, cudaStream_t stream) {
   grid.x = (a.n + rows_per_block - 1) / rows_per_block;
   if constexpr (F == Fmt::MXFP4 || F == Fmt::NVFP4)
     if (a.tiles) {
-      launch_tiles_n<F, kGrouped, true>(a, grid, stream);
+      launch_for_m<F, kGrouped, true>(a, grid, stream);
       return cudaGetLastError();
     }
   if (a.tiles) return cudaErrorInvalidValue;  // gemv.cpp refuses the tile layout for other formats
-  launch_tiles_n<F, kGrouped, false>(a, grid, stream);
+  launch_for_m<F, kGrouped, false>(a, grid, stream);
   return cudaGetLastError();
 }
 
