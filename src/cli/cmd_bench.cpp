@@ -87,8 +87,7 @@ struct BenchArgs {
   // (CudaRunnerOptions::overlap_branches; serial turns it off), mhc (fuse_mhc_mix), routing (fuse_moe_routing), qnorm (fuse_q_norm_rope),
   // heads16 / heads64 (the decode attention's heads per block, gpu::set_attention_decode_block_heads), hcblock
   // (hc_pre's decode collapse in one block per token, gpu::set_hc_collapse_cluster), now4a8 (act fp8 at m = 1
-  // through act_quant + the bf16 kernel instead of the W4A8 kernel, set_gemv_w4a8), warpsort (the indexer select's
-  // candidates sorted by one warp, gpu::set_indexer_select_warp_sort).
+  // through act_quant + the bf16 kernel instead of the W4A8 kernel, set_gemv_w4a8)).
   // Prefill and --profile use the first.
   std::vector<std::string> switches = {"default"};
 };
@@ -99,7 +98,6 @@ struct StepSwitches {
   int attention_heads = 0;  // heads16 / heads64: the tensor-core attention's heads per block at decode (0: its rule)
   bool hc_block = false;    // hcblock: hc_pre's decode collapse in one block per token, not a cluster
   bool no_w4a8 = false;     // now4a8: act fp8 at m = 1 quantises x first and runs the bf16 kernel (set_gemv_w4a8)
-  bool warp_sort = false;   // warpsort: the indexer select sorts its candidates in one warp
 };
 
 StepSwitches parse_switches(const std::string& spec) {
@@ -120,9 +118,8 @@ StepSwitches parse_switches(const std::string& spec) {
     else if (name == "heads64") s.attention_heads = 64;
     else if (name == "hcblock") s.hc_block = true;
     else if (name == "now4a8") s.no_w4a8 = true;
-    else if (name == "warpsort") s.warp_sort = true;
     else DSV4_FAIL("dsv4 bench: --switches entry '{}' has '{}' (expected default, or bulk, bulkdense, overlap, "
-                   "serial, mhc, routing, qnorm, heads16, heads64, hcblock, now4a8 and warpsort joined by '+')",
+                   "serial, mhc, routing, qnorm, heads16, heads64, hcblock and now4a8 joined by '+')",
                    spec, name);
     from = to + 1;
   }
@@ -510,7 +507,6 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
     gpu::set_attention_decode_block_heads(s.attention_heads);
     gpu::set_hc_collapse_cluster(!s.hc_block);
     set_gemv_w4a8(built_w4a8 && !s.no_w4a8);
-    gpu::set_indexer_select_warp_sort(s.warp_sort);
     cuda_runner_set_step_switches(*runner, o);
     set_gemv_bulk(s.bulk ? GemvBulk::All
                   : s.bulk_dense && built_bulk == GemvBulk::Off ? GemvBulk::Dense
@@ -764,8 +760,7 @@ void add_bench_command(CLI::App& app, Handler& handler) {
                   "stream; serial: off), mhc (hc_post with the next mix), routing (router + slots in one launch), qnorm (q norm + "
                   "RoPE inside attention), heads16 / heads64 (decode attention blocks of 16 / 64 heads), hcblock (hc_pre's "
                   "decode collapse in one block per token), now4a8 (--act-quant fp8 at batch 1 without the W4A8 "
-                  "kernel: x quantised first, then the bf16 kernel), warpsort (the indexer select's candidates "
-                  "sorted by one warp), e.g. "
+                  "kernel: x quantised first, then the bf16 kernel), e.g. "
                   "default,bulk,overlap,mhc+routing+qnorm,bulk+overlap+mhc+routing+qnorm,heads64")
       ->delimiter(',')->capture_default_str();
   cmd->add_flag("--mtp", args->mtp,

@@ -220,10 +220,6 @@ struct IndexerTopkParams {
 };
 void indexer_scores(const IndexerTopkParams& p, cudaStream_t stream);
 void indexer_select(const IndexerTopkParams& p, cudaStream_t stream);
-// On: rows with at most 512 candidates are sorted by one warp in registers (16 per lane, no block barriers) instead
-// of the block's bitonic sort; the same selection either way (a sort of distinct rank words). Off by default until
-// a GPU run has timed it (process-wide; A/B switch of dsv4 bench).
-void set_indexer_select_warp_sort(bool on);
 void indexer_topk(const IndexerTopkParams& p, cudaStream_t stream);
 
 // 3.7/3.8 attention with sink, one shared K = V head, for query t at p = pos0 + t and head h:

@@ -206,60 +206,11 @@ __device__ __forceinline__ uint64_t rank_word(uint32_t key, int index) {
   return (uint64_t(key) << 32) | (0xffffffffu - uint32_t(index));
 }
 
-// The same sort by one warp: 512 positions (0 below every rank word pads), lane l holding positions 16l .. 16l + 15
-// in registers, so exchanges at distance j < 16 stay inside a lane and the others are one shuffle each; no block
-// barrier. Writes the indices of the first `count`. Its own kernel instantiation: its 32 registers of candidates stay
-// out of the block sort's (32 registers, two blocks per SM at prefill); not inlined (inlined, it spilled 44 bytes).
-constexpr int kWarpSortPerLane = 16;
-constexpr int kWarpSortCap = 32 * kWarpSortPerLane;
-
-__device__ __noinline__ void warp_sort_selected(const uint64_t* candidates, int count, int32_t* selected) {
-  const int lane = threadIdx.x & 31;
-  uint64_t v[kWarpSortPerLane];
-#pragma unroll
-  for (int e = 0; e < kWarpSortPerLane; ++e) {
-    const int x = lane * kWarpSortPerLane + e;
-    v[e] = x < count ? candidates[x] : 0;
-  }
-#pragma unroll
-  for (int k = 2; k <= kWarpSortCap; k <<= 1)
-#pragma unroll
-    for (int j = k >> 1; j > 0; j >>= 1) {
-      if (j < kWarpSortPerLane) {
-#pragma unroll
-        for (int e = 0; e < kWarpSortPerLane; ++e) {
-          if (e & j) continue;  // (e, e ^ j): the lower position keeps the larger inside a descending block of k
-          const int x = lane * kWarpSortPerLane + e;
-          const uint64_t a = v[e], b = v[e ^ j];
-          const bool descending = (x & k) == 0;
-          v[e] = descending == (a > b) ? a : b;
-          v[e ^ j] = descending == (a > b) ? b : a;
-        }
-      } else {
-#pragma unroll
-        for (int e = 0; e < kWarpSortPerLane; ++e) {
-          const int x = lane * kWarpSortPerLane + e;
-          const uint64_t other = __shfl_xor_sync(0xffffffffu, v[e], j / kWarpSortPerLane);
-          const bool keep_larger = ((x & j) == 0) == ((x & k) == 0);
-          v[e] = keep_larger == (v[e] > other) ? v[e] : other;
-        }
-      }
-    }
-#pragma unroll
-  for (int e = 0; e < kWarpSortPerLane; ++e) {
-    const int x = lane * kWarpSortPerLane + e;
-    if (x < count) selected[x] = int32_t(0xffffffffu - uint32_t(v[e]));
-  }
-}
-
-bool g_indexer_warp_sort = false;  // set_indexer_select_warp_sort
-
 // One block per query. When n_visible > topk: a 4 x 8-bit radix select (256-bin histograms, warp-aggregated
 // atomics) finds the threshold key T with count(> T) < topk <= count(>= T); the keys > T and the lowest-index ones
 // == T are gathered in index order (ballot ranks within a warp, a scan over warps, each warp owning a contiguous
 // index range); then a bitonic sort orders the candidates by rank_word (shuffles for strides < 32, shared memory
 // above). Rows of up to cache_entries scores are read once into shared memory as keys; longer ones from p.scores.
-template <bool kWarpSort>
 __global__ void __launch_bounds__(kSelectThreads) indexer_select_kernel(IndexerTopkParams p, int sort_cap,
                                                                          int cache_entries) {
   gpu::dependent_enter();
@@ -395,10 +346,6 @@ __global__ void __launch_bounds__(kSelectThreads) indexer_select_kernel(IndexerT
     for (int i = tid; i < n_visible; i += kSelectThreads) sort_a[i] = rank_word(key_at(i), i);
   }
   __syncthreads();
-  if (kWarpSort && count <= kWarpSortCap) {
-    if (warp == 0) warp_sort_selected(sort_a, count, p.selected + int64_t(t) * p.topk);
-    return;
-  }
 
   // Bitonic sort, descending, of sort_a[0 .. n) padded with 0 (below every rank word); n a power of two >= 32, so a
   // warp's positions are all active or all idle. Position x = tid + kSelectThreads·m lives in v[m].
@@ -498,9 +445,8 @@ void indexer_scores(const IndexerTopkParams& p, cudaStream_t stream) {
 
 namespace {
 
-template <bool kWarpSort>
 void launch_select(const IndexerTopkParams& p, cudaStream_t stream) {
-  constexpr auto kKernel = indexer_select_kernel<kWarpSort>;
+  constexpr auto kKernel = indexer_select_kernel;
   const cudaError_t attr = gpu::allow_dynamic_smem<kKernel>(int(kSelectMaxSmem));
   OPS_CHECK(attr == cudaSuccess, "indexer_select: cannot allow %d bytes of shared memory", int(kSelectMaxSmem));
   int sort_cap = 32;  // the sort's power-of-two length for the most candidates a row can have
@@ -517,13 +463,8 @@ void indexer_select(const IndexerTopkParams& p, cudaStream_t stream) {
   if (p.n == 0) return;
   check_indexer(p, "indexer_select");
   OPS_CHECK(p.topk <= kSelectMaxTopK, "indexer_select: topk %d exceeds %d", p.topk, kSelectMaxTopK);
-  if (g_indexer_warp_sort)
-    launch_select<true>(p, stream);
-  else
-    launch_select<false>(p, stream);
+  launch_select(p, stream);
 }
-
-void set_indexer_select_warp_sort(bool on) { g_indexer_warp_sort = on; }
 
 void indexer_topk(const IndexerTopkParams& p, cudaStream_t stream) {
   indexer_scores(p, stream);

@@ -87,9 +87,9 @@ struct CudaRunnerOptions {
   bool group_shared_expert = true;
   // MXFP4 / NVFP4 linears in the tile layout on the GPU (GemvLayout::Tiles, cuda/weight_tiles.h: each warp load of
   // the skinny GEMV is contiguous instead of 8 pieces a row apart), permuted at upload; same values, same bits. Act
-  // fp8 then quantises x before the bf16-activation kernel (no W4A8 kernel). Off until measured;
-  // DSV4_GEMV_TILES=1 / 0 in the environment sets it.
-  bool fp4_tiles = false;
+  // fp8 then quantises x before the bf16-activation kernel (no W4A8 kernel). On: +7 / +10 / +6 % at batch 1 / 8 /
+  // 32 on the Flash shape (H100, docs/perf.md fourteenth round); DSV4_GEMV_TILES=0 / 1 in the environment sets it.
+  bool fp4_tiles = true;
   // Layers split over GPUs (a pipeline, docs/multi_gpu.md): stage i runs on devices[i] a contiguous range of layers
   // with its own weights, per-sequence state, workspaces and streams, and hands each row's hc·D fp32 streams to the
   // next stage (a peer copy, 64 KB a token for Flash). The first stage holds the embedding, the last the head (and

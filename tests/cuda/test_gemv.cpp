@@ -1205,7 +1205,11 @@ TEST(GemvArgs, SplitHeuristic) {
   p = fake_params(GemvWeight::FP8_BLOCK, 1, 34000, 64);
   EXPECT_EQ(gemv_default_split_k(p, 132), 1);  // one chunk, 266 blocks already
   p = fake_params(GemvWeight::MXFP4, 1, 2048, 4096);
-  EXPECT_EQ(gemv_default_split_k(p, 132), 8);  // 32 chunks would want split 4, but 64 blocks do not fill 132 SMs
+  EXPECT_EQ(gemv_default_split_k(p, 132), 8);  // 32 chunks would want split 1, but 16 blocks do not fill 132 SMs
+  p = fake_params(GemvWeight::NVFP4, 1, 2048 * 14, 4096);  // the grouped w1 + w3 of 7 experts: their rows together
+  EXPECT_EQ(gemv_default_split_k(p, 132), 1);  // 32 chunks per warp, 224 blocks
+  p = fake_params(GemvWeight::FP8_BLOCK, 1, 2048 * 14, 4096);
+  EXPECT_EQ(gemv_default_split_k(p, 132), 4);  // 64 chunks of 64: 16 per warp
 }
 
 TEST(CudaDevice, AvailabilityQueryNeverThrows) {

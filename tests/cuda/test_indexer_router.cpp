@@ -391,43 +391,6 @@ TEST(CudaIndexer, OddShapes) {
   }
 }
 
-// The select's one-warp sort (set_indexer_select_warp_sort) against the reference and bit for bit against the
-// block sort: decode rows at topk 512, ties across the threshold, fewer keys than topk, rows with no key, and topk
-// 2048 (above the warp's 512: the block sort runs).
-TEST(CudaIndexer, WarpSortSelectsTheSame) {
-  DSV4_REQUIRE_CUDA();
-  struct WarpSortScope {
-    WarpSortScope() { gpu::set_indexer_select_warp_sort(true); }
-    ~WarpSortScope() { gpu::set_indexer_select_warp_sort(false); }
-  };
-  IndexerCase big = fewer_keys_case();
-  big.topk = 2048;
-  big.pos0 = 4 * 5000;
-  big.max_entries = 5004;
-  IndexerCase ties = decode_case();
-  ties.n = 3;
-  struct Named {
-    IndexerInputs in;
-    const char* what;
-  };
-  const Named cases[] = {{make_inputs(decode_case(), 2, 300), "decode"},
-                         {make_inputs(first_chunk_case(), 6), "first chunk"},
-                         {make_inputs(fewer_keys_case(), 7), "fewer keys than topk"},
-                         {make_inputs(big, 9, 1000), "topk 2048"},
-                         {make_inputs(ties, 10, 40), "40 distinct keys"},
-                         {make_inputs(ties, 11, 0, 0.8), "80% zero keys"}};
-  for (const Named& c : cases) {
-    const IndexerOutputs block = run_indexer(c.in, Launch::Split);
-    IndexerOutputs warp;
-    {
-      const WarpSortScope on;
-      warp = run_indexer(c.in, Launch::Split);
-    }
-    check_indexer(c.in, warp, c.what);
-    expect_same(warp, block, c.what);
-  }
-}
-
 // indexer_select alone on crafted rows of `values` (n_visible = values.size()); the scores past it are NaN and must
 // not be read.
 void check_select_row(const std::vector<float>& values, int topk, const char* what) {
