@@ -627,7 +627,8 @@ TEST(CudaModel, QuantisedNvfp4AllLinears) {
   DSV4_REQUIRE_CUDA();
   check_quantised("nvfp4-all", QuantTarget::Nvfp4, true, kDefault);
 }
-// --act-quant fp8: the W4A8 kernel at decode (m = 1), act_quant + the bf16-activation kernels elsewhere. Both
+// --act-quant fp8: the W4A8 kernel at decode (m = 1) for row-major fp4 weights (the tiny model's k of 64 has no
+// tile layout), act_quant + the bf16-activation kernels elsewhere. Both
 // backends quantise bf16-rounded inputs (the reference's activations are bf16).
 TEST(CudaModel, QuantisedNvfp4AllLinearsActFp8) {
   DSV4_REQUIRE_CUDA();

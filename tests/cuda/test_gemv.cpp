@@ -525,6 +525,20 @@ TiledCopy to_tiles(const HostProblem& h, GemvWeight w, int n, int k) {
   return t;
 }
 
+// A problem's x and its weights on the device in both layouts.
+struct BothLayouts {
+  DeviceBuffer x, rows_w, rows_scale, tiles_w, tiles_scale;
+  BothLayouts(const HostProblem& h, const TiledCopy& t)
+      : x(h.x.size() * 2), rows_w(h.w.size()), rows_scale(h.scale.size()), tiles_w(t.w.size()),
+        tiles_scale(t.scale.size()) {
+    x.upload(h.x.data(), h.x.size() * 2);
+    rows_w.upload(h.w.data(), h.w.size());
+    rows_scale.upload(h.scale.data(), h.scale.size());
+    tiles_w.upload(t.w.data(), t.w.size());
+    tiles_scale.upload(t.scale.data(), t.scale.size());
+  }
+};
+
 TEST(GemvTiles, OffsetsArePermutations) {
   for (const auto& [rows, row_bytes, piece] : {std::tuple{16, 64, 16}, {48, 2048, 16}, {32, 256, 2}, {16, 128, 1}}) {
     std::vector<int> hit(size_t(rows) * row_bytes, 0);
@@ -560,20 +574,14 @@ TEST(GemvTiles, SameBitsAsRowMajor) {
         if (m > kGemvMaxM && split > 1) continue;
         const Case c{w, GemvScale::E8M0, m, n, k, GemvOut::F32, split};
         const HostProblem h = make_problem(c, rng);
-        const TiledCopy t = to_tiles(h, w, n, k);
-        DeviceBuffer x(h.x.size() * 2), dw(h.w.size()), ds(h.scale.size()), tw(t.w.size()), ts(t.scale.size()),
-            y(size_t(m) * n * 4);
-        x.upload(h.x.data(), h.x.size() * 2);
-        dw.upload(h.w.data(), h.w.size());
-        ds.upload(h.scale.data(), h.scale.size());
-        tw.upload(t.w.data(), t.w.size());
-        ts.upload(t.scale.data(), t.scale.size());
+        const BothLayouts d(h, to_tiles(h, w, n, k));
+        DeviceBuffer y(size_t(m) * n * 4);
         GemvParams p;
-        p.m = m, p.n = n, p.k = k, p.x = x.data(), p.w = dw.data(), p.w_scale = ds.data(), p.w_scale_2 = h.scale_2;
-        p.y = y.data(), p.weight = w, p.split_k = split;
+        p.m = m, p.n = n, p.k = k, p.x = d.x.data(), p.w = d.rows_w.data(), p.w_scale = d.rows_scale.data();
+        p.w_scale_2 = h.scale_2, p.y = y.data(), p.weight = w, p.split_k = split;
         const std::vector<float> rows = run(p, y, size_t(m) * n);
         GemvParams q = p;
-        q.w = tw.data(), q.w_scale = ts.data(), q.layout = GemvLayout::Tiles;
+        q.w = d.tiles_w.data(), q.w_scale = d.tiles_scale.data(), q.layout = GemvLayout::Tiles;
         const std::vector<float> tiles = run(q, y, size_t(m) * n);
         ASSERT_TRUE(std::all_of(rows.begin(), rows.end(), [](float v) { return std::isfinite(v); }));
         EXPECT_EQ(0, std::memcmp(rows.data(), tiles.data(), rows.size() * 4))
@@ -589,19 +597,15 @@ TEST(GemvTiles, SameBitsAsRowMajor) {
   for (const GemvWeight w : {GemvWeight::MXFP4, GemvWeight::NVFP4}) {
     const int batch = 8, n = 48, k = 1024, m = 1;
     const HostProblem h = make_problem({w, GemvScale::E8M0, m * batch, batch * n, k, GemvOut::F32, 0}, rng);
-    const TiledCopy t = to_tiles(h, w, batch * n, k);
-    DeviceBuffer x(h.x.size() * 2), dw(h.w.size()), ds(h.scale.size()), tw(t.w.size()), ts(t.scale.size()),
-        y(size_t(batch) * n * 4);
-    x.upload(h.x.data(), h.x.size() * 2);
-    dw.upload(h.w.data(), h.w.size());
-    ds.upload(h.scale.data(), h.scale.size());
-    tw.upload(t.w.data(), t.w.size());
-    ts.upload(t.scale.data(), t.scale.size());
+    const BothLayouts d(h, to_tiles(h, w, batch * n, k));
+    DeviceBuffer y(size_t(batch) * n * 4);
     std::vector<std::vector<float>> got;
     for (const bool tiled : {false, true}) {
       GemvBatchedParams b;
-      b.base.m = m, b.base.n = n, b.base.k = k, b.base.x = x.data(), b.base.w = tiled ? tw.data() : dw.data();
-      b.base.w_scale = tiled ? ts.data() : ds.data(), b.base.w_scale_2 = h.scale_2, b.base.y = y.data();
+      b.base.m = m, b.base.n = n, b.base.k = k, b.base.x = d.x.data();
+      b.base.w = tiled ? d.tiles_w.data() : d.rows_w.data();
+      b.base.w_scale = tiled ? d.tiles_scale.data() : d.rows_scale.data(), b.base.w_scale_2 = h.scale_2;
+      b.base.y = y.data();
       b.base.weight = w, b.base.layout = tiled ? GemvLayout::Tiles : GemvLayout::Rows, b.base.ldy = batch * n;
       b.batch = batch, b.x_batch_stride = int64_t(m) * k, b.y_batch_stride = n;
       y.fill_bytes(0xff);
