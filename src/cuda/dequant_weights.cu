@@ -56,15 +56,13 @@ __global__ void __launch_bounds__(kThreads) dequant_kernel(const DequantArgs a) 
   constexpr int kElems = elems_per_piece<F>();
   const int64_t piece = int64_t(blockIdx.x) * kThreads + threadIdx.x;
   if (piece >= a.pieces) return;
-  // The row and first element of this thread's piece: in the tile layout the flat offset piece·16 decomposes as
-  // tile, chunk, half, lane (weight_tiles.h).
+  // The row and first element of this thread's piece (in the tile layout piece i of w is not piece i of the rows).
   int64_t row;
   int col;
   if (a.tiles) {
-    const int64_t tile_pieces = 16 * int64_t(a.pieces_per_row), in_tile = piece % tile_pieces;
-    const int64_t chunk = in_tile / 64, half = in_tile % 64 / 32, lane = in_tile % 32;
-    row = piece / tile_pieces * 16 + half * 8 + lane / 4;
-    col = int(chunk * 4 + lane % 4) * kElems;
+    const weight_tiles::RowByte at = weight_tiles::position(size_t(piece) * 16, size_t(a.pieces_per_row) * 16, 16);
+    row = int64_t(at.row);
+    col = int(at.byte / 16) * kElems;
   } else {
     row = piece / a.pieces_per_row;
     col = int(piece - row * a.pieces_per_row) * kElems;

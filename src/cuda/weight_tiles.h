@@ -36,6 +36,18 @@ DSV4_TILES_HD size_t offset(size_t row, size_t byte, size_t row_bytes, size_t pi
          lane * piece_bytes + byte % piece_bytes;
 }
 
+// The row and the byte of that row held at `offset` of the tile layout (the inverse of offset()).
+struct RowByte {
+  size_t row, byte;
+};
+DSV4_TILES_HD RowByte position(size_t offset, size_t row_bytes, size_t piece_bytes) {
+  const size_t chunk_bytes = kChunkPieces * piece_bytes, tile_bytes = kRows * row_bytes;
+  const size_t in_tile = offset % tile_bytes, in_chunk = in_tile % (kRows * chunk_bytes);
+  const size_t half = in_chunk / (8 * chunk_bytes), lane = in_chunk % (8 * chunk_bytes) / piece_bytes;
+  return {offset / tile_bytes * kRows + half * 8 + lane / kChunkPieces,
+          in_tile / (kRows * chunk_bytes) * chunk_bytes + lane % kChunkPieces * piece_bytes + offset % piece_bytes};
+}
+
 // Whether [rows, row_bytes] can take the tile layout with pieces of piece_bytes.
 DSV4_TILES_HD bool fits(size_t rows, size_t row_bytes, size_t piece_bytes) {
   return rows % kRows == 0 && row_bytes % (kChunkPieces * piece_bytes) == 0;

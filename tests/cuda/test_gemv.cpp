@@ -548,6 +548,9 @@ TEST(GemvTiles, OffsetsArePermutations) {
         ASSERT_LT(o, hit.size());
         ++hit[o];
         ASSERT_EQ(o / (16 * size_t(row_bytes)), size_t(r / 16)) << "a byte left its tile";
+        const weight_tiles::RowByte back = weight_tiles::position(o, size_t(row_bytes), size_t(piece));
+        ASSERT_EQ(back.row, size_t(r)) << "position() must invert offset()";
+        ASSERT_EQ(back.byte, size_t(b));
       }
     EXPECT_EQ(std::count(hit.begin(), hit.end(), 1), int(hit.size())) << rows << " x " << row_bytes;
   }
