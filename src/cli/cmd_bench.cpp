@@ -87,7 +87,7 @@ struct BenchArgs {
   // (CudaRunnerOptions::overlap_branches; serial turns it off), mhc (fuse_mhc_mix), routing (fuse_moe_routing), qnorm (fuse_q_norm_rope),
   // heads16 / heads64 (the decode attention's heads per block, gpu::set_attention_decode_block_heads), hcblock
   // (hc_pre's decode collapse in one block per token, gpu::set_hc_collapse_cluster), now4a8 (act fp8 at m = 1
-  // through act_quant + the bf16 kernel instead of the W4A8 kernel, set_gemv_w4a8)).
+  // through act_quant + the bf16 kernel instead of the W4A8 kernel, set_gemv_w4a8).
   // Prefill and --profile use the first.
   std::vector<std::string> switches = {"default"};
 };

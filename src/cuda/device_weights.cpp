@@ -102,8 +102,7 @@ WeightUploader::Encoding WeightUploader::encoding_of(const Matrix& m, std::optio
 }
 
 bool WeightUploader::tiled(GemvWeight format, const std::vector<int>& rows, int k) const {
-  return fp4_tiles_ && (format == GemvWeight::MXFP4 || format == GemvWeight::NVFP4) && k % 128 == 0 &&
-         std::all_of(rows.begin(), rows.end(), [](int r) { return r % weight_tiles::kRows == 0; });
+  return fp4_tiles_ && std::all_of(rows.begin(), rows.end(), [&](int r) { return gemv_tiles_fit(format, r, k); });
 }
 
 void WeightUploader::to_tiles(GemvWeight format, void* w, void* scale, int rows, int k) {

@@ -48,8 +48,7 @@ void check_weight(const char* fn, const WeightDesc& w) {
              fn);
   DSV4_CHECK(w.weight != GemvWeight::FP8_BLOCK || w.fp8_scale != GemvScale::F32 || aligned(w.w_scale, 4),
              "{} (fp8_block): f32 w_scale must be 4-byte aligned", fn);
-  DSV4_CHECK(w.layout == GemvLayout::Rows ||
-                 ((w.weight == GemvWeight::MXFP4 || w.weight == GemvWeight::NVFP4) && w.n % 16 == 0 && w.k % 128 == 0),
+  DSV4_CHECK(w.layout == GemvLayout::Rows || gemv_tiles_fit(w.weight, w.n, w.k),
              "{} ({}): the tile layout needs mxfp4 / nvfp4 weights, n a multiple of 16 and k of 128 (got n = {}, k = {})",
              fn, fmt_name, w.n, w.k);
 }

@@ -115,6 +115,10 @@ int gemv_k_multiple(GemvWeight w) {
   return 1;
 }
 
+bool gemv_tiles_fit(GemvWeight w, int64_t n, int64_t k) {
+  return (w == GemvWeight::MXFP4 || w == GemvWeight::NVFP4) && n % 16 == 0 && k % 128 == 0;
+}
+
 const char* gemv_weight_name(GemvWeight w) {
   switch (w) {
     case GemvWeight::BF16: return "bf16";
@@ -184,9 +188,7 @@ bool check_gemv_params(const GemvParams& p, const char* what) {
              what);
   DSV4_CHECK(p.weight != GemvWeight::FP8_BLOCK || p.fp8_scale != GemvScale::F32 || aligned(p.w_scale, 4),
              "{} (fp8_block): f32 w_scale must be 4-byte aligned", what);
-  DSV4_CHECK(p.layout == GemvLayout::Rows ||
-                 ((p.weight == GemvWeight::MXFP4 || p.weight == GemvWeight::NVFP4) && p.n % 16 == 0 &&
-                  p.w_row0 % 16 == 0 && p.k % 128 == 0),
+  DSV4_CHECK(p.layout == GemvLayout::Rows || (gemv_tiles_fit(p.weight, p.n, p.k) && p.w_row0 % 16 == 0),
              "{} ({}): the tile layout needs mxfp4 / nvfp4 weights, n and w_row0 multiples of 16 and k a multiple of "
              "128 (got n = {}, w_row0 = {}, k = {})", what, fmt_name, p.n, p.w_row0, p.k);
   DSV4_CHECK(p.split_k == 0 || p.split_k == 1 || p.split_k == 2 || p.split_k == 4 || p.split_k == 8,

@@ -53,8 +53,8 @@ namespace dsv4 {
 enum class GemvWeight { BF16, FP8_BLOCK, MXFP4, NVFP4 };
 enum class GemvScale { E8M0, F32 };  // element type of the FP8_BLOCK scale tensor
 enum class GemvOut { F32, BF16 };
-enum class GemvAct { BF16, FP8 };
-enum class GemvLayout { Rows, Tiles };  // w / w_scale row-major, or in 16-row tiles (cuda/weight_tiles.h)  // activations as given, or quantised per 128-block (see Activations above)
+enum class GemvAct { BF16, FP8 };  // activations as given, or quantised per 128-block (see Activations above)
+enum class GemvLayout { Rows, Tiles };  // w / w_scale row-major, or in 16-row tiles (cuda/weight_tiles.h)
 
 constexpr int kGemvMaxM = 64;            // the skinny kernel's rows; above, the tiled kernel
 constexpr int kGemvMaxRows = 1 << 20;     // rows of one call
@@ -197,6 +197,10 @@ const char* gemv_weight_name(GemvWeight w);
 
 // The k every call with weights `w` must be a multiple of (8 BF16, 16 FP8_BLOCK, 32 MXFP4 / NVFP4).
 int gemv_k_multiple(GemvWeight w);
+
+// Whether an [n, k] weight in `w` can take the tile layout (GemvLayout::Tiles): MXFP4 / NVFP4, n a multiple of 16,
+// k of 128.
+bool gemv_tiles_fit(GemvWeight w, int64_t n, int64_t k);
 
 // Bytes of an [n, k] weight in `w`'s layout above, and of its scale tensor (FP8_BLOCK with e8m0 scales; 0 for
 // BF16).

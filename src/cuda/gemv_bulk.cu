@@ -179,8 +179,8 @@ bool bulk_shape_ok(const GemvParams& p) {
   auto aligned16 = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
   const bool fp4 = p.weight == GemvWeight::MXFP4 || p.weight == GemvWeight::NVFP4;
   const int stage = fp4 ? stage_k<Fmt::NVFP4>() : stage_k<Fmt::FP8_E8M0>();
-  return (fp4 || p.weight == GemvWeight::FP8_BLOCK) && p.layout == GemvLayout::Rows && p.m <= kGemvMaxM && p.k % stage == 0 && aligned16(p.w) &&
-         (!fp4 || aligned16(p.w_scale)) && !gemv_w4a8_supported(p);
+  return (fp4 || p.weight == GemvWeight::FP8_BLOCK) && p.layout == GemvLayout::Rows && p.m <= kGemvMaxM &&
+         p.k % stage == 0 && aligned16(p.w) && (!fp4 || aligned16(p.w_scale)) && !gemv_w4a8_supported(p);
 }
 }  // namespace
 
