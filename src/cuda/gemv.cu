@@ -67,7 +67,13 @@ __global__ void __launch_bounds__(kThreads, kTilesN <= 4 ? 2 : 1) gemv_kernel(co
   const uint8_t* s_hi = kTileLayout ? s_lo + 8 * 4 * kScalePiece : s_lo + 8 * scale_row_bytes;
   constexpr size_t kSChunkStride = (kTileLayout ? 16 : 1) * 4 * kScalePiece;
   auto pair_of = [&](int row) { return kGrouped ? a.row_order[rows.order0 + row] : row; };
-  if constexpr (!kGrouped) gpu::dependent_wait();  // x and y belong to the step
+  // x and y belong to the step. Under early_weights a plain / batched block first issues its first round of weight
+  // loads (no kernel writes weights), so that they stream while the previous kernel finishes.
+  bool must_wait = !kGrouped;
+  if (must_wait && !a.early_weights) {
+    gpu::dependent_wait();
+    must_wait = false;
+  }
 
   // More rows than the tile holds (a grouped slot above base.m) are covered by further passes over W.
   for (int rb = 0; rb < rows.m_rows; rb += kTilesN * 8) {
@@ -110,6 +116,10 @@ __global__ void __launch_bounds__(kThreads, kTilesN <= 4 ? 2 : 1) gemv_kernel(co
           if (in_k && ok_hi) sc_hi[u] = __ldg(reinterpret_cast<const uint16_t*>(s_hi + size_t(c) * kSChunkStride));
         }
       }
+      if (must_wait) {  // before the first load of x
+        gpu::dependent_wait();
+        must_wait = false;
+      }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int c = c0 + u * split;
@@ -127,6 +137,10 @@ __global__ void __launch_bounds__(kThreads, kTilesN <= 4 ? 2 : 1) gemv_kernel(co
 
   // Split-k sum through shared memory.
   __shared__ float red[kGemvWarps * 16 * (kTilesN * 8 + 1)];
+  if (must_wait) {  // a warp without chunks, before its stores
+    gpu::dependent_wait();
+    must_wait = false;
+  }
   if (rb > 0) __syncthreads();  // the previous pass's reads of red are done
   store_tile_sums<kTilesN, kGrouped>(a, rows, tiles_per_block, split, rb, acc, red);
   }  // row passes
@@ -184,6 +198,7 @@ KernelArgs plain_args(const GemvParams& p, int split_k) {
   a.y_factor = p.weight == GemvWeight::NVFP4 ? p.w_scale_2 * dq::kNvfp4OutputFactor : 1.0f;
   a.out_bf16 = p.out == GemvOut::BF16;
   a.tiles = p.layout == GemvLayout::Tiles;
+  a.early_weights = gemv_early_weights_enabled();
   a.x_row_div = 1;
   return a;
 }

@@ -1103,8 +1103,12 @@ void row_op_pair(const RowOpParams& a, const RowOpParams& b, cudaStream_t stream
   // One row per block, each op's lanes padded to the wider one (padded lanes hold zeros and store nothing).
   const int lanes = (std::max({threads_a, threads_b, 32}) + 31) / 32 * 32;
   OPS_CHECK(!a.rows_base && !b.rows_base, "row_op_pair: batched entry finishing (rows_base) runs alone");
-  OPS_CHECK((a.round != RowRound::IndexerFp4 || threads_a == lanes || lanes == 32) &&
-                (b.round != RowRound::IndexerFp4 || threads_b == lanes || lanes == 32),
+  // The Hadamard stages of an FP4-rounded row wider than a warp's values go through shared memory with barriers:
+  // that row must fill the block. Narrower ones stay within the first warp (the padded warps shuffle zeros).
+  auto fp4_fits = [lanes](const RowOpParams& p, int threads) {
+    return p.round != RowRound::IndexerFp4 || p.dim <= 32 * kRowValues || threads == lanes;
+  };
+  OPS_CHECK(fp4_fits(a, threads_a) && fp4_fits(b, threads_b),
             "row_op_pair: FP4 indexer rounding across warps needs its row to fill the block (%d / %d of %d lanes)",
             threads_a, threads_b, lanes);
   const size_t smem = std::max(rows_a ? row_smem(a) : 0, rows_b ? row_smem(b) : 0);

@@ -1637,8 +1637,8 @@ void CudaRunner::attention_block(int l, int n) {
 
   // Per-head norm (no weight) + RoPE of q: in place, or (fuse_q_norm_rope) inside the attention kernel.
   const bool q_in_attention = options_.fuse_q_norm_rope && gpu::attention_can_norm_q(hd, rd);
+  RowOpParams q;
   if (!q_in_attention) {
-    RowOpParams q;
     q.x = q.y = y_q;
     q.x_token_stride = q.y_token_stride = d.n_q;
     q.x_head_stride = q.y_head_stride = hd;
@@ -1650,7 +1650,6 @@ void CudaRunner::attention_block(int l, int n) {
     q.rope_dim = rd;
     q.inv_freq = d.inv_freq;
     set_positions(q);
-    row_op("attn: q norm + rope", q);
   }
   if (d.indexer) {
     RowOpParams qi;  // RoPE + rounding, no norm
@@ -1664,7 +1663,14 @@ void CudaRunner::attention_block(int l, int n) {
     qi.inv_freq = d.inv_freq;
     qi.round = index_round;
     set_positions(qi);
-    row_op("indexer: q rope + round", qi);
+    if (q_in_attention) {
+      row_op("indexer: q rope + round", qi);
+    } else {  // both read the q-side output only: one launch
+      gpu::row_op_pair(q, qi, cur_);
+      launched("attn: q norm + rope, indexer q rope + round");
+    }
+  } else if (!q_in_attention) {
+    row_op("attn: q norm + rope", q);
   }
   if (side) join_side();
   if (d.indexer) {

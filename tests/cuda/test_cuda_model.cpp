@@ -1168,6 +1168,35 @@ TEST(CudaModel, Fp4TilesChangeNoBits) {
   }
 }
 
+// set_gemv_early_weights: the dense projections' first weight loads before griddepcontrol.wait. Same loads, so the
+// same bits; a load of x or a store moved above the wait would read the previous step's activations (graph decode
+// at batch 1 and 5, NVFP4 tiles and rows, where every dense projection runs on the register kernel).
+TEST(CudaModel, EarlyWeightLoadsChangeNoBits) {
+  DSV4_REQUIRE_CUDA();
+  const ModelConfig c = k512_synthetic_config();
+  const int V = c.vocab_size, steps = 6, B = 5, n = 40;
+  const Model model(c, synthetic_weights(c, 7), kF32);
+  const auto [prompt, fed] = random_prompt_and_fed(V, n, steps, 44);
+  for (const bool tiles : {true, false}) {
+    auto run = [&](bool early) {
+      set_gemv_early_weights(early);
+      CudaRunnerOptions o;
+      o.synthetic_format = GemvWeight::NVFP4;
+      o.sequences = B;
+      o.prefill_chunk = 64;
+      o.fp4_tiles = tiles;
+      std::unique_ptr<SequenceRunner> r = make_cuda_runner(model, n + 2 * steps + 2, o);
+      DecodeRun out = prefill_and_decode(*r, prompt, fed, B);
+      set_gemv_early_weights(kGemvEarlyWeightsDefault);
+      return out;
+    };
+    const DecodeRun late = run(false), early = run(true), again = run(true);
+    ASSERT_FALSE(late.logits.empty());
+    EXPECT_TRUE(late.logits == early.logits) << "tiles " << tiles << ": early weight loads changed the logits";
+    EXPECT_TRUE(early.logits == again.logits) << "tiles " << tiles << ": early weight loads not reproducible";
+  }
+}
+
 TEST(CudaModel, DependentLaunchChangesNoBits) {
   DSV4_REQUIRE_CUDA();
   std::string source;

@@ -848,6 +848,49 @@ TEST(OpsRowsRowOp, PairMatchesTwoLaunches) {
   check_pair(3, 64, 128, 64, 83);     // tiny models: rows narrower than a warp
 }
 
+// The q pair of a decode step: q's per-head norm + RoPE beside the indexer's q RoPE + FP4 rounding, both in place
+// in one buffer (token stride = both ops' heads), one launch; each must give the bits of its own row_op launch.
+void check_q_pair(int tokens, int heads_a, int dim_a, int heads_b, int dim_b, int rope, uint32_t seed) {
+  SCOPED_TRACE("q pair tokens " + std::to_string(tokens) + " heads " + std::to_string(heads_a) + " x " +
+               std::to_string(dim_a) + " / " + std::to_string(heads_b) + " x " + std::to_string(dim_b));
+  std::mt19937 rng(seed);
+  const int stride = heads_a * dim_a + heads_b * dim_b;
+  const std::vector<float> x = random_vector(size_t(tokens) * stride, rng, -3.0f, 3.0f);
+  const std::vector<float> inv_freq = rope_freqs(rope);
+  DeviceBuffer df = to_device(inv_freq);
+  auto output = [&](bool paired) {
+    DeviceBuffer dx = to_device(x);
+    gpu::RowOpParams a, b;
+    a.x = a.y = dx.as<float>();
+    a.x_token_stride = a.y_token_stride = stride;
+    a.x_head_stride = a.y_head_stride = dim_a;
+    a.tokens = tokens, a.heads = heads_a, a.dim = dim_a, a.norm = true, a.eps = 1e-6f;
+    a.rope_dim = rope, a.inv_freq = df.as<float>(), a.pos0 = 8211;
+    b = a;
+    b.x = b.y = dx.as<float>() + heads_a * dim_a;
+    b.x_head_stride = b.y_head_stride = dim_b;
+    b.heads = heads_b, b.dim = dim_b, b.norm = false, b.round = gpu::RowRound::IndexerFp4;
+    if (paired) {
+      gpu::row_op_pair(a, b, nullptr);
+    } else {
+      gpu::row_op(a, nullptr);
+      gpu::row_op(b, nullptr);
+    }
+    sync();
+    return to_host<float>(dx, x.size());
+  };
+  const std::vector<float> alone = output(false), pair = output(true);
+  EXPECT_EQ(bits_differ(pair, alone), 0);
+  EXPECT_GT(bits_differ(pair, x), x.size() / 2) << "the ops changed too little: were they run?";
+}
+
+TEST(OpsRowsRowOp, QPairMatchesTwoLaunches) {
+  DSV4_REQUIRE_CUDA();
+  check_q_pair(1, 64, 512, 64, 128, 64, 91);  // Flash decode: 64 heads of 512 (128 lanes) + 64 indexer heads of 128
+  check_q_pair(5, 64, 512, 64, 128, 64, 92);  // a batched decode step
+  check_q_pair(2, 8, 64, 4, 32, 16, 93);      // tiny models: rows narrower than a warp
+}
+
 void check_emit(int dim, int rope_dim, int ratio, gpu::RowRound round, uint32_t seed) {
   std::mt19937 rng(seed);
   const int entries = 8;
