@@ -88,7 +88,7 @@ struct BenchArgs {
   // heads16 / heads64 (the decode attention's heads per block, gpu::set_attention_decode_block_heads), hcblock
   // (hc_pre's decode collapse in one block per token, gpu::set_hc_collapse_cluster), now4a8 (act fp8 at m = 1
   // through act_quant + the bf16 kernel instead of the W4A8 kernel, set_gemv_w4a8), early (the dense GEMVs' first
-  // weight loads before the wait for the previous kernel, set_gemv_early_weights; late turns it off).
+  // weight loads before the wait for the previous kernel, gpu::set_early_weights; late turns it off).
   // Prefill and --profile use the first.
   std::vector<std::string> switches = {"default"};
 };
@@ -99,7 +99,7 @@ struct StepSwitches {
   int attention_heads = 0;  // heads16 / heads64: the tensor-core attention's heads per block at decode (0: its rule)
   bool hc_block = false;    // hcblock: hc_pre's decode collapse in one block per token, not a cluster
   bool no_w4a8 = false;     // now4a8: act fp8 at m = 1 quantises x first and runs the bf16 kernel (set_gemv_w4a8)
-  bool early = false, late = false;  // set_gemv_early_weights on / off
+  bool early = false, late = false;  // gpu::set_early_weights on / off
 };
 
 StepSwitches parse_switches(const std::string& spec) {
@@ -501,7 +501,7 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
   report["fp4_tiles"] = built_options.fp4_tiles;
   const GemvBulk built_bulk = gemv_bulk_mode();
   const bool built_w4a8 = gemv_w4a8_enabled();
-  const bool built_early = gemv_early_weights_enabled();
+  const bool built_early = gpu::early_weights();
   auto use_switches = [&](const std::string& spec) {
     const StepSwitches s = parse_switches(spec);
     CudaRunnerOptions o = built_options;
@@ -512,7 +512,7 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
     gpu::set_attention_decode_block_heads(s.attention_heads);
     gpu::set_hc_collapse_cluster(!s.hc_block);
     set_gemv_w4a8(built_w4a8 && !s.no_w4a8);
-    set_gemv_early_weights((built_early || s.early) && !s.late);
+    gpu::set_early_weights((built_early || s.early) && !s.late);
     cuda_runner_set_step_switches(*runner, o);
     set_gemv_bulk(s.bulk ? GemvBulk::All
                   : s.bulk_dense && built_bulk == GemvBulk::Off ? GemvBulk::Dense
@@ -766,8 +766,8 @@ void add_bench_command(CLI::App& app, Handler& handler) {
                   "stream; serial: off), mhc (hc_post with the next mix), routing (router + slots in one launch), qnorm (q norm + "
                   "RoPE inside attention), heads16 / heads64 (decode attention blocks of 16 / 64 heads), hcblock (hc_pre's "
                   "decode collapse in one block per token), now4a8 (--act-quant fp8 at batch 1 without the W4A8 "
-                  "kernel: x quantised first, then the bf16 kernel), early / late (dense GEMVs load their first "
-                  "weights before / after waiting for the previous kernel), e.g. "
+                  "kernel: x quantised first, then the bf16 kernel), early / late (GEMVs, linear_f32 and hc_pre's "
+                  "mix load their first weights before / after waiting for the previous kernel), e.g. "
                   "default,bulk,overlap,mhc+routing+qnorm,bulk+overlap+mhc+routing+qnorm,heads64")
       ->delimiter(',')->capture_default_str();
   cmd->add_flag("--mtp", args->mtp,

@@ -58,7 +58,6 @@ int launch_split(int requested, const GemvParams& shape) {
 // The weight stream of fp4 / fp8 skinny launches (a GemvBulk, set_gemv_bulk); -1 = not yet read from the environment.
 int bulk_mode = -1;
 int w4a8_mode = -1;  // set_gemv_w4a8; -1 = not yet read from the environment
-int early_mode = -1;  // set_gemv_early_weights; -1 = not yet read from the environment
 
 // Says once which kernel streams fp4 / fp8 weights, and once when the copy-engine kernel was asked for but cannot
 // take a call (the register kernel runs it and every later call like it).
@@ -94,13 +93,6 @@ void set_gemv_w4a8(bool on) { w4a8_mode = on ? 1 : 0; }
 bool gemv_w4a8_enabled() {
   if (w4a8_mode < 0) w4a8_mode = env_switch("DSV4_GEMV_W4A8").value_or(kGemvW4a8Default) ? 1 : 0;
   return w4a8_mode == 1;
-}
-
-void set_gemv_early_weights(bool on) { early_mode = on ? 1 : 0; }
-
-bool gemv_early_weights_enabled() {
-  if (early_mode < 0) early_mode = env_switch("DSV4_GEMV_EARLY").value_or(kGemvEarlyWeightsDefault) ? 1 : 0;
-  return early_mode == 1;
 }
 
 GemvBulk gemv_bulk_mode() {

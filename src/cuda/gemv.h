@@ -184,15 +184,6 @@ constexpr bool kGemvW4a8Default = true;
 void set_gemv_w4a8(bool on);
 bool gemv_w4a8_enabled();
 
-// Plain and batched launches of the register kernel (decode's dense projections) issue their first round of weight
-// loads before waiting for the previous kernel of the stream (griddepcontrol.wait, cuda/launch.cuh): weights are no
-// kernel's output, so under PDL that round streams while the predecessor (a few-µs latency-bound kernel) finishes.
-// Same loads and arithmetic, same bits. Process-wide; DSV4_GEMV_EARLY=0/1 in the environment sets it at the first
-// call. Off until a GPU run has measured it.
-constexpr bool kGemvEarlyWeightsDefault = false;
-void set_gemv_early_weights(bool on);
-bool gemv_early_weights_enabled();
-
 // Tests: every skinny launch (gemv, gemv_batched, gemv_grouped) whose params leave split_k at 0 takes `split` (a power
 // of two up to kGemvWarps) instead of gemv_default_split_k; 0 restores the heuristic. Process-wide. Model-level tests
 // use it to see what a mere change of fp32 summation order does to the logits (bf16 activations turn it into

@@ -373,4 +373,13 @@ void draw_tokens(const DrawTokensParams& p, cudaStream_t stream);
 void set_dependent_launch(bool on);
 bool dependent_launch();
 
+// Kernels whose first loads are weights (the register GEMV's plain and batched launches, linear_f32, hc_pre's
+// cluster mix) issue them before waiting for the previous kernel of the stream (griddepcontrol.wait): no kernel
+// writes weights, so under PDL they stream while the predecessor, often a few-µs latency-bound kernel, finishes.
+// Same loads and arithmetic, same bits. Process-wide, read at launch; DSV4_EARLY_WEIGHTS=0/1 in the environment sets
+// it at the first call.
+constexpr bool kEarlyWeightsDefault = true;
+void set_early_weights(bool on);
+bool early_weights();
+
 }  // namespace dsv4::gpu

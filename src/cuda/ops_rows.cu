@@ -310,8 +310,14 @@ __device__ __forceinline__ float dot_acc(float4 a, float4 b, float acc) {
 }
 
 template <int kRows, int kVec, bool kCluster>
-__global__ void __launch_bounds__(kLinearThreads) linear_f32_kernel(LinearF32Params p, int slices) {
-  gpu::dependent_enter();
+__global__ void __launch_bounds__(kLinearThreads) linear_f32_kernel(LinearF32Params p, int slices, bool early) {
+  // early (gpu::early_weights): the first round of W loads goes out before the wait for the previous kernel.
+  gpu::allow_dependents();
+  bool must_wait = true;
+  if (!early) {
+    gpu::dependent_wait();
+    must_wait = false;
+  }
   using Vec = typename LinearVec<kVec>::T;
   __shared__ float warp_partial[kRows][kLinearThreads / 32];
   __shared__ float block_partial[kRows];
@@ -332,6 +338,14 @@ __global__ void __launch_bounds__(kLinearThreads) linear_f32_kernel(LinearF32Par
     for (int u = 0; u < kLinearUnroll; ++u) {
       const int64_t at = i + u * kLinearThreads;
       wv[u] = at < end ? w[at] : Vec{};
+    }
+    if (must_wait) {  // before the first load of x
+      gpu::dependent_wait();
+      must_wait = false;
+    }
+#pragma unroll
+    for (int u = 0; u < kLinearUnroll; ++u) {
+      const int64_t at = i + u * kLinearThreads;
 #pragma unroll
       for (int r = 0; r < kRows; ++r) xv[r][u] = at < end ? x[r][at] : Vec{};
     }
@@ -341,6 +355,7 @@ __global__ void __launch_bounds__(kLinearThreads) linear_f32_kernel(LinearF32Par
       for (int r = 0; r < kRows; ++r) acc[r] = dot_acc(xv[r][u], wv[u], acc[r]);
   }
 
+  if (must_wait) gpu::dependent_wait();  // a thread without loads, before the stores
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {
@@ -378,13 +393,13 @@ template <int kRows, int kVec>
 void launch_linear_f32(const LinearF32Params& p, int slices, cudaStream_t stream) {
   const dim3 grid(unsigned(p.n) * slices, unsigned((p.m + kRows - 1) / kRows));
   if (slices == 1) {
-    gpu::launch(linear_f32_kernel<kRows, kVec, false>, grid, kLinearThreads, 0, stream, p, 1);
+    gpu::launch(linear_f32_kernel<kRows, kVec, false>, grid, kLinearThreads, 0, stream, p, 1, gpu::early_weights());
     DSV4_CUDA_LAUNCHED();
     return;
   }
   const cudaError_t err =
       gpu::launch_ex(linear_f32_kernel<kRows, kVec, true>, grid, kLinearThreads, 0, unsigned(slices), stream, p,
-                     slices);
+                     slices, gpu::early_weights());
   DSV4_CUDA_LAUNCHED();  // throws (and clears) a recorded launch error
   OPS_CHECK(err == cudaSuccess, "linear_f32: cluster launch failed: %s", cudaGetErrorString(err));
 }
@@ -750,9 +765,10 @@ constexpr int kHcClusterMaxD = 8192;
 constexpr int kHcClusterSmem = kHcClusterTokens * 5 * (kHcClusterMaxD / 4 / kHcCluster) * 16;
 
 template <int kHc, bool kMixes>  // kMixes: p.fn is given
-__global__ void __launch_bounds__(kHcClusterThreads, 1) hc_collapse_cluster_kernel(HcPreParams p, int tokens) {
+__global__ void __launch_bounds__(kHcClusterThreads, 1)
+    hc_collapse_cluster_kernel(HcPreParams p, int tokens, bool early) {
   constexpr int kMix = (2 + kHc) * kHc, kWarps = kHcClusterThreads / 32, kT = kHcClusterTokens;
-  gpu::dependent_enter();
+  gpu::allow_dependents();
   extern __shared__ float4 hc_smem[];  // stream groups [tokens][kHc][groups], then the collapsed ones [tokens][groups]
   __shared__ float warp_mix[kT][kWarps][kMix];
   __shared__ double warp_ss[kT][kWarps];
@@ -768,7 +784,20 @@ __global__ void __launch_bounds__(kHcClusterThreads, 1) hc_collapse_cluster_kern
   const int64_t fn_row = int64_t(kHc) * D / 4;  // float4 per fn row
   float4* own = hc_smem;                          // [count][items]
   float4* collapsed = hc_smem + count * items;    // [count][groups]
+  auto column = [&](int i) { return int64_t(i / groups) * D / 4 + g0 + i % groups; };  // (stream, group) as float4
 
+  // A thread's fn columns are the same for every token: with one item per thread (items <= threads, Flash) they
+  // are loaded once, under `early` before the wait for the previous kernel (fn is a weight); else per item
+  // (L1 hits after the first token).
+  const int first = threadIdx.x;
+  const bool one_item = items <= kHcClusterThreads;
+  float4 w[kMixes ? kMix : 1];
+  auto load_fn = [&](int64_t at) {
+#pragma unroll
+    for (int m = 0; m < kMix; ++m) w[m] = __ldg(fn + m * fn_row + at);
+  };
+  if (kMixes && early && first < items) load_fn(column(first));
+  gpu::dependent_wait();
   for (int j = 0; j < count; ++j) {
     const float4* xs = reinterpret_cast<const float4*>(p.streams + int64_t(t0 + j) * kHc * D);
     float mix[kMix];
@@ -776,12 +805,11 @@ __global__ void __launch_bounds__(kHcClusterThreads, 1) hc_collapse_cluster_kern
     for (int m = 0; m < kMix; ++m) mix[m] = 0.0f;
     double ss = 0;
     for (int i = threadIdx.x; i < items; i += kHcClusterThreads) {
-      const int64_t at = int64_t(i / groups) * D / 4 + g0 + i % groups;  // (stream, column group) as a float4 index
+      const int64_t at = column(i);
       const float4 v = xs[at];
       if constexpr (kMixes) {
-        float4 w[kMix];  // the same columns for every token: L1 hits after the first
-#pragma unroll
-        for (int m = 0; m < kMix; ++m) w[m] = __ldg(fn + m * fn_row + at);
+        const bool loaded = i == first && (one_item ? early || j > 0 : early && j == 0);
+        if (!loaded) load_fn(at);
 #pragma unroll
         for (int m = 0; m < kMix; ++m) mix[m] = dot_acc(v, w[m], mix[m]);
       }
@@ -1162,7 +1190,8 @@ void launch_collapse_cluster(const HcPreParams& p, int tokens, dim3 grid, size_t
   const cudaError_t sized = gpu::allow_dynamic_smem<kKernel>(kHcClusterSmem);
   OPS_CHECK(allowed == cudaSuccess && sized == cudaSuccess, "hc_pre: clusters of %d blocks with %d bytes not allowed",
             kHcCluster, kHcClusterSmem);
-  const cudaError_t err = gpu::launch_ex(kKernel, grid, kHcClusterThreads, smem, kHcCluster, stream, p, tokens);
+  const cudaError_t err = gpu::launch_ex(kKernel, grid, kHcClusterThreads, smem, kHcCluster, stream, p, tokens,
+                                            gpu::early_weights());
   DSV4_CUDA_LAUNCHED();
   OPS_CHECK(err == cudaSuccess, "hc_pre: cluster launch failed: %s", cudaGetErrorString(err));
 }
