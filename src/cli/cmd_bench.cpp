@@ -88,7 +88,8 @@ struct BenchArgs {
   // heads16 / heads64 (the decode attention's heads per block, gpu::set_attention_decode_block_heads), hcblock
   // (hc_pre's decode collapse in one block per token, gpu::set_hc_collapse_cluster), now4a8 (act fp8 at m = 1
   // through act_quant + the bf16 kernel instead of the W4A8 kernel, set_gemv_w4a8), early (the dense GEMVs' first
-  // weight loads before the wait for the previous kernel, gpu::set_early_weights; late turns it off).
+  // weight loads before the wait for the previous kernel, gpu::set_early_weights; late turns it off), nogate (the
+  // router gate, router and slots as three launches: CudaRunnerOptions::fuse_moe_gate off).
   // Prefill and --profile use the first.
   std::vector<std::string> switches = {"default"};
 };
@@ -100,6 +101,7 @@ struct StepSwitches {
   bool hc_block = false;    // hcblock: hc_pre's decode collapse in one block per token, not a cluster
   bool no_w4a8 = false;     // now4a8: act fp8 at m = 1 quantises x first and runs the bf16 kernel (set_gemv_w4a8)
   bool early = false, late = false;  // gpu::set_early_weights on / off
+  bool no_gate = false;              // nogate: CudaRunnerOptions::fuse_moe_gate off
 };
 
 StepSwitches parse_switches(const std::string& spec) {
@@ -122,8 +124,9 @@ StepSwitches parse_switches(const std::string& spec) {
     else if (name == "now4a8") s.no_w4a8 = true;
     else if (name == "early") s.early = true;
     else if (name == "late") s.late = true;
+    else if (name == "nogate") s.no_gate = true;
     else DSV4_FAIL("dsv4 bench: --switches entry '{}' has '{}' (expected default, or bulk, bulkdense, overlap, "
-                   "serial, mhc, routing, qnorm, heads16, heads64, hcblock, now4a8, early and late joined by '+')",
+                   "serial, mhc, routing, qnorm, heads16, heads64, hcblock, now4a8, early, late and nogate joined by '+')",
                    spec, name);
     from = to + 1;
   }
@@ -508,6 +511,7 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
     o.overlap_branches = (o.overlap_branches || s.overlap) && !s.serial;
     o.fuse_mhc_mix = o.fuse_mhc_mix || s.mhc;
     o.fuse_moe_routing = o.fuse_moe_routing || s.routing;
+    o.fuse_moe_gate = o.fuse_moe_gate && !s.no_gate;
     o.fuse_q_norm_rope = o.fuse_q_norm_rope || s.qnorm;
     gpu::set_attention_decode_block_heads(s.attention_heads);
     gpu::set_hc_collapse_cluster(!s.hc_block);
@@ -767,7 +771,8 @@ void add_bench_command(CLI::App& app, Handler& handler) {
                   "RoPE inside attention), heads16 / heads64 (decode attention blocks of 16 / 64 heads), hcblock (hc_pre's "
                   "decode collapse in one block per token), now4a8 (--act-quant fp8 at batch 1 without the W4A8 "
                   "kernel: x quantised first, then the bf16 kernel), early / late (GEMVs, linear_f32 and hc_pre's "
-                  "mix load their first weights before / after waiting for the previous kernel), e.g. "
+                  "mix load their first weights before / after waiting for the previous kernel), nogate (router gate, "
+                  "router and moe_slots as three launches), e.g. "
                   "default,bulk,overlap,mhc+routing+qnorm,bulk+overlap+mhc+routing+qnorm,heads64")
       ->delimiter(',')->capture_default_str();
   cmd->add_flag("--mtp", args->mtp,

@@ -326,4 +326,29 @@ void moe_route_and_slots(const gpu::RouterParams& r, const MoeSlotsParams& p) {
   DSV4_CUDA_CHECK(detail::moe_route_and_slots_launch(r, p));
 }
 
+bool moe_gate_fits(const gpu::LinearF32Params& gate) {
+  auto aligned16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  return gate.m >= 1 && gate.m <= kMoeGateMaxTokens && gate.n >= 1 && gate.n <= 512 && gate.k > 0 &&
+         gate.k % 4 == 0 && aligned16(gate.x) && aligned16(gate.w);
+}
+
+void moe_gate_route_and_slots(const gpu::LinearF32Params& gate, const gpu::RouterParams& r, const MoeSlotsParams& p,
+                              uint32_t* ticket) {
+  DSV4_CHECK(moe_gate_fits(gate), "moe_gate_route_and_slots: gate of {} x {} x {} (needs 1 .. {} tokens, <= 512 "
+             "experts, k % 4 == 0, 16-byte aligned x and W)", gate.m, gate.n, gate.k, kMoeGateMaxTokens);
+  DSV4_CHECK(gate.y == r.logits && gate.m == r.n && gate.n == r.experts && ticket,
+             "moe_gate_route_and_slots: the router must read the gate's logits, and a ticket is needed");
+  DSV4_CHECK(r.k > 0 && r.k <= 16 && r.k <= r.experts,
+             "moe_gate_route_and_slots: {} of {} experts per token (at most 16)", r.k, r.experts);
+  DSV4_CHECK(p.ids == r.ids && p.n == r.n && p.k == r.k && (p.shared_expert < 0 || p.weights == r.weights),
+             "moe_gate_route_and_slots: the slots must place the router's picks");
+  DSV4_CHECK(p.experts > 0 && p.experts <= 4096 && p.shared_expert < p.experts,
+             "moe_gate_route_and_slots: {} expert slots, shared expert {}", p.experts, p.shared_expert);
+  DSV4_CHECK(r.ids && r.weights && p.slots.count && p.slots.expert && p.slots.offset && p.slots.row_order,
+             "moe_gate_route_and_slots: every pointer must be a device pointer");
+  DSV4_CHECK(!r.tid2eid || r.tokens, "moe_gate_route_and_slots: hash routing needs the token ids");
+  DSV4_CHECK(p.shared_expert < 0 || p.pair_weights, "moe_gate_route_and_slots: a shared expert needs pair_weights");
+  DSV4_CUDA_CHECK(detail::moe_gate_launch(gate, r, p, ticket));
+}
+
 }  // namespace dsv4

@@ -163,6 +163,17 @@ void moe_slots(const MoeSlotsParams& p);
 // block, which then places the pairs; experts <= 512): the same ids, weights and slots as the two launches, one
 // launch fewer per MoE layer. slots.ids / weights must be router.ids / weights; slots.n / k must equal router.n / k.
 void moe_route_and_slots(const gpu::RouterParams& router, const MoeSlotsParams& slots);
+// The router gate (gpu::linear_f32 `gate`: router.logits = gate.y [n, E] = scale · x · Wᵀ) and then gpu::router +
+// moe_slots in one launch, for decode steps: the gate's blocks are linear_f32's (the same logits, bit for bit), and the
+// last of them to finish (a ticket: `ticket` is one unsigned of device memory, 0 before the first launch, left at 0
+// by each) routes the tokens (one warp per token) and places the pairs. Same ids, weights and slots as the three
+// launches, two launches fewer per MoE layer. Needs gate.m = router.n = slots.n in 1 .. kMoeGateMaxTokens,
+// gate.n = router.experts <= 512, gate.k % 4 == 0 with 16-byte aligned x and W; moe_gate_fits says whether a
+// shape can.
+constexpr int kMoeGateMaxTokens = 63;  // linear_f32's skinny blocks (m < 64)
+bool moe_gate_fits(const gpu::LinearF32Params& gate);
+void moe_gate_route_and_slots(const gpu::LinearF32Params& gate, const gpu::RouterParams& router,
+                              const MoeSlotsParams& slots, uint32_t* ticket);
 
 // How FP4 / FP8 weights reach the skinny kernel (m <= kGemvMaxM): loads into registers (default), or copy-engine
 // copies into a shared-memory ring (gemv_bulk.cu) for k a multiple of 512 (FP4) / 256 (FP8). Same decode and mma; the warps of a

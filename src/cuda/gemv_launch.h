@@ -48,6 +48,9 @@ cudaError_t gemv_batched_launch(const GemvBatchedParams& p, int split_k);
 cudaError_t gemv_grouped_launch(const GemvGroupedParams& p, int split_k);
 cudaError_t moe_slots_launch(const MoeSlotsParams& p);
 cudaError_t moe_route_and_slots_launch(const gpu::RouterParams& router, const MoeSlotsParams& slots);
+// moe_gate.cu: validated params.
+cudaError_t moe_gate_launch(const gpu::LinearF32Params& gate, const gpu::RouterParams& router,
+                            const MoeSlotsParams& slots, uint32_t* ticket);
 
 // FP4 weights x FP8 activations (gemv_w4a8.cu): MXFP4 / NVFP4 weights, act FP8, one row per call (grouped: per
 // slot), k <= kW4a8MaxK.

@@ -227,6 +227,7 @@ class CudaRunner final : public SequenceRunner {
       s.options_.draw_on_device = o.draw_on_device;
       s.options_.fuse_mhc_mix = o.fuse_mhc_mix;
       s.options_.fuse_moe_routing = o.fuse_moe_routing;
+      s.options_.fuse_moe_gate = o.fuse_moe_gate;
       s.options_.overlap_branches = o.overlap_branches;
       s.options_.fuse_q_norm_rope = o.fuse_q_norm_rope;
       if (o.overlap_branches) {
@@ -597,6 +598,7 @@ class CudaRunner final : public SequenceRunner {
   int32_t* host_tokens_ = nullptr;  // pinned [chunk_]
   int64_t* host_pos_ = nullptr;     // pinned [kCudaMaxChunk], the decode steps' positions (one per part)
   DeviceBuffer pos_;                // int64 [kCudaMaxChunk] positions read by the decode steps' kernels
+  DeviceBuffer moe_ticket_;         // uint32, 0 between launches: moe_gate_route_and_slots's ticket
   DeviceBuffer state_tables_;       // [layer][StateTable][sequence] state pointers
   float* host_logits_ = nullptr;    // pinned [kCudaMaxChunk, vocab]
   DeviceBuffer snapshot_;                               // one sequence's compressor rows (save_snapshot)
@@ -829,6 +831,7 @@ CudaRunner::CudaRunner(const Model& model, int max_context, CudaRunnerOptions op
   z_ = zeros(C * c.o_groups * c.o_lora_rank * b16);
   attn_out_ = zeros(C * D * f);
   router_logits_ = zeros(C * c.n_routed_experts * f);
+  moe_ticket_ = zeros(sizeof(uint32_t));
   expert_ids_ = zeros(C * k * sizeof(int32_t));
   expert_weights_ = zeros(C * k * f);
   max_slots_ = std::max(1, std::min<int>(c.n_routed_experts + 1, int(C) * pairs));
@@ -1799,7 +1802,9 @@ void CudaRunner::ffn_block(int l, int n) {
   }
 
   // 4.1 router (fp32)
-  linear_f32("ffn: router gate", normed_.as<float>(), d.gate, router_logits_.as<float>(), n, E, D);
+  const gpu::LinearF32Params gate{normed_.as<float>(), d.gate.as<float>(), router_logits_.as<float>(), n, E, D, 1.0f};
+  const bool gate_fused = options_.fuse_moe_gate && moe_gate_fits(gate);
+  if (!gate_fused) linear_f32("ffn: router gate", gate.x, d.gate, gate.y, n, E, D);
   gpu::RouterParams rp;
   rp.logits = router_logits_.as<float>();
   rp.bias = d.hash || !d.gate_bias.data() ? nullptr : d.gate_bias.as<float>();
@@ -1830,7 +1835,10 @@ void CudaRunner::ffn_block(int l, int n) {
     slots.weights = expert_weights_.as<float>();
     slots.pair_weights = pair_weights_.as<float>();
   }
-  if (options_.fuse_moe_routing && n <= kCudaMaxChunk && E <= 512) {
+  if (gate_fused) {
+    moe_gate_route_and_slots(gate, rp, slots, moe_ticket_.as<uint32_t>());
+    launched("ffn: router gate + router + moe_slots");
+  } else if (options_.fuse_moe_routing && n <= kCudaMaxChunk && E <= 512) {
     moe_route_and_slots(rp, slots);
     launched("ffn: router + moe_slots");
   } else {
@@ -2068,6 +2076,7 @@ std::unique_ptr<SequenceRunner> make_cuda_runner(const Model& model, int max_con
   for (const auto& [name, on] : {std::pair{"DSV4_DEVICE_DRAW", &options.draw_on_device},
                                  {"DSV4_FUSED_MHC", &options.fuse_mhc_mix},
                                  {"DSV4_FUSED_ROUTING", &options.fuse_moe_routing},
+                                 {"DSV4_FUSED_GATE", &options.fuse_moe_gate},
                                  {"DSV4_OVERLAP", &options.overlap_branches},
                                  {"DSV4_FUSED_QNORM", &options.fuse_q_norm_rope},
                                  {"DSV4_GROUP_SHARED", &options.group_shared_expert},

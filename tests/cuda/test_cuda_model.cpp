@@ -888,6 +888,7 @@ TEST(CudaModel, FusedRoutingChangesNoBits) {
     auto run = [&](bool fused) {
       CudaRunnerOptions options;
       options.fuse_moe_routing = fused;
+      options.fuse_moe_gate = false;  // it would take precedence
       options.sequences = B;
       std::unique_ptr<SequenceRunner> r = make_cuda_runner(model, n + 2 * steps + 1, options);
       const DecodeRun run = prefill_and_decode(*r, prompt, fed, B);
@@ -898,6 +899,31 @@ TEST(CudaModel, FusedRoutingChangesNoBits) {
     ASSERT_EQ(fused.size(), plain.size());
     EXPECT_EQ(std::memcmp(fused.data(), plain.data(), fused.size() * sizeof(float)), 0) << name;
     EXPECT_EQ(plain_kernels - fused_kernels, model.config().n_layers) << name;
+  }
+}
+
+// CudaRunnerOptions::fuse_moe_gate: the gate's blocks are linear_f32's and the last one runs the router and slot
+// placement code, so the logits of graph-replayed decode steps (batch 1 and 5) are the same bits as three launches,
+// with two kernels fewer per layer; prefill chunks of 64 rows keep the three launches.
+TEST(CudaModel, FusedGateChangesNoBits) {
+  DSV4_REQUIRE_CUDA();
+  for (const char* name : {"tiny-flash", "tiny-pro"}) {
+    std::string source;
+    const Model model = tiny_model(name, kDefault, &source);
+    const int V = model.config().vocab_size, n = 40, steps = 8, B = 5;
+    const auto [prompt, fed] = random_prompt_and_fed(V, n, steps, 29);
+    auto run = [&](bool fused) {
+      CudaRunnerOptions options;
+      options.fuse_moe_gate = fused;
+      options.sequences = B;
+      std::unique_ptr<SequenceRunner> r = make_cuda_runner(model, n + 2 * steps + 1, options);
+      return prefill_and_decode(*r, prompt, fed, B);
+    };
+    const DecodeRun fused = run(true), again = run(true), plain = run(false);
+    ASSERT_EQ(fused.logits.size(), plain.logits.size());
+    EXPECT_TRUE(fused.logits == plain.logits) << name << ": the fused gate changed the logits";
+    EXPECT_TRUE(fused.logits == again.logits) << name << ": the fused gate is not reproducible";
+    EXPECT_EQ(plain.graph_kernels - fused.graph_kernels, 2 * model.config().n_layers) << name;
   }
 }
 
@@ -1067,6 +1093,7 @@ TEST(CudaModel, AllStagedSwitchesTogether) {
     o.prefill_chunk = 64;
     o.fuse_mhc_mix = on & kMhc;
     o.fuse_moe_routing = on & kRouting;
+    o.fuse_moe_gate = false;  // it would take precedence over routing (FusedGateChangesNoBits covers it)
     o.overlap_branches = on & kOverlap;
     o.fuse_q_norm_rope = on & kQnorm;
     // The shared expert stays grouped: synthetic weights are drawn per upload (WeightUploader's seed counts

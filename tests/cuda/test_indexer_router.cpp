@@ -660,10 +660,23 @@ TEST(CudaRouter, TiesGoToTheLowerIndex) {
 }
 
 // moe_route_and_slots against gpu::router then moe_slots: the same bits in the ids, weights, pair weights and every
-// slot array, for decode-sized steps, hash and scored layers, with and without a grouped shared expert.
-void check_route_and_slots(const RouterInputs& in, bool shared, const char* what) {
+// slot array, for decode-sized steps, hash and scored layers, with and without a grouped shared expert. gate_k > 0:
+// moe_gate_route_and_slots from x [n, gate_k] and a gate W [E, gate_k] (random) against gpu::linear_f32 then the two
+// launches, the logits compared too; it runs twice on one ticket, which it must leave at 0.
+void check_route_and_slots(const RouterInputs& in, bool shared, const char* what, int gate_k = 0) {
   const RouterCase& c = in.c;
   const RouterDevice device(in);
+  std::mt19937 rng(uint32_t(c.n * 1000 + c.E));
+  const size_t logit_count = size_t(c.n) * c.E;
+  DeviceBuffer x, w, ticket, logits_separate, logits_fused;
+  if (gate_k > 0) {
+    x = to_device(random_vector(size_t(c.n) * gate_k, rng, -2.0f, 2.0f));
+    w = to_device(random_vector(size_t(c.E) * gate_k, rng, -0.05f, 0.05f));
+    ticket = DeviceBuffer(4);
+    ticket.fill_bytes(0);
+    logits_separate = nan_buffer(logit_count);
+    logits_fused = nan_buffer(logit_count);
+  }
   const int experts = c.E + (shared ? 1 : 0), pairs = c.n * (c.k + (shared ? 1 : 0));
   struct Outputs {
     DeviceBuffer ids, weights, pair_weights, count, expert, offset, row_order;
@@ -692,17 +705,34 @@ void check_route_and_slots(const RouterInputs& in, bool shared, const char* what
   };
   Outputs separate = outputs(), fused = outputs();
   auto [r1, m1] = params(separate);
+  auto [r2, m2] = params(fused);
+  if (gate_k > 0) {
+    r1.logits = logits_separate.as<float>();
+    r2.logits = logits_fused.as<float>();
+    gpu::linear_f32({x.as<float>(), w.as<float>(), logits_separate.as<float>(), c.n, c.E, gate_k, 1.0f}, nullptr);
+  }
   gpu::router(r1, nullptr);
   moe_slots(m1);
-  auto [r2, m2] = params(fused);
-  moe_route_and_slots(r2, m2);
+  if (gate_k > 0) {
+    const gpu::LinearF32Params gate{x.as<float>(), w.as<float>(), logits_fused.as<float>(), c.n, c.E, gate_k, 1.0f};
+    ASSERT_TRUE(moe_gate_fits(gate)) << what;
+    for (int twice = 0; twice < 2; ++twice) moe_gate_route_and_slots(gate, r2, m2, ticket.as<uint32_t>());
+  } else {
+    moe_route_and_slots(r2, m2);
+  }
   sync();
+  if (gate_k > 0) {
+    uint32_t left = 1;
+    ticket.download(&left, 4);
+    EXPECT_EQ(left, 0u) << what << ": the ticket must be left at 0";
+  }
   auto same = [&](const DeviceBuffer& a, const DeviceBuffer& b, size_t bytes, const char* name) {
     std::vector<uint8_t> x(bytes), y(bytes);
     a.download(x.data(), bytes);
     b.download(y.data(), bytes);
     EXPECT_EQ(x, y) << what << ": " << name << " differs";
   };
+  if (gate_k > 0) same(logits_separate, logits_fused, logit_count * 4, "gate logits");
   same(separate.ids, fused.ids, size_t(c.n) * c.k * 4, "ids");
   same(separate.weights, fused.weights, size_t(c.n) * c.k * 4, "weights");
   same(separate.count, fused.count, 4, "slot count");
@@ -740,6 +770,33 @@ TEST(CudaRouter, RouteAndSlotsInOneLaunch) {
   m.k = 6;
   m.experts = 256;
   EXPECT_THROW(moe_route_and_slots(r, m), Error);  // more rows than a decode step
+}
+
+// The gate, router and slots in one launch (moe_gate_route_and_slots): linear_f32's logits and the two launches'
+// outputs bit for bit, at the Flash gate's k = 4096 (one block per expert at E = 256, k split in cluster slices at
+// E = 32) and a small k, for 1, 5 and 63 tokens (one and four rows per block).
+TEST(CudaRouter, GateRouteAndSlotsInOneLaunch) {
+  DSV4_REQUIRE_CUDA();
+  std::mt19937 rng(35);
+  int cases = 0;
+  for (const int E : {32, 256, 384})
+    for (const int n : {1, 5, 63})
+      for (const bool hash : {false, true})
+        for (const int k : {4096, 256}) {
+          RouterCase c;
+          c.n = n, c.E = E, c.hash = hash, c.bias = !hash, c.scoring = E == 32 ? 2 : 0, c.k = E == 384 ? 8 : 6;
+          char what[96];
+          std::snprintf(what, sizeof what, "gate E=%d n=%d hash=%d k=%d", E, n, int(hash), k);
+          check_route_and_slots(make_router_inputs(c, rng, false), !hash, what, k);
+          ++cases;
+        }
+  EXPECT_EQ(cases, 36);
+  // Shapes it does not take: 64 tokens (linear_f32's tall kernel), 513 experts, k not a multiple of 4.
+  DeviceBuffer x(64 * 4100 * 4), w(513 * 4100 * 4), y(64 * 513 * 4);
+  EXPECT_FALSE(moe_gate_fits({x.as<float>(), w.as<float>(), y.as<float>(), 64, 256, 4096, 1.0f}));
+  EXPECT_FALSE(moe_gate_fits({x.as<float>(), w.as<float>(), y.as<float>(), 8, 513, 4096, 1.0f}));
+  EXPECT_FALSE(moe_gate_fits({x.as<float>(), w.as<float>(), y.as<float>(), 8, 256, 4098, 1.0f}));
+  EXPECT_TRUE(moe_gate_fits({x.as<float>(), w.as<float>(), y.as<float>(), 63, 512, 4096, 1.0f}));
 }
 
 }  // namespace
