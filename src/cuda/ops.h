@@ -116,10 +116,17 @@ struct HcPreParams {
   // first (the same contract).
   const float* fn = nullptr;
   float* mix_out = nullptr;
+  // prev_out (not with parts PostComb): the previous sublayer's mHC post first, hc_post(prev_out, prev_out_k,
+  // prev_out2, post, comb, ..., streams), with the post and comb the previous hc_pre left (read before this call's
+  // post + comb replace them). Inside the cluster collapse, which updates its own columns of the streams as it loads
+  // them (the same arithmetic, one launch fewer); elsewhere an hc_post launch first.
+  const float* prev_out = nullptr;
+  int prev_out_k = 0;
+  const float* prev_out2 = nullptr;
 };
 // Returns the kernels it launched: decode-sized chunks (n < 64, hc == 4, D % 64 == 0, 16-byte aligned rows) collapse
 // in a cluster of 16 blocks per token, so both halves are two launches there (each part alone one); otherwise one,
-// plus the mix's launch when fn is given.
+// plus the mix's launch when fn is given, plus hc_post's when prev_out is given.
 int hc_pre(const HcPreParams& p, cudaStream_t stream);
 // Off: the collapse of decode-sized chunks runs in one block per token as well (A/B timing; process-wide).
 void set_hc_collapse_cluster(bool on);

@@ -643,6 +643,39 @@ __global__ void __launch_bounds__(hc_max_threads(kHc)) hc_pre_kernel(HcPreParams
     post_and_comb(p, t, rs, comb_mix, comb_base, post_mix, post_base, scale1, scale2);
 }
 
+// Stream k of token t at columns d .. d + 3 after the previous sublayer's mHC post (HcPreParams::prev_out, with its
+// post and comb): hc_post_group's arithmetic for that one stream, nothing stored.
+template <int kHc>
+__device__ __forceinline__ float4 posted_stream(const HcPreParams& p, int t, int k, int d) {
+  const int D = p.D;
+  const float* xs = p.streams + int64_t(t) * kHc * D;
+  float4 old[kHc];
+#pragma unroll
+  for (int j = 0; j < kHc; ++j) old[j] = *reinterpret_cast<const float4*>(xs + int64_t(j) * D + d);
+  const float* out = p.prev_out;
+  float4 o = *reinterpret_cast<const float4*>(out + int64_t(t) * p.prev_out_k * D + d);
+  for (int e = 1; e < p.prev_out_k; ++e) {
+    const float4 a = *reinterpret_cast<const float4*>(out + (int64_t(t) * p.prev_out_k + e) * D + d);
+    o = make_float4(__fadd_rn(o.x, a.x), __fadd_rn(o.y, a.y), __fadd_rn(o.z, a.z), __fadd_rn(o.w, a.w));
+  }
+  if (p.prev_out2) {
+    const float4 a = *reinterpret_cast<const float4*>(p.prev_out2 + int64_t(t) * D + d);
+    o = make_float4(__fadd_rn(o.x, a.x), __fadd_rn(o.y, a.y), __fadd_rn(o.z, a.z), __fadd_rn(o.w, a.w));
+  }
+  const float* C = p.comb + int64_t(t) * kHc * kHc;
+  const float pk = p.post[int64_t(t) * kHc + k];
+  float4 acc = make_float4(__fmul_rn(pk, o.x), __fmul_rn(pk, o.y), __fmul_rn(pk, o.z), __fmul_rn(pk, o.w));
+#pragma unroll
+  for (int j = 0; j < kHc; ++j) {
+    const float c = C[j * kHc + k];
+    acc.x = __fadd_rn(acc.x, __fmul_rn(c, old[j].x));
+    acc.y = __fadd_rn(acc.y, __fmul_rn(c, old[j].y));
+    acc.z = __fadd_rn(acc.z, __fmul_rn(c, old[j].z));
+    acc.w = __fadd_rn(acc.w, __fmul_rn(c, old[j].w));
+  }
+  return acc;
+}
+
 // hc_pre's collapse + norm for decode-sized chunks, and with HcPreParams::fn the mix before it, in one launch: the
 // kHcCluster blocks of a cluster each take D / 16 columns of all hc streams of `tokens` consecutive tokens (and the
 // matching columns of every fn row: 24 x 4 x 256 floats, 96 KB for the Flash shape, so the 1.5 MB of fn is spread
@@ -704,7 +737,8 @@ __global__ void __launch_bounds__(kHcClusterThreads, 1)
     double ss = 0;
     for (int i = threadIdx.x; i < items; i += kHcClusterThreads) {
       const int64_t at = column(i);
-      const float4 v = xs[at];
+      // With prev_out, stream i / groups of the column group after the previous sublayer's post (stored below).
+      const float4 v = p.prev_out ? posted_stream<kHc>(p, t0 + j, i / groups, 4 * (g0 + i % groups)) : xs[at];
       if constexpr (kMixes) {
         const bool loaded = i == first && (one_item ? early || j > 0 : early && j == 0);
         if (!loaded) load_fn(at);
@@ -725,6 +759,11 @@ __global__ void __launch_bounds__(kHcClusterThreads, 1)
     if (lane == 0) warp_ss[j][warp] = ss;
   }
   __syncthreads();
+  if (p.prev_out)  // every old value of the block's columns has been read: the posted streams go out
+    for (int idx = threadIdx.x; idx < count * items; idx += kHcClusterThreads) {
+      const int j = idx / items, i = idx % items;
+      reinterpret_cast<float4*>(const_cast<float*>(p.streams) + int64_t(t0 + j) * kHc * D)[column(i)] = own[idx];
+    }
   for (int idx = threadIdx.x; idx < count * (kMix + 1); idx += kHcClusterThreads) {
     const int j = idx / (kMix + 1), m = idx % (kMix + 1);
     if (m < kMix) {
@@ -1099,6 +1138,8 @@ int hc_pre(const HcPreParams& p, cudaStream_t stream) {
   OPS_CHECK(p.parts == HcPreParts::Collapse || (p.post && p.comb), "hc_pre: post and comb are required");
   OPS_CHECK(!p.fn || (p.mix_out && p.parts != HcPreParts::PostComb && !p.mix_partials),
             "hc_pre: fn needs mix_out, and not with parts PostComb or mix_partials");
+  OPS_CHECK(!p.prev_out || (p.parts != HcPreParts::PostComb && p.prev_out_k > 0 && p.post && p.comb),
+            "hc_pre: prev_out needs the previous post and comb, and not with parts PostComb");
   if (p.n == 0) return 0;
   // Decode-sized chunks collapse in a cluster per token (hc_collapse_cluster_kernel; the post + comb half, a one-warp
   // chain, then runs as a launch of its own); prefill chunks and other shapes run both halves in one launch, after
@@ -1107,8 +1148,17 @@ int hc_pre(const HcPreParams& p, cudaStream_t stream) {
                        p.D % (4 * kHcCluster) == 0 && p.D <= kHcClusterMaxD && aligned(p.streams, 16) &&
                        (!p.fn || aligned(p.fn, 16)) &&
                        aligned(p.norm_weight, 16) && (!p.normed || aligned(p.normed, 16)) &&
-                       (!p.normed_bf16 || aligned(p.normed_bf16, 8));
+                       (!p.normed_bf16 || aligned(p.normed_bf16, 8)) &&
+                       (!p.prev_out || (aligned(p.prev_out, 16) && (!p.prev_out2 || aligned(p.prev_out2, 16))));
+  if (!cluster && p.prev_out) {
+    hc_post(p.prev_out, p.prev_out_k, p.prev_out2, p.post, p.comb, p.n, p.hc, p.D, const_cast<float*>(p.streams),
+            stream);
+    HcPreParams after = p;
+    after.prev_out = after.prev_out2 = nullptr;
+    return 1 + hc_pre(after, stream);
+  }
   HcPreParams rest = p;  // what is left after the first launch
+  rest.prev_out = rest.prev_out2 = nullptr;
   if (p.fn) {
     rest.fn = nullptr;
     rest.mix = p.mix_out;

@@ -228,6 +228,7 @@ class CudaRunner final : public SequenceRunner {
       s.options_.fuse_mhc_mix = o.fuse_mhc_mix;
       s.options_.fuse_moe_routing = o.fuse_moe_routing;
       s.options_.fuse_moe_gate = o.fuse_moe_gate;
+      s.options_.fuse_mhc_post = o.fuse_mhc_post;
       s.options_.overlap_branches = o.overlap_branches;
       s.options_.fuse_q_norm_rope = o.fuse_q_norm_rope;
       if (o.overlap_branches) {
@@ -498,15 +499,27 @@ class CudaRunner final : public SequenceRunner {
       p.fn = w.fn.as<float>();
       p.mix_out = mix_.as<float>();
     }
+    const bool posts = pending_post_.out != nullptr;  // the previous sublayer's mHC post, left to this launch
+    if (posts) {
+      p.prev_out = pending_post_.out;
+      p.prev_out_k = pending_post_.out_k;
+      p.prev_out2 = pending_post_.out2;
+      pending_post_ = {};
+    }
     if (!overlapping()) {
-      launched(attn ? "attn: mHC mix + hc_pre + norm" : "ffn: mHC mix + hc_pre + norm", gpu::hc_pre(p, cur_));
+      launched(posts ? (attn ? "attn: mHC post + mix + hc_pre + norm" : "ffn: mHC post + mix + hc_pre + norm")
+                     : (attn ? "attn: mHC mix + hc_pre + norm" : "ffn: mHC mix + hc_pre + norm"),
+               gpu::hc_pre(p, cur_));
       return;
     }
     // overlap_branches: the sublayer needs only the collapse; post and comb (the Sinkhorn, hc_pre's longer half) are
     // read by mhc_post at its end, so they run on the second stream meanwhile (joined in mhc_post at the latest).
     p.parts = gpu::HcPreParts::Collapse;
-    launched(attn ? "attn: mHC mix + hc_pre collapse + norm" : "ffn: mHC mix + hc_pre collapse + norm",
+    launched(posts ? (attn ? "attn: mHC post + mix + hc_pre collapse + norm"
+                           : "ffn: mHC post + mix + hc_pre collapse + norm")
+                   : (attn ? "attn: mHC mix + hc_pre collapse + norm" : "ffn: mHC mix + hc_pre collapse + norm"),
              gpu::hc_pre(p, cur_));
+    p.prev_out = p.prev_out2 = nullptr;
     fork_side();
     p.parts = gpu::HcPreParts::PostComb;
     if (!mix_ready) {  // the mix the collapse wrote
@@ -527,6 +540,10 @@ class CudaRunner final : public SequenceRunner {
                         next->fn.as<float>(), (2 + hc) * hc, mix_partials_.as<float>()},
                        cur_);
       launched(attn ? "attn: hc_post + ffn mix" : "ffn: hc_post + next attn mix");
+      return;
+    }
+    if (next && options_.fuse_mhc_post) {  // the next sublayer's hc_pre applies it (one launch fewer)
+      pending_post_ = {out, out_k, out2};
       return;
     }
     gpu::hc_post(out, out_k, out2, post_.as<float>(), comb_.as<float>(), n, hc, D, streams_.as<float>(), cur_);
@@ -563,6 +580,12 @@ class CudaRunner final : public SequenceRunner {
   // The stream the launch helpers use: stream_, or side_ between fork_side() and to_main() / join_side().
   cudaStream_t cur_ = nullptr;
   cudaStream_t side_ = nullptr;  // CudaRunnerOptions::overlap_branches
+  // CudaRunnerOptions::fuse_mhc_post: the sublayer output mhc_post left to the next mhc_pre (out null: none).
+  struct PendingPost {
+    const float* out = nullptr;
+    int out_k = 0;
+    const float* out2 = nullptr;
+  } pending_post_;
   cudaEvent_t fork_event_ = nullptr, join_event_ = nullptr;
   bool side_pending_ = false;  // launches on side_ that the main stream has not joined yet
   CudaRunnerOptions options_;
@@ -1323,6 +1346,7 @@ void CudaRunner::enqueue_chunk(int n, Rows wanted, bool drawn) {
              "cuda runner: a drawn chunk draws its last row or up to {} rows", kCudaMaxChunk);
   cur_ = stream_;  // also after a chunk that threw between fork_side() and join_side()
   side_pending_ = false;
+  pending_post_ = {};
   DSV4_CUDA_CHECK(cudaMemcpyAsync(tokens_.data(), host_tokens_, n * sizeof(int32_t), cudaMemcpyHostToDevice, stream_));
   if (drawn && last_)
     DSV4_CUDA_CHECK(cudaMemcpyAsync(draws_.data(), host_draws_, (wanted == Rows::All ? n : 1) * sizeof(TokenDraw),
@@ -2077,6 +2101,7 @@ std::unique_ptr<SequenceRunner> make_cuda_runner(const Model& model, int max_con
                                  {"DSV4_FUSED_MHC", &options.fuse_mhc_mix},
                                  {"DSV4_FUSED_ROUTING", &options.fuse_moe_routing},
                                  {"DSV4_FUSED_GATE", &options.fuse_moe_gate},
+                                 {"DSV4_FUSED_POST", &options.fuse_mhc_post},
                                  {"DSV4_OVERLAP", &options.overlap_branches},
                                  {"DSV4_FUSED_QNORM", &options.fuse_q_norm_rope},
                                  {"DSV4_GROUP_SHARED", &options.group_shared_expert},

@@ -72,6 +72,10 @@ struct CudaRunnerOptions {
   // (moe_gate_route_and_slots: the gate's blocks, then the last one to finish routes), two launches fewer per MoE
   // layer on the critical path; the same bits. Takes precedence over fuse_moe_routing. DSV4_FUSED_GATE=1 / 0 sets it.
   bool fuse_moe_gate = true;
+  // Each mHC post but a stage's last runs inside the next sublayer's hc_pre (HcPreParams::prev_out: the cluster
+  // collapse of decode-sized chunks updates its columns of the streams as it loads them; other chunks launch hc_post
+  // first), one launch fewer per sublayer at decode; the same bits. DSV4_FUSED_POST=1 / 0 sets it.
+  bool fuse_mhc_post = true;
   // Independent chains on a second stream (parallel branches of the captured graph), same arithmetic and results:
   // hc_pre's post + comb (the Sinkhorn) beside each sublayer (hc_pre then runs as two launches: 2 per layer more);
   // in attention blocks with compressors, the compressors, their entry finishing and the indexer's weights_proj
@@ -180,8 +184,8 @@ std::vector<int32_t> cuda_runner_decode_batch_draw(SequenceRunner& runner, std::
 bool cuda_runner_draws_on_device(const SequenceRunner& runner);
 void cuda_runner_set_draw_on_device(SequenceRunner& runner, bool on);
 // The options the runner holds (after the environment's overrides), and a change of the ones it reads at every
-// step: draw_on_device, fuse_mhc_mix, fuse_moe_routing, fuse_moe_gate, overlap_branches and fuse_q_norm_rope (the
-// others of
+// step: draw_on_device, fuse_mhc_mix, fuse_moe_routing, fuse_moe_gate, fuse_mhc_post, overlap_branches and
+// fuse_q_norm_rope (the others of
 // `switches` are ignored). Drops the captured decode graphs. For A/B timing in one process (dsv4 bench --switches).
 CudaRunnerOptions cuda_runner_options(const SequenceRunner& runner);
 void cuda_runner_set_step_switches(SequenceRunner& runner, const CudaRunnerOptions& switches);

@@ -927,6 +927,38 @@ TEST(CudaModel, FusedGateChangesNoBits) {
   }
 }
 
+// CudaRunnerOptions::fuse_mhc_post: each mHC post but the last runs inside the next hc_pre (the cluster collapse
+// updates its columns of the streams as it loads them; tiny-pro's D = 96 takes the one-block path, where hc_pre
+// launches hc_post first). Prefill of 40 rows (a cluster chunk) and graph-replayed decode at batch 1 and 5, with the
+// post + comb half on the second stream and without: the same bits, 2 · layers - 1 kernels fewer per step where
+// the cluster runs.
+TEST(CudaModel, FusedPostChangesNoBits) {
+  DSV4_REQUIRE_CUDA();
+  for (const char* name : {"tiny-flash", "tiny-pro"}) {
+    std::string source;
+    const Model model = tiny_model(name, kDefault, &source);
+    const ModelConfig& c = model.config();
+    const int V = c.vocab_size, n = 40, steps = 8, B = 5;
+    const auto [prompt, fed] = random_prompt_and_fed(V, n, steps, 41);
+    for (const bool overlap : {true, false}) {
+      auto run = [&](bool fused) {
+        CudaRunnerOptions options;
+        options.fuse_mhc_post = fused;
+        options.overlap_branches = overlap;
+        options.sequences = B;
+        std::unique_ptr<SequenceRunner> r = make_cuda_runner(model, n + 2 * steps + 1, options);
+        return prefill_and_decode(*r, prompt, fed, B);
+      };
+      const DecodeRun fused = run(true), plain = run(false);
+      const std::string what = std::string(name) + (overlap ? " overlapped" : " one stream");
+      ASSERT_EQ(fused.logits.size(), plain.logits.size()) << what;
+      EXPECT_TRUE(fused.logits == plain.logits) << what << ": the fused mHC post changed the logits";
+      const int fewer = c.hidden_size % 64 == 0 ? 2 * c.n_layers - 1 : 0;
+      EXPECT_EQ(plain.graph_kernels - fused.graph_kernels, fewer) << what;
+    }
+  }
+}
+
 // What a change of fp32 summation order alone does to this model's logits: the register GEMV kernel with every
 // launch at split_k 1 against its default splits. Every GEMV input is rounded to bf16, so a reordered fp32 sum
 // crosses bf16 rounding boundaries in some activations of every layer and moves the logits by ~1e-3 of their size

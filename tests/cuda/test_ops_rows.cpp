@@ -371,7 +371,6 @@ TEST(OpsRowsHcPre, ComputesItsMixFromFn) {
   check_hc_pre_from_fn(64, 1024, 25);  // a prefill chunk: linear_f32 (tall) first
 }
 
-// ---------------------------------------------------------------------------------------------------------
 // hc_post against model.cpp's hc_post (out = the sum of the picks, then the shared expert's output).
 
 // hc_post's inputs: the sublayer's output picks, a shared expert's output, post, comb and the streams.
@@ -427,6 +426,85 @@ TEST(OpsRowsHcPost, DecodePrefillAndOddShapes) {
   check_hc_post(2, 4, 4096, 3, false, true, 25);   // misaligned streams: the scalar kernel
   check_hc_post(2, 8, 96, 2, true, false, 26);
 }
+
+// HcPreParams::prev_out: hc_pre applies the previous sublayer's mHC post first (inside the cluster collapse for
+// decode-sized chunks, an hc_post launch first elsewhere). Against hc_post then hc_pre: the same bits in the
+// updated streams, the mix, post, comb and normed, with the collapse and post + comb in one call or apart (the
+// runner's overlap_branches), with fn (the mix in the cluster) and with a given mix.
+void check_hc_pre_after_post(int n, int D, int out_k, bool out2, bool with_fn, uint32_t seed) {
+  SCOPED_TRACE("n " + std::to_string(n) + " D " + std::to_string(D) + " out_k " + std::to_string(out_k) +
+               (with_fn ? " fn" : " mix"));
+  const int hc = 4, n_mix = (2 + hc) * hc, width = hc * D;
+  std::mt19937 rng(seed);
+  const HcPostInputs prev(n, hc, D, out_k, rng);
+  const HcInputs in = hc_inputs(n, hc, D, n_mix, seed + 1);
+  const float bound = 2.0f / std::sqrt(float(width));
+  const std::vector<float> fn = random_vector(size_t(n_mix) * width, rng, -bound, bound);
+  DeviceBuffer d_out = to_device(prev.out), d_shared = to_device(prev.shared), dfn = to_device(fn),
+               dmix_in = to_device(in.mix), base = to_device(in.base), scale = to_device(in.scale),
+               weight = to_device(in.norm_weight);
+  struct Result {
+    std::vector<float> streams, mix, post, comb, normed;
+  };
+  auto run = [&](bool fused, bool apart) {
+    DeviceBuffer streams = to_device(prev.streams), post = to_device(prev.post), comb = to_device(prev.comb),
+                 mix = nan_buffer(size_t(n) * n_mix), normed = nan_buffer(size_t(n) * D);
+    gpu::HcPreParams p;
+    p.streams = streams.as<float>();
+    if (with_fn) {
+      p.fn = dfn.as<float>();
+      p.mix_out = mix.as<float>();
+    } else {
+      p.mix = dmix_in.as<float>();
+    }
+    p.base = base.as<float>(), p.scale = scale.as<float>(), p.norm_weight = weight.as<float>();
+    p.n = n, p.hc = hc, p.D = D, p.sinkhorn_iters = 20;
+    p.post = post.as<float>(), p.comb = comb.as<float>(), p.normed = normed.as<float>();
+    const float* shared = out2 ? d_shared.as<float>() : nullptr;
+    if (fused) {
+      p.prev_out = d_out.as<float>(), p.prev_out_k = out_k, p.prev_out2 = shared;
+    } else {
+      gpu::hc_post(d_out.as<float>(), out_k, shared, post.as<float>(), comb.as<float>(), n, hc, D,
+                   streams.as<float>(), nullptr);
+    }
+    if (apart) {
+      p.parts = gpu::HcPreParts::Collapse;
+      gpu::hc_pre(p, nullptr);
+      p.parts = gpu::HcPreParts::PostComb;
+      p.prev_out = p.prev_out2 = nullptr;
+      if (with_fn) {
+        p.fn = nullptr;
+        p.mix = mix.as<float>();
+      }
+    }
+    gpu::hc_pre(p, nullptr);
+    sync();
+    return Result{to_host<float>(streams, prev.streams.size()), to_host<float>(mix, size_t(n) * n_mix),
+                  to_host<float>(post, prev.post.size()), to_host<float>(comb, prev.comb.size()),
+                  to_host<float>(normed, size_t(n) * D)};
+  };
+  const Result want = run(false, false);
+  EXPECT_GT(bits_differ(want.streams, prev.streams), want.streams.size() / 2) << "hc_post did not run";
+  for (const bool apart : {false, true}) {
+    const Result got = run(true, apart);
+    EXPECT_EQ(bits_differ(got.streams, want.streams), 0) << "apart " << apart;
+    if (with_fn) EXPECT_EQ(bits_differ(got.mix, want.mix), 0) << "apart " << apart;
+    EXPECT_EQ(bits_differ(got.post, want.post), 0) << "apart " << apart;
+    EXPECT_EQ(bits_differ(got.comb, want.comb), 0) << "apart " << apart;
+    EXPECT_EQ(bits_differ(got.normed, want.normed), 0) << "apart " << apart;
+  }
+}
+
+TEST(OpsRowsHcPre, AppliesThePreviousPost) {
+  DSV4_REQUIRE_CUDA();
+  check_hc_pre_after_post(1, 4096, 7, true, true, 31);    // decode FFN -> attention: picks + shared, mix in the cluster
+  check_hc_pre_after_post(5, 4096, 1, false, true, 32);   // attention -> FFN at batch 5
+  check_hc_pre_after_post(40, 4096, 7, true, false, 33);  // five tokens per cluster, a given mix
+  check_hc_pre_after_post(3, 64, 2, true, true, 34);      // one column group per block
+  check_hc_pre_after_post(2, 4104, 7, true, true, 35);    // D % 64 != 0: an hc_post launch first
+  check_hc_pre_after_post(64, 1024, 1, false, true, 36);  // a prefill chunk
+}
+
 
 // ---------------------------------------------------------------------------------------------------------
 // hc_post_mix: the streams exactly as hc_post leaves them; the partials, added in block order on the host (as hc_pre
