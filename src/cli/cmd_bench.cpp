@@ -90,7 +90,7 @@ struct BenchArgs {
   // through act_quant + the bf16 kernel instead of the W4A8 kernel, set_gemv_w4a8), early (the dense GEMVs' first
   // weight loads before the wait for the previous kernel, gpu::set_early_weights; late turns it off), nogate (the
   // router gate, router and slots as three launches: CudaRunnerOptions::fuse_moe_gate off), nopost (each mHC post
-  // as its own launch: fuse_mhc_post off).
+  // as its own launch: fuse_mhc_post off), noswiglu (the experts' SwiGLU as its own launch: fuse_swiglu off).
   // Prefill and --profile use the first.
   std::vector<std::string> switches = {"default"};
 };
@@ -104,6 +104,7 @@ struct StepSwitches {
   bool early = false, late = false;  // gpu::set_early_weights on / off
   bool no_gate = false;              // nogate: CudaRunnerOptions::fuse_moe_gate off
   bool no_post = false;              // nopost: CudaRunnerOptions::fuse_mhc_post off
+  bool no_swiglu = false;            // noswiglu: CudaRunnerOptions::fuse_swiglu off
 };
 
 StepSwitches parse_switches(const std::string& spec) {
@@ -128,9 +129,10 @@ StepSwitches parse_switches(const std::string& spec) {
     else if (name == "late") s.late = true;
     else if (name == "nogate") s.no_gate = true;
     else if (name == "nopost") s.no_post = true;
+    else if (name == "noswiglu") s.no_swiglu = true;
     else DSV4_FAIL("dsv4 bench: --switches entry '{}' has '{}' (expected default, or bulk, bulkdense, overlap, "
-                   "serial, mhc, routing, qnorm, heads16, heads64, hcblock, now4a8, early, late, nogate and nopost "
-                   "joined by '+')",
+                   "serial, mhc, routing, qnorm, heads16, heads64, hcblock, now4a8, early, late, nogate, nopost and "
+                   "noswiglu joined by '+')",
                    spec, name);
     from = to + 1;
   }
@@ -517,6 +519,7 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
     o.fuse_moe_routing = o.fuse_moe_routing || s.routing;
     o.fuse_moe_gate = o.fuse_moe_gate && !s.no_gate;
     o.fuse_mhc_post = o.fuse_mhc_post && !s.no_post;
+    o.fuse_swiglu = o.fuse_swiglu && !s.no_swiglu;
     o.fuse_q_norm_rope = o.fuse_q_norm_rope || s.qnorm;
     gpu::set_attention_decode_block_heads(s.attention_heads);
     gpu::set_hc_collapse_cluster(!s.hc_block);
@@ -777,7 +780,8 @@ void add_bench_command(CLI::App& app, Handler& handler) {
                   "decode collapse in one block per token), now4a8 (--act-quant fp8 at batch 1 without the W4A8 "
                   "kernel: x quantised first, then the bf16 kernel), early / late (GEMVs, linear_f32 and hc_pre's "
                   "mix load their first weights before / after waiting for the previous kernel), nogate (router gate, "
-                  "router and moe_slots as three launches), nopost (mHC post as its own launch), e.g. "
+                  "router and moe_slots as three launches), nopost (mHC post as its own launch), noswiglu (the experts' "
+                  "SwiGLU as its own launch), e.g. "
                   "default,bulk,overlap,mhc+routing+qnorm,bulk+overlap+mhc+routing+qnorm,heads64")
       ->delimiter(',')->capture_default_str();
   cmd->add_flag("--mtp", args->mtp,

@@ -262,8 +262,8 @@ void gemv_batched(const GemvBatchedParams& b) {
   DSV4_CUDA_CHECK(detail::gemv_batched_launch(b, split));
 }
 
-void gemv_grouped(const GemvGroupedParams& g) {
-  if (!check_gemv_params(g.base, "gemv_grouped") || g.max_slots == 0) return;
+int gemv_grouped(const GemvGroupedParams& g) {
+  if (!check_gemv_params(g.base, "gemv_grouped") || g.max_slots == 0) return 0;
   DSV4_CHECK(g.max_slots > 0 && g.max_slots <= 65535, "gemv_grouped: max_slots = {} is outside [0, 65535]",
              g.max_slots);
   DSV4_CHECK(g.slots.count && g.slots.expert && g.slots.offset && g.slots.row_order,
@@ -279,6 +279,19 @@ void gemv_grouped(const GemvGroupedParams& g) {
   if (g.second.w)
     DSV4_CHECK(g.second.y && aligned(g.second.w, 16) && (g.base.weight == GemvWeight::BF16 || g.second.w_scale),
                "gemv_grouped: the second projection needs y, 16-byte aligned w and (unless bf16) w_scale");
+  const gpu::SwigluParams& sw = g.swiglu;
+  if (sw.h)
+    DSV4_CHECK(g.second.w && g.base.out == GemvOut::F32 && sw.gate == g.base.y && sw.up == g.second.y &&
+                   sw.ld == (g.base.ldy ? g.base.ldy : g.base.n) && sw.inter == g.base.n && sw.rows > 0 &&
+                   g.slot_tickets,
+               "gemv_grouped: the swiglu must read the fp32 outputs of both projections (ld = their row stride, "
+               "inter = n) and needs slot tickets");
+  // After a kernel that did not compute it: the SwiGLU's own launch.
+  auto finish = [&](bool swiglu_done) {
+    if (!sw.h || swiglu_done) return 1;
+    gpu::swiglu(sw, g.base.stream);
+    return 2;
+  };
   // The split is chosen for all active matrices together (slots x projections share the grid): at decode, 7
   // slots x 2 projections already fill the GPU at split 1, which dsv4_gemv_bench measured 1.15-1.45x faster for
   // fp4 than the split 8 one expert alone would take (docs/perf.md).
@@ -291,11 +304,14 @@ void gemv_grouped(const GemvGroupedParams& g) {
     GemvGroupedParams q = g;
     q.base = with_quantised_x(g.base, g.x_rows, "gemv_grouped");
     note_bulk_choice(q.base, detail::gemv_bulk_grouped_supported(q), true);
-    DSV4_CUDA_CHECK(detail::gemv_grouped_launch(q, split));
-    return;
+    bool done = false;
+    DSV4_CUDA_CHECK(detail::gemv_grouped_launch(q, split, &done));
+    return finish(done);
   }
   note_bulk_choice(g.base, detail::gemv_bulk_grouped_supported(g), true);
-  DSV4_CUDA_CHECK(detail::gemv_grouped_launch(g, split));
+  bool done = false;
+  DSV4_CUDA_CHECK(detail::gemv_grouped_launch(g, split, &done));
+  return finish(done);
 }
 
 void moe_slots(const MoeSlotsParams& p) {

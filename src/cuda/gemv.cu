@@ -16,11 +16,41 @@
 #include "cuda/gemv_slot.cuh"
 #include "cuda/launch.cuh"
 #include "cuda/moe_route.cuh"
+#include "formats/bf16.h"
 
 namespace dsv4::detail {
 namespace {
 
 constexpr int kThreads = kGemvWarps * 32;
+
+// Grouped w1 + w3 (KernelArgs::swiglu_h): the last block of the slot to store its tile sums computes the SwiGLU of
+// the slot's pairs from both projections' fp32 outputs, gpu::swiglu's arithmetic (ops_attention.cu swiglu_kernel).
+__device__ __forceinline__ void swiglu_after_slot(const KernelArgs& a, const BlockRows& rows) {
+  __shared__ bool last;
+  __threadfence();  // this block's outputs, before its ticket
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    uint32_t* ticket = a.slot_tickets + blockIdx.y;
+    last = atomicAdd(ticket, 1u) == gridDim.x * gridDim.z - 1;
+    if (last) *ticket = 0;  // every other block of the slot has taken its ticket
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  const float* gate = static_cast<const float*>(a.y);
+  const float* up = static_cast<const float*>(a.y_second);
+  const int inter = a.n;
+  for (int idx = threadIdx.x; idx < rows.m_rows * inter; idx += blockDim.x) {
+    const int r = a.row_order[rows.order0 + idx / inter], j = idx % inter;
+    float g = __ldcg(gate + int64_t(r) * a.ldy + j), u = __ldcg(up + int64_t(r) * a.ldy + j);
+    if (a.swiglu_limit > 0) {  // gate clamped from above only, up on both sides
+      g = fminf(g, a.swiglu_limit);
+      u = fminf(fmaxf(u, -a.swiglu_limit), a.swiglu_limit);
+    }
+    const float w = a.swiglu_weights ? a.swiglu_weights[r] : 1.0f;
+    a.swiglu_h[int64_t(r) * inter + j] = f32_to_bf16(g / (1.0f + expf(-g)) * u * w);
+  }
+}
 constexpr int kUnroll = 4;       // chunks loaded per thread before the first is used (8 x 16 B in flight; 6 or 8
                                  // fit 2 blocks per SM without spills and are 4-5 % slower at batch 1, perf.md)
 
@@ -144,6 +174,8 @@ __global__ void __launch_bounds__(kThreads, kTilesN <= 4 ? 2 : 1) gemv_kernel(co
   if (rb > 0) __syncthreads();  // the previous pass's reads of red are done
   store_tile_sums<kTilesN, kGrouped>(a, rows, tiles_per_block, split, rb, acc, red);
   }  // row passes
+  if constexpr (kGrouped)
+    if (a.swiglu_h) swiglu_after_slot(a, rows);
 }
 
 template <Fmt F, bool kGrouped, bool kTileLayout>
@@ -264,7 +296,8 @@ cudaError_t gemv_batched_launch(const GemvBatchedParams& b, int split_k) {
   return launch<false>(b.base, a, dim3(1, b.batch, 1));
 }
 
-cudaError_t gemv_grouped_launch(const GemvGroupedParams& g, int split_k) {
+cudaError_t gemv_grouped_launch(const GemvGroupedParams& g, int split_k, bool* swiglu_done) {
+  *swiglu_done = false;
   KernelArgs a = plain_args(g.base, split_k);
   a.w_stride = g.w_expert_stride;
   a.scale_stride = g.scale_expert_stride;
@@ -283,6 +316,13 @@ cudaError_t gemv_grouped_launch(const GemvGroupedParams& g, int split_k) {
   if (gemv_tiled_supported(g.base)) return gemv_tiled_launch(a, g.base, grid, true);
   if (gemv_w4a8_supported(g.base)) return gemv_w4a8_launch(a, g.base, grid, true);
   if (gemv_bulk_grouped_supported(g)) return gemv_bulk_launch(a, g.base, grid, true);
+  if (g.swiglu.h) {
+    a.swiglu_h = g.swiglu.h;
+    a.swiglu_weights = g.swiglu.weights;
+    a.swiglu_limit = g.swiglu.limit;
+    a.slot_tickets = g.slot_tickets;
+    *swiglu_done = true;
+  }
   return launch<true>(g.base, a, grid);
 }
 

@@ -139,8 +139,16 @@ struct GemvGroupedParams {
     const float* scale_2 = nullptr;
     void* y = nullptr;
   } second;
+  // swiglu.h set (w1 + w3 of an MoE: fp32 outputs, a second projection): then h = gpu::swiglu(swiglu) with gate =
+  // base.y, up = second.y, ld = the outputs' row stride, inter = n. The register kernel (decode) computes it in the
+  // last block of each slot to finish, for the slot's pairs (a ticket per slot: slot_tickets, max_slots uint32 of
+  // device memory, 0 before the first launch and left at 0); other kernels are followed by a swiglu launch. The
+  // same bits either way.
+  gpu::SwigluParams swiglu;
+  uint32_t* slot_tickets = nullptr;
 };
-void gemv_grouped(const GemvGroupedParams& p);
+// Returns the kernels it launched (1, or 2 with a swiglu launch after).
+int gemv_grouped(const GemvGroupedParams& p);
 
 // Builds the slot arrays of gemv_grouped from the router's picks ids [n, k] (expert ids in [0, experts)):
 // pairs sorted by expert, ascending, stable; one slot per expert with at least one pair.

@@ -39,13 +39,19 @@ struct KernelArgs {
   const uint8_t *w_second, *w_scale_second;
   const float* scale_2_second;
   void* y_second;
+  // grouped w1 + w3 with the SwiGLU after (GemvGroupedParams::swiglu; register kernel): h [pairs, n] bf16
+  uint16_t* swiglu_h;
+  const float* swiglu_weights;  // [pairs] or nullptr
+  float swiglu_limit;
+  uint32_t* slot_tickets;
 };
 
 // Launch the kernel for validated params with a concrete split_k; return cudaGetLastError(). With act FP8 the
 // caller has already replaced x by its quantised copy unless gemv_w4a8_supported(p) (then the kernel quantises).
 cudaError_t gemv_launch(const GemvParams& p, int split_k);
 cudaError_t gemv_batched_launch(const GemvBatchedParams& p, int split_k);
-cudaError_t gemv_grouped_launch(const GemvGroupedParams& p, int split_k);
+// *swiglu_done: whether the kernel it chose computed p.swiglu (the register kernel), when p.swiglu.h is set.
+cudaError_t gemv_grouped_launch(const GemvGroupedParams& p, int split_k, bool* swiglu_done);
 cudaError_t moe_slots_launch(const MoeSlotsParams& p);
 cudaError_t moe_route_and_slots_launch(const gpu::RouterParams& router, const MoeSlotsParams& slots);
 // moe_gate.cu: validated params.

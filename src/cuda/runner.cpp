@@ -229,6 +229,7 @@ class CudaRunner final : public SequenceRunner {
       s.options_.fuse_moe_routing = o.fuse_moe_routing;
       s.options_.fuse_moe_gate = o.fuse_moe_gate;
       s.options_.fuse_mhc_post = o.fuse_mhc_post;
+      s.options_.fuse_swiglu = o.fuse_swiglu;
       s.options_.overlap_branches = o.overlap_branches;
       s.options_.fuse_q_norm_rope = o.fuse_q_norm_rope;
       if (o.overlap_branches) {
@@ -442,7 +443,7 @@ class CudaRunner final : public SequenceRunner {
   // x_rows: the rows of x (for the activation quantisation outside the W4A8 kernel).
   void linear_grouped(const char* site, const DeviceExperts& w, const void* x, int x_row_div, int x_rows, void* y,
                       int max_rows, int active_slots, GemvOut out, const DeviceExperts* second = nullptr,
-                      void* y_second = nullptr) {
+                      void* y_second = nullptr, const gpu::SwigluParams* swiglu = nullptr) {
     GemvGroupedParams g;
     g.base.m = max_rows;
     g.base.n = w.n;
@@ -475,8 +476,11 @@ class CudaRunner final : public SequenceRunner {
       g.second.scale_2 = second->scale_2.data() ? second->scale_2.as<float>() : nullptr;
       g.second.y = y_second;
     }
-    gemv_grouped(g);
-    launched(site);
+    if (swiglu) {
+      g.swiglu = *swiglu;
+      g.slot_tickets = slot_tickets_.as<uint32_t>();
+    }
+    launched(site, gemv_grouped(g));
   }
   // Decode-sized chunks with CudaRunnerOptions::fuse_mhc_mix: each hc_post also computes the next sublayer's mix
   // (gpu::hc_post_mix) and hc_pre adds its partials, one launch fewer per sublayer.
@@ -622,6 +626,7 @@ class CudaRunner final : public SequenceRunner {
   int64_t* host_pos_ = nullptr;     // pinned [kCudaMaxChunk], the decode steps' positions (one per part)
   DeviceBuffer pos_;                // int64 [kCudaMaxChunk] positions read by the decode steps' kernels
   DeviceBuffer moe_ticket_;         // uint32, 0 between launches: moe_gate_route_and_slots's ticket
+  DeviceBuffer slot_tickets_;       // uint32 [max_slots_], 0 between launches: the grouped w1 + w3's SwiGLU
   DeviceBuffer state_tables_;       // [layer][StateTable][sequence] state pointers
   float* host_logits_ = nullptr;    // pinned [kCudaMaxChunk, vocab]
   DeviceBuffer snapshot_;                               // one sequence's compressor rows (save_snapshot)
@@ -859,6 +864,7 @@ CudaRunner::CudaRunner(const Model& model, int max_context, CudaRunnerOptions op
   expert_weights_ = zeros(C * k * f);
   max_slots_ = std::max(1, std::min<int>(c.n_routed_experts + 1, int(C) * pairs));
   slot_count_ = zeros(sizeof(int32_t));
+  slot_tickets_ = zeros(size_t(max_slots_) * sizeof(uint32_t));
   slot_expert_ = zeros(max_slots_ * sizeof(int32_t));
   slot_offset_ = zeros((max_slots_ + 1) * sizeof(int32_t));
   row_order_ = zeros(C * pairs * sizeof(int32_t));
@@ -1871,9 +1877,6 @@ void CudaRunner::ffn_block(int l, int n) {
     moe_slots(slots);
     launched("ffn: moe_slots");
   }
-  linear_grouped("ffn: grouped gemv w1 + w3", d.w1, normed_bf16_.data(), pairs, n, expert_gate_.data(), n, n * pairs,
-                 GemvOut::F32,
-                 &d.w3, expert_up_.data());
   gpu::SwigluParams sw;
   sw.gate = expert_gate_.as<float>();
   sw.up = expert_up_.as<float>();
@@ -1883,8 +1886,15 @@ void CudaRunner::ffn_block(int l, int n) {
   sw.inter = c.moe_inter;
   sw.limit = c.swiglu_limit;
   sw.h = h_.as<uint16_t>();
-  gpu::swiglu(sw, cur_);
-  launched("ffn: swiglu");
+  if (options_.fuse_swiglu) {  // inside the grouped launch where its kernel can (decode), else right after it
+    linear_grouped("ffn: grouped gemv w1 + w3 + swiglu", d.w1, normed_bf16_.data(), pairs, n, expert_gate_.data(), n,
+                   n * pairs, GemvOut::F32, &d.w3, expert_up_.data(), &sw);
+  } else {
+    linear_grouped("ffn: grouped gemv w1 + w3", d.w1, normed_bf16_.data(), pairs, n, expert_gate_.data(), n,
+                   n * pairs, GemvOut::F32, &d.w3, expert_up_.data());
+    gpu::swiglu(sw, cur_);
+    launched("ffn: swiglu");
+  }
   linear_grouped("ffn: grouped gemv w2", d.w2, h_.data(), 1, n * pairs, y_pairs_.data(), n, n * pairs, GemvOut::F32);
 
   if (shared && !side) shared_expert();
@@ -2102,6 +2112,7 @@ std::unique_ptr<SequenceRunner> make_cuda_runner(const Model& model, int max_con
                                  {"DSV4_FUSED_ROUTING", &options.fuse_moe_routing},
                                  {"DSV4_FUSED_GATE", &options.fuse_moe_gate},
                                  {"DSV4_FUSED_POST", &options.fuse_mhc_post},
+                                 {"DSV4_FUSED_SWIGLU", &options.fuse_swiglu},
                                  {"DSV4_OVERLAP", &options.overlap_branches},
                                  {"DSV4_FUSED_QNORM", &options.fuse_q_norm_rope},
                                  {"DSV4_GROUP_SHARED", &options.group_shared_expert},

@@ -76,6 +76,10 @@ struct CudaRunnerOptions {
   // collapse of decode-sized chunks updates its columns of the streams as it loads them; other chunks launch hc_post
   // first), one launch fewer per sublayer at decode; the same bits. DSV4_FUSED_POST=1 / 0 sets it.
   bool fuse_mhc_post = true;
+  // The routed experts' SwiGLU inside the grouped w1 + w3 launch (GemvGroupedParams::swiglu: the last block of each
+  // slot computes it at decode; other kernels are followed by the swiglu launch), one launch fewer per MoE layer at
+  // decode; the same bits. DSV4_FUSED_SWIGLU=1 / 0 sets it.
+  bool fuse_swiglu = true;
   // Independent chains on a second stream (parallel branches of the captured graph), same arithmetic and results:
   // hc_pre's post + comb (the Sinkhorn) beside each sublayer (hc_pre then runs as two launches: 2 per layer more);
   // in attention blocks with compressors, the compressors, their entry finishing and the indexer's weights_proj
@@ -184,8 +188,8 @@ std::vector<int32_t> cuda_runner_decode_batch_draw(SequenceRunner& runner, std::
 bool cuda_runner_draws_on_device(const SequenceRunner& runner);
 void cuda_runner_set_draw_on_device(SequenceRunner& runner, bool on);
 // The options the runner holds (after the environment's overrides), and a change of the ones it reads at every
-// step: draw_on_device, fuse_mhc_mix, fuse_moe_routing, fuse_moe_gate, fuse_mhc_post, overlap_branches and
-// fuse_q_norm_rope (the others of
+// step: draw_on_device, fuse_mhc_mix, fuse_moe_routing, fuse_moe_gate, fuse_mhc_post, fuse_swiglu,
+// overlap_branches and fuse_q_norm_rope (the others of
 // `switches` are ignored). Drops the captured decode graphs. For A/B timing in one process (dsv4 bench --switches).
 CudaRunnerOptions cuda_runner_options(const SequenceRunner& runner);
 void cuda_runner_set_step_switches(SequenceRunner& runner, const CudaRunnerOptions& switches);

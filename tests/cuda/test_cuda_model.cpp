@@ -959,6 +959,31 @@ TEST(CudaModel, FusedPostChangesNoBits) {
   }
 }
 
+// CudaRunnerOptions::fuse_swiglu: the experts' SwiGLU in the grouped w1 + w3 launch (its last block per slot at
+// decode; prefill chunks launch it after): the same bits as the separate launch, one kernel fewer per layer per
+// decode step (batch 1 and 5).
+TEST(CudaModel, FusedSwigluChangesNoBits) {
+  DSV4_REQUIRE_CUDA();
+  for (const char* name : {"tiny-flash", "tiny-pro"}) {
+    std::string source;
+    const Model model = tiny_model(name, kDefault, &source);
+    const int V = model.config().vocab_size, n = 40, steps = 8, B = 5;
+    const auto [prompt, fed] = random_prompt_and_fed(V, n, steps, 47);
+    auto run = [&](bool fused) {
+      CudaRunnerOptions options;
+      options.fuse_swiglu = fused;
+      options.sequences = B;
+      std::unique_ptr<SequenceRunner> r = make_cuda_runner(model, n + 2 * steps + 1, options);
+      return prefill_and_decode(*r, prompt, fed, B);
+    };
+    const DecodeRun fused = run(true), again = run(true), plain = run(false);
+    ASSERT_EQ(fused.logits.size(), plain.logits.size());
+    EXPECT_TRUE(fused.logits == plain.logits) << name << ": the fused SwiGLU changed the logits";
+    EXPECT_TRUE(fused.logits == again.logits) << name << ": the fused SwiGLU is not reproducible";
+    EXPECT_EQ(plain.graph_kernels - fused.graph_kernels, model.config().n_layers) << name;
+  }
+}
+
 // What a change of fp32 summation order alone does to this model's logits: the register GEMV kernel with every
 // launch at split_k 1 against its default splits. Every GEMV input is rounded to bf16, so a reordered fp32 sum
 // crosses bf16 rounding boundaries in some activations of every layer and moves the logits by ~1e-3 of their size

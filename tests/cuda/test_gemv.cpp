@@ -785,6 +785,38 @@ TEST_P(GemvGroupedTest, MatchesFp64ReferencePerPair) {
 
   std::vector<float> got(size_t(pairs) * c.n * projections);
   dy.download(got.data(), got.size() * 4);
+  if (c.second) {
+    // GemvGroupedParams::swiglu: the same launch again with the SwiGLU (inside the register kernel's last block of
+    // each slot, else a launch after) must give gpu::swiglu's bits on these outputs, and leave the tickets at 0.
+    std::vector<float> weights(pairs);
+    for (float& v : weights) v = val(rng);
+    DeviceBuffer dweights(weights.size() * 4), h_fused(size_t(pairs) * c.n * 2), h_alone(size_t(pairs) * c.n * 2),
+        tickets(size_t(g.max_slots) * 4);
+    dweights.upload(weights.data(), weights.size() * 4);
+    tickets.fill_bytes(0);
+    gpu::SwigluParams sw;
+    sw.gate = dy.as<float>(), sw.up = dy.as<float>() + size_t(pairs) * c.n, sw.ld = c.n;
+    sw.weights = dweights.as<float>(), sw.rows = pairs, sw.inter = c.n, sw.limit = 1.5f;
+    sw.h = h_alone.as<uint16_t>();
+    gpu::swiglu(sw, nullptr);
+    GemvGroupedParams gs = g;
+    gs.swiglu = sw;
+    gs.swiglu.h = h_fused.as<uint16_t>();
+    gs.slot_tickets = tickets.as<uint32_t>();
+    const int kernels = gemv_grouped(gs);
+    DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+    EXPECT_TRUE(kernels == 1 || kernels == 2) << kernels;
+    std::vector<float> again(got.size());
+    dy.download(again.data(), again.size() * 4);
+    EXPECT_EQ(0, std::memcmp(again.data(), got.data(), got.size() * 4)) << "outputs changed with the swiglu";
+    std::vector<uint16_t> fused(size_t(pairs) * c.n), alone(fused.size());
+    h_fused.download(fused.data(), fused.size() * 2);
+    h_alone.download(alone.data(), alone.size() * 2);
+    EXPECT_EQ(fused, alone) << "the grouped launch's swiglu differs from gpu::swiglu (" << kernels << " kernels)";
+    std::vector<uint32_t> left(g.max_slots);
+    tickets.download(left.data(), left.size() * 4);
+    EXPECT_EQ(std::count(left.begin(), left.end(), 0u), std::ptrdiff_t(left.size())) << "tickets not left at 0";
+  }
   const std::vector<double> xq = effective_x(x, x_rows, c.k, c.act);
   const double acc_bound = acc_bound_for(g.base);
   int bad = 0, unwritten = 0;
