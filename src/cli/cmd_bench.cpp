@@ -90,7 +90,8 @@ struct BenchArgs {
   // through act_quant + the bf16 kernel instead of the W4A8 kernel, set_gemv_w4a8), early (the dense GEMVs' first
   // weight loads before the wait for the previous kernel, gpu::set_early_weights; late turns it off), nogate (the
   // router gate, router and slots as three launches: CudaRunnerOptions::fuse_moe_gate off), nopost (each mHC post
-  // as its own launch: fuse_mhc_post off), noswiglu (the experts' SwiGLU as its own launch: fuse_swiglu off).
+  // as its own launch: fuse_mhc_post off), noswiglu (the experts' SwiGLU as its own launch: fuse_swiglu off),
+  // scoreorder (the indexer's picks sorted by score, as before: set_indexer_select_index_order(false)).
   // Prefill and --profile use the first.
   std::vector<std::string> switches = {"default"};
 };
@@ -105,6 +106,7 @@ struct StepSwitches {
   bool no_gate = false;              // nogate: CudaRunnerOptions::fuse_moe_gate off
   bool no_post = false;              // nopost: CudaRunnerOptions::fuse_mhc_post off
   bool no_swiglu = false;            // noswiglu: CudaRunnerOptions::fuse_swiglu off
+  bool score_order = false;          // scoreorder: the indexer's picks sorted by score (set_indexer_select_index_order)
 };
 
 StepSwitches parse_switches(const std::string& spec) {
@@ -130,9 +132,10 @@ StepSwitches parse_switches(const std::string& spec) {
     else if (name == "nogate") s.no_gate = true;
     else if (name == "nopost") s.no_post = true;
     else if (name == "noswiglu") s.no_swiglu = true;
+    else if (name == "scoreorder") s.score_order = true;
     else DSV4_FAIL("dsv4 bench: --switches entry '{}' has '{}' (expected default, or bulk, bulkdense, overlap, "
-                   "serial, mhc, routing, qnorm, heads16, heads64, hcblock, now4a8, early, late, nogate, nopost and "
-                   "noswiglu joined by '+')",
+                   "serial, mhc, routing, qnorm, heads16, heads64, hcblock, now4a8, early, late, nogate, nopost, "
+                   "noswiglu and scoreorder joined by '+')",
                    spec, name);
     from = to + 1;
   }
@@ -523,6 +526,7 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
     o.fuse_q_norm_rope = o.fuse_q_norm_rope || s.qnorm;
     gpu::set_attention_decode_block_heads(s.attention_heads);
     gpu::set_hc_collapse_cluster(!s.hc_block);
+    gpu::set_indexer_select_index_order(!s.score_order);
     set_gemv_w4a8(built_w4a8 && !s.no_w4a8);
     gpu::set_early_weights((built_early || s.early) && !s.late);
     cuda_runner_set_step_switches(*runner, o);
@@ -781,7 +785,7 @@ void add_bench_command(CLI::App& app, Handler& handler) {
                   "kernel: x quantised first, then the bf16 kernel), early / late (GEMVs, linear_f32 and hc_pre's "
                   "mix load their first weights before / after waiting for the previous kernel), nogate (router gate, "
                   "router and moe_slots as three launches), nopost (mHC post as its own launch), noswiglu (the experts' "
-                  "SwiGLU as its own launch), e.g. "
+                  "SwiGLU as its own launch), scoreorder (the indexer's picks sorted by score), e.g. "
                   "default,bulk,overlap,mhc+routing+qnorm,bulk+overlap+mhc+routing+qnorm,heads64")
       ->delimiter(',')->capture_default_str();
   cmd->add_flag("--mtp", args->mtp,

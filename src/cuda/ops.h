@@ -204,9 +204,11 @@ void copy_rows(float* dst, int64_t dst_ld, const float* src, int64_t src_ld, int
 //   indexer_scores writes scores[t, s] = Σ_h w_scale · w[t, h] · max(q[t, h] · keys[s], 0) for s < n_visible
 //     (fp32, summation order unspecified) and nothing else. heads · dim <= 12288, dim % 32 == 0, dim <= 512.
 //   indexer_select reads scores[t, 0..n_visible) and writes selected[t, 0..min(topk, n_visible)) = the indices of
-//     the largest scores, descending, ties lower index first (exactly cpu::top_k_indices of that row; n_visible
-//     <= topk selects every key, in that order). The rest of the row is not written (n_visible 0: nothing).
-//     topk <= 2048; rows longer than shared memory holds (16384) are ranked from scores itself, same result.
+//     the largest scores, ties lower index first (the set of cpu::top_k_indices of that row), in ascending index
+//     order (set_indexer_select_index_order(false): descending score, exactly cpu::top_k_indices' order; the
+//     attention's sum does not depend on it beyond fp32 rounding, and the sort costs ~40 % of the select). n_visible
+//     <= topk selects every key. The rest of the row is not written (n_visible 0: nothing). topk <= 2048; rows
+//     longer than shared memory holds (16384) are ranked from scores itself, same result.
 //   indexer_topk = indexer_scores, then indexer_select.
 // scores is scratch [n, max_entries]. Both size their grids from n, max_entries and topk only, so a graph replays
 // them with pos_device.
@@ -227,6 +229,10 @@ struct IndexerTopkParams {
 };
 void indexer_scores(const IndexerTopkParams& p, cudaStream_t stream);
 void indexer_select(const IndexerTopkParams& p, cudaStream_t stream);
+// The order of indexer_select's picks: ascending index (on, the default) or descending score (A/B timing;
+// process-wide).
+void set_indexer_select_index_order(bool on);
+bool indexer_select_index_order();
 void indexer_topk(const IndexerTopkParams& p, cudaStream_t stream);
 
 // 3.7/3.8 attention with sink, one shared K = V head, for query t at p = pos0 + t and head h:

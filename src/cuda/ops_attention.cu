@@ -212,7 +212,7 @@ __device__ __forceinline__ uint64_t rank_word(uint32_t key, int index) {
 // index range); then a bitonic sort orders the candidates by rank_word (shuffles for strides < 32, shared memory
 // above). Rows of up to cache_entries scores are read once into shared memory as keys; longer ones from p.scores.
 __global__ void __launch_bounds__(kSelectThreads) indexer_select_kernel(IndexerTopkParams p, int sort_cap,
-                                                                         int cache_entries) {
+                                                                         int cache_entries, bool index_order) {
   gpu::dependent_enter();
   extern __shared__ uint64_t select_smem[];
   uint64_t* sort_a = select_smem;             // [sort_cap]: the candidates, then one of the sort's buffers
@@ -323,6 +323,28 @@ __global__ void __launch_bounds__(kSelectThreads) indexer_select_kernel(IndexerT
     if (warp == 0) before = 0;
     uint32_t above_pos = uint32_t(before >> 32), equal_pos = uint32_t(before);
     const unsigned lanes_below = (1u << lane) - 1;
+    if (index_order) {
+      // The picks in index order, straight to the output: key > T, or == T among the first `needed` of those.
+      int32_t* selected = p.selected + int64_t(t) * p.topk;
+      uint32_t pos = above_pos + min(equal_pos, needed);
+      for (int base = lo; base < hi; base += 32 * kSelectBatch) {
+        uint32_t k[kSelectBatch];
+#pragma unroll
+        for (int b = 0; b < kSelectBatch; ++b) k[b] = base + 32 * b + lane < hi ? key_at(base + 32 * b + lane) : 0;
+#pragma unroll
+        for (int b = 0; b < kSelectBatch; ++b) {
+          const int i = base + 32 * b + lane;
+          const bool is_equal = i < hi && k[b] == T;
+          const unsigned equal_mask = __ballot_sync(0xffffffffu, is_equal);
+          const bool pick = k[b] > T || (is_equal && equal_pos + __popc(equal_mask & lanes_below) < needed);
+          const unsigned pick_mask = __ballot_sync(0xffffffffu, pick);
+          if (pick) selected[pos + __popc(pick_mask & lanes_below)] = i;
+          pos += __popc(pick_mask);
+          equal_pos += __popc(equal_mask);
+        }
+      }
+      return;
+    }
     for (int base = lo; base < hi; base += 32 * kSelectBatch) {
       uint32_t k[kSelectBatch];
 #pragma unroll
@@ -343,6 +365,10 @@ __global__ void __launch_bounds__(kSelectThreads) indexer_select_kernel(IndexerT
       }
     }
   } else {
+    if (index_order) {  // every key, in index order
+      for (int i = tid; i < n_visible; i += kSelectThreads) p.selected[int64_t(t) * p.topk + i] = i;
+      return;
+    }
     for (int i = tid; i < n_visible; i += kSelectThreads) sort_a[i] = rank_word(key_at(i), i);
   }
   __syncthreads();
@@ -445,19 +471,26 @@ void indexer_scores(const IndexerTopkParams& p, cudaStream_t stream) {
 
 namespace {
 
+bool g_select_index_order = true;  // set_indexer_select_index_order
+
 void launch_select(const IndexerTopkParams& p, cudaStream_t stream) {
   constexpr auto kKernel = indexer_select_kernel;
   const cudaError_t attr = gpu::allow_dynamic_smem<kKernel>(int(kSelectMaxSmem));
   OPS_CHECK(attr == cudaSuccess, "indexer_select: cannot allow %d bytes of shared memory", int(kSelectMaxSmem));
-  int sort_cap = 32;  // the sort's power-of-two length for the most candidates a row can have
-  while (sort_cap < std::min(p.topk, p.max_entries)) sort_cap <<= 1;
+  const bool index_order = g_select_index_order;
+  int sort_cap = 32;  // the sort's power-of-two length for the most candidates a row can have (none in index order)
+  while (!index_order && sort_cap < std::min(p.topk, p.max_entries)) sort_cap <<= 1;
   const int cache_entries = std::min(p.max_entries, kSelectCacheEntries);
-  const size_t smem = 2 * size_t(sort_cap) * sizeof(uint64_t) + size_t(cache_entries) * sizeof(uint32_t);
-  gpu::launch(kKernel, p.n, kSelectThreads, smem, stream, p, sort_cap, cache_entries);
+  const size_t smem =
+      (index_order ? 0 : 2 * size_t(sort_cap) * sizeof(uint64_t)) + size_t(cache_entries) * sizeof(uint32_t);
+  gpu::launch(kKernel, p.n, kSelectThreads, smem, stream, p, index_order ? 0 : sort_cap, cache_entries, index_order);
   DSV4_CUDA_LAUNCHED();
 }
 
 }  // namespace
+
+void set_indexer_select_index_order(bool on) { g_select_index_order = on; }
+bool indexer_select_index_order() { return g_select_index_order; }
 
 void indexer_select(const IndexerTopkParams& p, cudaStream_t stream) {
   if (p.n == 0) return;

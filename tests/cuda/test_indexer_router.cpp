@@ -142,7 +142,8 @@ double reference_score(const IndexerInputs& in, int t, int s) {
   return acc;
 }
 
-// selected[t] must be top_k_indices of the GPU's score row t; the rest of the row untouched (-1).
+// selected[t] must be top_k_indices of the GPU's score row t, in ascending index order (or, with
+// set_indexer_select_index_order(false), in top_k_indices' own order); the rest of the row untouched (-1).
 void check_selected(const std::vector<float>& scores, const std::vector<int32_t>& selected, int n, int max_entries,
                     int topk, const std::function<int(int)>& visible, const char* what) {
   int bad = 0, untouched_bad = 0;
@@ -150,7 +151,8 @@ void check_selected(const std::vector<float>& scores, const std::vector<int32_t>
     const int nv = visible(t);
     const std::vector<float> row(scores.begin() + size_t(t) * max_entries,
                                  scores.begin() + size_t(t) * max_entries + nv);
-    const std::vector<int> want = cpu::top_k_indices(row, topk);
+    std::vector<int> want = cpu::top_k_indices(row, topk);
+    if (gpu::indexer_select_index_order()) std::sort(want.begin(), want.end());
     const int32_t* got = &selected[size_t(t) * topk];
     for (size_t i = 0; i < want.size(); ++i)
       if (got[i] != want[i] && bad++ < 5)
@@ -413,6 +415,24 @@ void check_select_row(const std::vector<float>& values, int topk, const char* wh
   const std::vector<int32_t> got = to_host<int32_t>(selected, topk);
   check_selected(row, got, 1, max_entries, topk, [&](int) { return nv; }, what);
 }
+
+// Both orders of the picks: the same set, each in its declared order (check_selected), on rows with ties.
+TEST(CudaIndexer, SelectBothOrders) {
+  DSV4_REQUIRE_CUDA();
+  for (const bool index_order : {false, true}) {
+    gpu::set_indexer_select_index_order(index_order);
+    std::mt19937 rng(61);
+    for (const int nv : {300, 2048, 20000}) {
+      std::vector<float> row(nv);
+      for (float& v : row) v = float(int(rng() % 64)) / 8.0f;  // many ties
+      char what[64];
+      std::snprintf(what, sizeof what, "order %s n_visible %d", index_order ? "index" : "score", nv);
+      check_select_row(row, 512, what);
+    }
+  }
+  gpu::set_indexer_select_index_order(true);
+}
+
 
 TEST(CudaIndexer, SelectOnCraftedScores) {
   DSV4_REQUIRE_CUDA();
