@@ -724,8 +724,10 @@ __global__ void __launch_bounds__(kHcClusterThreads, 1)
   const bool one_item = items <= kHcClusterThreads;
   float4 w[kMixes ? kMix : 1];
   auto load_fn = [&](int64_t at) {
+    if constexpr (kMixes) {
 #pragma unroll
-    for (int m = 0; m < kMix; ++m) w[m] = __ldg(fn + m * fn_row + at);
+      for (int m = 0; m < kMix; ++m) w[m] = __ldg(fn + m * fn_row + at);
+    }
   };
   if (kMixes && early && first < items) load_fn(column(first));
   gpu::dependent_wait();
