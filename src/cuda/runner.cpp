@@ -1427,6 +1427,7 @@ void CudaRunner::run_mtp(std::span<const int32_t> next, bool drawn) {
   }
   cur_ = stream_;
   side_pending_ = false;
+  pending_post_ = {};
   launches_ = 0;
   std::memcpy(host_tokens_, next.data(), size_t(n) * sizeof(int32_t));
   DSV4_CUDA_CHECK(cudaMemcpyAsync(tokens_.data(), host_tokens_, size_t(n) * sizeof(int32_t), cudaMemcpyHostToDevice,
