@@ -88,10 +88,11 @@ struct BenchArgs {
   // heads16 / heads64 (the decode attention's heads per block, gpu::set_attention_decode_block_heads), hcblock
   // (hc_pre's decode collapse in one block per token, gpu::set_hc_collapse_cluster), now4a8 (act fp8 at m = 1
   // through act_quant + the bf16 kernel instead of the W4A8 kernel, set_gemv_w4a8), early (the dense GEMVs' first
-  // weight loads before the wait for the previous kernel, gpu::set_early_weights; late turns it off), nogate (the
-  // router gate, router and slots as three launches: CudaRunnerOptions::fuse_moe_gate off), nopost (each mHC post
-  // as its own launch: fuse_mhc_post off), noswiglu (the experts' SwiGLU as its own launch: fuse_swiglu off),
-  // scoreorder (the indexer's picks sorted by score, as before: set_indexer_select_index_order(false)).
+  // weight loads before the wait for the previous kernel, gpu::set_early_weights; late turns it off), gate / nogate
+  // (the router gate, router and slots in one launch or three: CudaRunnerOptions::fuse_moe_gate), post / nopost (each
+  // mHC post inside the next hc_pre or its own launch: fuse_mhc_post), swiglu / noswiglu (the experts' SwiGLU inside
+  // the grouped w1 + w3 or its own launch: fuse_swiglu), indexorder / scoreorder (the indexer's picks in index order
+  // or sorted by score: set_indexer_select_index_order).
   // Prefill and --profile use the first.
   std::vector<std::string> switches = {"default"};
 };
@@ -103,10 +104,9 @@ struct StepSwitches {
   bool hc_block = false;    // hcblock: hc_pre's decode collapse in one block per token, not a cluster
   bool no_w4a8 = false;     // now4a8: act fp8 at m = 1 quantises x first and runs the bf16 kernel (set_gemv_w4a8)
   bool early = false, late = false;  // gpu::set_early_weights on / off
-  bool no_gate = false;              // nogate: CudaRunnerOptions::fuse_moe_gate off
-  bool no_post = false;              // nopost: CudaRunnerOptions::fuse_mhc_post off
-  bool no_swiglu = false;            // noswiglu: CudaRunnerOptions::fuse_swiglu off
-  bool score_order = false;          // scoreorder: the indexer's picks sorted by score (set_indexer_select_index_order)
+  // -1: as built; 0 / 1: off / on (nogate / gate: fuse_moe_gate, nopost / post: fuse_mhc_post, noswiglu / swiglu:
+  // fuse_swiglu, scoreorder / indexorder: set_indexer_select_index_order).
+  int gate = -1, post = -1, swiglu = -1, index_order = -1;
 };
 
 StepSwitches parse_switches(const std::string& spec) {
@@ -129,13 +129,17 @@ StepSwitches parse_switches(const std::string& spec) {
     else if (name == "now4a8") s.no_w4a8 = true;
     else if (name == "early") s.early = true;
     else if (name == "late") s.late = true;
-    else if (name == "nogate") s.no_gate = true;
-    else if (name == "nopost") s.no_post = true;
-    else if (name == "noswiglu") s.no_swiglu = true;
-    else if (name == "scoreorder") s.score_order = true;
+    else if (name == "nogate") s.gate = 0;
+    else if (name == "gate") s.gate = 1;
+    else if (name == "nopost") s.post = 0;
+    else if (name == "post") s.post = 1;
+    else if (name == "noswiglu") s.swiglu = 0;
+    else if (name == "swiglu") s.swiglu = 1;
+    else if (name == "scoreorder") s.index_order = 0;
+    else if (name == "indexorder") s.index_order = 1;
     else DSV4_FAIL("dsv4 bench: --switches entry '{}' has '{}' (expected default, or bulk, bulkdense, overlap, "
-                   "serial, mhc, routing, qnorm, heads16, heads64, hcblock, now4a8, early, late, nogate, nopost, "
-                   "noswiglu and scoreorder joined by '+')",
+                   "serial, mhc, routing, qnorm, heads16, heads64, hcblock, now4a8, early, late, [no]gate, [no]post, "
+                   "[no]swiglu, scoreorder and indexorder joined by '+')",
                    spec, name);
     from = to + 1;
   }
@@ -514,19 +518,20 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
   const GemvBulk built_bulk = gemv_bulk_mode();
   const bool built_w4a8 = gemv_w4a8_enabled();
   const bool built_early = gpu::early_weights();
+  const bool built_index_order = gpu::indexer_select_index_order();
   auto use_switches = [&](const std::string& spec) {
     const StepSwitches s = parse_switches(spec);
     CudaRunnerOptions o = built_options;
     o.overlap_branches = (o.overlap_branches || s.overlap) && !s.serial;
     o.fuse_mhc_mix = o.fuse_mhc_mix || s.mhc;
     o.fuse_moe_routing = o.fuse_moe_routing || s.routing;
-    o.fuse_moe_gate = o.fuse_moe_gate && !s.no_gate;
-    o.fuse_mhc_post = o.fuse_mhc_post && !s.no_post;
-    o.fuse_swiglu = o.fuse_swiglu && !s.no_swiglu;
+    if (s.gate >= 0) o.fuse_moe_gate = s.gate == 1;
+    if (s.post >= 0) o.fuse_mhc_post = s.post == 1;
+    if (s.swiglu >= 0) o.fuse_swiglu = s.swiglu == 1;
     o.fuse_q_norm_rope = o.fuse_q_norm_rope || s.qnorm;
     gpu::set_attention_decode_block_heads(s.attention_heads);
     gpu::set_hc_collapse_cluster(!s.hc_block);
-    gpu::set_indexer_select_index_order(!s.score_order);
+    gpu::set_indexer_select_index_order(s.index_order >= 0 ? s.index_order == 1 : built_index_order);
     set_gemv_w4a8(built_w4a8 && !s.no_w4a8);
     gpu::set_early_weights((built_early || s.early) && !s.late);
     cuda_runner_set_step_switches(*runner, o);
@@ -783,9 +788,10 @@ void add_bench_command(CLI::App& app, Handler& handler) {
                   "RoPE inside attention), heads16 / heads64 (decode attention blocks of 16 / 64 heads), hcblock (hc_pre's "
                   "decode collapse in one block per token), now4a8 (--act-quant fp8 at batch 1 without the W4A8 "
                   "kernel: x quantised first, then the bf16 kernel), early / late (GEMVs, linear_f32 and hc_pre's "
-                  "mix load their first weights before / after waiting for the previous kernel), nogate (router gate, "
-                  "router and moe_slots as three launches), nopost (mHC post as its own launch), noswiglu (the experts' "
-                  "SwiGLU as its own launch), scoreorder (the indexer's picks sorted by score), e.g. "
+                  "mix load their first weights before / after waiting for the previous kernel), gate / nogate "
+                  "(router gate, router and moe_slots in one launch or three), post / nopost (mHC post inside the next hc_pre or "
+                  "apart), swiglu / noswiglu (the experts' SwiGLU inside the grouped w1 + w3 or apart), indexorder / "
+                  "scoreorder (the indexer's picks in index or score order), e.g. "
                   "default,bulk,overlap,mhc+routing+qnorm,bulk+overlap+mhc+routing+qnorm,heads64")
       ->delimiter(',')->capture_default_str();
   cmd->add_flag("--mtp", args->mtp,

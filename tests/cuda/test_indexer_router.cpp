@@ -419,6 +419,7 @@ void check_select_row(const std::vector<float>& values, int topk, const char* wh
 // Both orders of the picks: the same set, each in its declared order (check_selected), on rows with ties.
 TEST(CudaIndexer, SelectBothOrders) {
   DSV4_REQUIRE_CUDA();
+  const bool before = gpu::indexer_select_index_order();
   for (const bool index_order : {false, true}) {
     gpu::set_indexer_select_index_order(index_order);
     std::mt19937 rng(61);
@@ -430,7 +431,7 @@ TEST(CudaIndexer, SelectBothOrders) {
       check_select_row(row, 512, what);
     }
   }
-  gpu::set_indexer_select_index_order(true);
+  gpu::set_indexer_select_index_order(before);
 }
 
 
