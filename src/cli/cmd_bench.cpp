@@ -87,8 +87,9 @@ struct BenchArgs {
   // (CudaRunnerOptions::overlap_branches; serial turns it off), mhc (fuse_mhc_mix), routing (fuse_moe_routing), qnorm (fuse_q_norm_rope),
   // heads16 / heads64 (the decode attention's heads per block, gpu::set_attention_decode_block_heads), hcblock
   // (hc_pre's decode collapse in one block per token, gpu::set_hc_collapse_cluster), now4a8 (act fp8 at m = 1
-  // through act_quant + the bf16 kernel instead of the W4A8 kernel, set_gemv_w4a8), early (the dense GEMVs' first
-  // weight loads before the wait for the previous kernel, gpu::set_early_weights; late turns it off), gate / nogate
+  // through act_quant + the bf16 kernel instead of the W4A8 kernel, set_gemv_w4a8), early / earlyall / late (the
+  // GEMVs' / also linear_f32's and hc_pre's / no first weight loads before the wait for the previous kernel,
+  // gpu::set_early_weights), gate / nogate
   // (the router gate, router and slots in one launch or three: CudaRunnerOptions::fuse_moe_gate), post / nopost (each
   // mHC post inside the next hc_pre or its own launch: fuse_mhc_post), swiglu / noswiglu (the experts' SwiGLU inside
   // the grouped w1 + w3 or its own launch: fuse_swiglu), indexorder / scoreorder (the indexer's picks in index order
@@ -103,7 +104,7 @@ struct StepSwitches {
   int attention_heads = 0;  // heads16 / heads64: the tensor-core attention's heads per block at decode (0: its rule)
   bool hc_block = false;    // hcblock: hc_pre's decode collapse in one block per token, not a cluster
   bool no_w4a8 = false;     // now4a8: act fp8 at m = 1 quantises x first and runs the bf16 kernel (set_gemv_w4a8)
-  bool early = false, late = false;  // gpu::set_early_weights on / off
+  bool early = false, early_all = false, late = false;  // gpu::set_early_weights: Gemv (at least), All, Off
   // -1: as built; 0 / 1: off / on (nogate / gate: fuse_moe_gate, nopost / post: fuse_mhc_post, noswiglu / swiglu:
   // fuse_swiglu, scoreorder / indexorder: set_indexer_select_index_order).
   int gate = -1, post = -1, swiglu = -1, index_order = -1;
@@ -128,6 +129,7 @@ StepSwitches parse_switches(const std::string& spec) {
     else if (name == "hcblock") s.hc_block = true;
     else if (name == "now4a8") s.no_w4a8 = true;
     else if (name == "early") s.early = true;
+    else if (name == "earlyall") s.early_all = true;
     else if (name == "late") s.late = true;
     else if (name == "nogate") s.gate = 0;
     else if (name == "gate") s.gate = 1;
@@ -138,7 +140,7 @@ StepSwitches parse_switches(const std::string& spec) {
     else if (name == "scoreorder") s.index_order = 0;
     else if (name == "indexorder") s.index_order = 1;
     else DSV4_FAIL("dsv4 bench: --switches entry '{}' has '{}' (expected default, or bulk, bulkdense, overlap, "
-                   "serial, mhc, routing, qnorm, heads16, heads64, hcblock, now4a8, early, late, [no]gate, [no]post, "
+                   "serial, mhc, routing, qnorm, heads16, heads64, hcblock, now4a8, early, earlyall, late, [no]gate, [no]post, "
                    "[no]swiglu, scoreorder and indexorder joined by '+')",
                    spec, name);
     from = to + 1;
@@ -517,7 +519,7 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
   report["fp4_tiles"] = built_options.fp4_tiles;
   const GemvBulk built_bulk = gemv_bulk_mode();
   const bool built_w4a8 = gemv_w4a8_enabled();
-  const bool built_early = gpu::early_weights();
+  const gpu::EarlyWeights built_early = gpu::early_weights();
   const bool built_index_order = gpu::indexer_select_index_order();
   auto use_switches = [&](const std::string& spec) {
     const StepSwitches s = parse_switches(spec);
@@ -533,7 +535,10 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
     gpu::set_hc_collapse_cluster(!s.hc_block);
     gpu::set_indexer_select_index_order(s.index_order >= 0 ? s.index_order == 1 : built_index_order);
     set_gemv_w4a8(built_w4a8 && !s.no_w4a8);
-    gpu::set_early_weights((built_early || s.early) && !s.late);
+    gpu::set_early_weights(s.late ? gpu::EarlyWeights::Off
+                           : s.early_all ? gpu::EarlyWeights::All
+                           : s.early && built_early == gpu::EarlyWeights::Off ? gpu::EarlyWeights::Gemv
+                                                                               : built_early);
     cuda_runner_set_step_switches(*runner, o);
     set_gemv_bulk(s.bulk ? GemvBulk::All
                   : s.bulk_dense && built_bulk == GemvBulk::Off ? GemvBulk::Dense
@@ -787,8 +792,9 @@ void add_bench_command(CLI::App& app, Handler& handler) {
                   "stream; serial: off), mhc (hc_post with the next mix), routing (router + slots in one launch), qnorm (q norm + "
                   "RoPE inside attention), heads16 / heads64 (decode attention blocks of 16 / 64 heads), hcblock (hc_pre's "
                   "decode collapse in one block per token), now4a8 (--act-quant fp8 at batch 1 without the W4A8 "
-                  "kernel: x quantised first, then the bf16 kernel), early / late (GEMVs, linear_f32 and hc_pre's "
-                  "mix load their first weights before / after waiting for the previous kernel), gate / nogate "
+                  "kernel: x quantised first, then the bf16 kernel), early / earlyall / late (GEMVs / also linear_f32 "
+                  "and hc_pre's mix / nothing load their first weights before waiting for the previous kernel), "
+                  "gate / nogate "
                   "(router gate, router and moe_slots in one launch or three), post / nopost (mHC post inside the next hc_pre or "
                   "apart), swiglu / noswiglu (the experts' SwiGLU inside the grouped w1 + w3 or apart), indexorder / "
                   "scoreorder (the indexer's picks in index or score order), e.g. "

@@ -230,7 +230,7 @@ KernelArgs plain_args(const GemvParams& p, int split_k) {
   a.y_factor = p.weight == GemvWeight::NVFP4 ? p.w_scale_2 * dq::kNvfp4OutputFactor : 1.0f;
   a.out_bf16 = p.out == GemvOut::BF16;
   a.tiles = p.layout == GemvLayout::Tiles;
-  a.early_weights = gpu::early_weights();
+  a.early_weights = gpu::early_gemv_weights();
   a.x_row_div = 1;
   return a;
 }

@@ -1,7 +1,8 @@
 // SPDX-License-Identifier: MIT
 #include <atomic>
+#include <cstdlib>
+#include <string_view>
 
-#include "core/env.h"
 #include "cuda/launch.cuh"
 #include "cuda/ops.h"
 
@@ -14,14 +15,17 @@ std::atomic<int> g_early_weights{-1};  // -1: not yet read from the environment
 bool dependent_launch() { return g_dependent_launch.load(std::memory_order_relaxed); }
 void set_dependent_launch(bool on) { g_dependent_launch.store(on, std::memory_order_relaxed); }
 
-bool early_weights() {
+EarlyWeights early_weights() {
   int v = g_early_weights.load(std::memory_order_relaxed);
   if (v < 0) {
-    v = env_switch("DSV4_EARLY_WEIGHTS").value_or(kEarlyWeightsDefault) ? 1 : 0;
+    const char* env = std::getenv("DSV4_EARLY_WEIGHTS");
+    const std::string_view e = env ? env : "";
+    v = int(e == "0" ? EarlyWeights::Off : e == "gemv" ? EarlyWeights::Gemv : e == "all" ? EarlyWeights::All
+                                                                                     : kEarlyWeightsDefault);
     g_early_weights.store(v, std::memory_order_relaxed);
   }
-  return v == 1;
+  return EarlyWeights(v);
 }
-void set_early_weights(bool on) { g_early_weights.store(on ? 1 : 0, std::memory_order_relaxed); }
+void set_early_weights(EarlyWeights mode) { g_early_weights.store(int(mode), std::memory_order_relaxed); }
 
 }  // namespace dsv4::gpu

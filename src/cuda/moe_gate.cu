@@ -56,7 +56,7 @@ cudaError_t launch_gate(const gpu::LinearF32Params& g, int slices, const gpu::Ro
   if (attr != cudaSuccess) return attr;
   const dim3 grid(unsigned(g.n) * slices, unsigned((g.m + kRows - 1) / kRows));
   return gpu::launch_ex(kKernel, grid, kLinearThreads, smem, kCluster ? unsigned(slices) : 1u, s.stream, g, slices,
-                        gpu::early_weights(), r, s, ticket);
+                        gpu::early_other_weights(), r, s, ticket);
 }
 
 template <int kPerLane>

@@ -204,9 +204,10 @@ void copy_rows(float* dst, int64_t dst_ld, const float* src, int64_t src_ld, int
 //   indexer_scores writes scores[t, s] = Σ_h w_scale · w[t, h] · max(q[t, h] · keys[s], 0) for s < n_visible
 //     (fp32, summation order unspecified) and nothing else. heads · dim <= 12288, dim % 32 == 0, dim <= 512.
 //   indexer_select reads scores[t, 0..n_visible) and writes selected[t, 0..min(topk, n_visible)) = the indices of
-//     the largest scores, ties lower index first (the set of cpu::top_k_indices of that row), in ascending index
-//     order (set_indexer_select_index_order(false): descending score, exactly cpu::top_k_indices' order; the
-//     attention's sum does not depend on it beyond fp32 rounding, and the sort costs ~40 % of the select). n_visible
+//     the largest scores, ties lower index first (the set of cpu::top_k_indices of that row), in descending score
+//     order (exactly cpu::top_k_indices'), or with set_indexer_select_index_order(true) in ascending index order (no
+//     sort of the candidates, which took ~40 % of the select; the attention's sum does not depend on the order beyond
+//     fp32 rounding). n_visible
 //     <= topk selects every key. The rest of the row is not written (n_visible 0: nothing). topk <= 2048; rows
 //     longer than shared memory holds (16384) are ranked from scores itself, same result.
 //   indexer_topk = indexer_scores, then indexer_select.
@@ -229,8 +230,8 @@ struct IndexerTopkParams {
 };
 void indexer_scores(const IndexerTopkParams& p, cudaStream_t stream);
 void indexer_select(const IndexerTopkParams& p, cudaStream_t stream);
-// The order of indexer_select's picks: ascending index (on, the default) or descending score (A/B timing;
-// process-wide).
+// The order of indexer_select's picks: ascending index (on) or descending score (off, the default until the index
+// order has run on a GPU; process-wide).
 void set_indexer_select_index_order(bool on);
 bool indexer_select_index_order();
 void indexer_topk(const IndexerTopkParams& p, cudaStream_t stream);
@@ -386,13 +387,17 @@ void draw_tokens(const DrawTokensParams& p, cudaStream_t stream);
 void set_dependent_launch(bool on);
 bool dependent_launch();
 
-// Kernels whose first loads are weights (the register GEMV's plain and batched launches, linear_f32, hc_pre's
-// cluster mix) issue them before waiting for the previous kernel of the stream (griddepcontrol.wait): no kernel
-// writes weights, so under PDL they stream while the predecessor, often a few-µs latency-bound kernel, finishes.
-// Same loads and arithmetic, same bits. Process-wide, read at launch; DSV4_EARLY_WEIGHTS=0/1 in the environment sets
-// it at the first call.
-constexpr bool kEarlyWeightsDefault = true;
-void set_early_weights(bool on);
-bool early_weights();
+// Kernels whose first loads are weights issue them before waiting for the previous kernel of the stream
+// (griddepcontrol.wait): no kernel writes weights, so under PDL they stream while the predecessor, often a few-µs
+// latency-bound kernel, finishes. Same loads and arithmetic, same bits. Gemv: the register GEMV's plain and batched
+// launches (measured +1.3 % at batch 1 on the H100, docs/perf.md fifteenth round; the default); All: also
+// linear_f32 (router gate, indexer weights_proj) and hc_pre's cluster mix (written, not yet run on a GPU).
+// Process-wide, read at launch; DSV4_EARLY_WEIGHTS=0 / gemv / all in the environment sets it at the first call.
+enum class EarlyWeights { Off, Gemv, All };
+constexpr EarlyWeights kEarlyWeightsDefault = EarlyWeights::Gemv;
+void set_early_weights(EarlyWeights mode);
+EarlyWeights early_weights();
+inline bool early_gemv_weights() { return early_weights() != EarlyWeights::Off; }
+inline bool early_other_weights() { return early_weights() == EarlyWeights::All; }
 
 }  // namespace dsv4::gpu

@@ -291,13 +291,14 @@ template <int kRows, int kVec>
 void launch_linear_f32(const LinearF32Params& p, int slices, cudaStream_t stream) {
   const dim3 grid(unsigned(p.n) * slices, unsigned((p.m + kRows - 1) / kRows));
   if (slices == 1) {
-    gpu::launch(linear_f32_kernel<kRows, kVec, false>, grid, kLinearThreads, 0, stream, p, 1, gpu::early_weights());
+    gpu::launch(linear_f32_kernel<kRows, kVec, false>, grid, kLinearThreads, 0, stream, p, 1,
+                gpu::early_other_weights());
     DSV4_CUDA_LAUNCHED();
     return;
   }
   const cudaError_t err =
       gpu::launch_ex(linear_f32_kernel<kRows, kVec, true>, grid, kLinearThreads, 0, unsigned(slices), stream, p,
-                     slices, gpu::early_weights());
+                     slices, gpu::early_other_weights());
   DSV4_CUDA_LAUNCHED();  // throws (and clears) a recorded launch error
   OPS_CHECK(err == cudaSuccess, "linear_f32: cluster launch failed: %s", cudaGetErrorString(err));
 }
@@ -1125,7 +1126,7 @@ void launch_collapse_cluster(const HcPreParams& p, int tokens, dim3 grid, size_t
   OPS_CHECK(allowed == cudaSuccess && sized == cudaSuccess, "hc_pre: clusters of %d blocks with %d bytes not allowed",
             kHcCluster, kHcClusterSmem);
   const cudaError_t err = gpu::launch_ex(kKernel, grid, kHcClusterThreads, smem, kHcCluster, stream, p, tokens,
-                                            gpu::early_weights());
+                                            gpu::early_other_weights());
   DSV4_CUDA_LAUNCHED();
   OPS_CHECK(err == cudaSuccess, "hc_pre: cluster launch failed: %s", cudaGetErrorString(err));
 }

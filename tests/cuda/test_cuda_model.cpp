@@ -1266,7 +1266,7 @@ TEST(CudaModel, EarlyWeightLoadsChangeNoBits) {
   const Model model(c, synthetic_weights(c, 7), kF32);
   const auto [prompt, fed] = random_prompt_and_fed(V, n, steps, 44);
   for (const bool tiles : {true, false}) {
-    auto run = [&](bool early) {
+    auto run = [&](gpu::EarlyWeights early) {
       gpu::set_early_weights(early);
       CudaRunnerOptions o;
       o.synthetic_format = GemvWeight::NVFP4;
@@ -1278,10 +1278,12 @@ TEST(CudaModel, EarlyWeightLoadsChangeNoBits) {
       gpu::set_early_weights(gpu::kEarlyWeightsDefault);
       return out;
     };
-    const DecodeRun late = run(false), early = run(true), again = run(true);
+    const DecodeRun late = run(gpu::EarlyWeights::Off), early = run(gpu::EarlyWeights::All),
+                    again = run(gpu::EarlyWeights::All), gemv = run(gpu::EarlyWeights::Gemv);
     ASSERT_FALSE(late.logits.empty());
     EXPECT_TRUE(late.logits == early.logits) << "tiles " << tiles << ": early weight loads changed the logits";
     EXPECT_TRUE(early.logits == again.logits) << "tiles " << tiles << ": early weight loads not reproducible";
+    EXPECT_TRUE(late.logits == gemv.logits) << "tiles " << tiles << ": early GEMV weight loads changed the logits";
   }
 }
 
