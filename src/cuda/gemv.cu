@@ -99,11 +99,8 @@ __global__ void __launch_bounds__(kThreads, kTilesN <= 4 ? 2 : 1) gemv_kernel(co
   auto pair_of = [&](int row) { return kGrouped ? a.row_order[rows.order0 + row] : row; };
   // x and y belong to the step. Under early_weights a plain / batched block first issues its first round of weight
   // loads (no kernel writes weights), so that they stream while the previous kernel finishes.
-  bool must_wait = !kGrouped;
-  if (must_wait && !a.early_weights) {
-    gpu::dependent_wait();
-    must_wait = false;
-  }
+  gpu::WaitOnce wait{!kGrouped};  // grouped blocks waited in block_rows
+  if (!a.early_weights) wait();
 
   // More rows than the tile holds (a grouped slot above base.m) are covered by further passes over W.
   for (int rb = 0; rb < rows.m_rows; rb += kTilesN * 8) {
@@ -146,10 +143,7 @@ __global__ void __launch_bounds__(kThreads, kTilesN <= 4 ? 2 : 1) gemv_kernel(co
           if (in_k && ok_hi) sc_hi[u] = __ldg(reinterpret_cast<const uint16_t*>(s_hi + size_t(c) * kSChunkStride));
         }
       }
-      if (must_wait) {  // before the first load of x
-        gpu::dependent_wait();
-        must_wait = false;
-      }
+      wait();  // before the first load of x
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int c = c0 + u * split;
@@ -167,10 +161,7 @@ __global__ void __launch_bounds__(kThreads, kTilesN <= 4 ? 2 : 1) gemv_kernel(co
 
   // Split-k sum through shared memory.
   __shared__ float red[kGemvWarps * 16 * (kTilesN * 8 + 1)];
-  if (must_wait) {  // a warp without chunks, before its stores
-    gpu::dependent_wait();
-    must_wait = false;
-  }
+  wait();  // a warp without chunks, before its stores
   if (rb > 0) __syncthreads();  // the previous pass's reads of red are done
   store_tile_sums<kTilesN, kGrouped>(a, rows, tiles_per_block, split, rb, acc, red);
   }  // row passes

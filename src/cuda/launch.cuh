@@ -61,6 +61,18 @@ cudaError_t launch_ex(void (*kernel)(Params...), dim3 grid, dim3 block, size_t s
   return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 
+// The wait for the previous kernel, once, at the first of several places that may need it: kernels that issue
+// weight loads before it call it before their first activation load and again before their first store.
+struct WaitOnce {
+  bool pending = true;
+  __device__ __forceinline__ void operator()() {
+    if (pending) {
+      dependent_wait();
+      pending = false;
+    }
+  }
+};
+
 // configure() once per kernel and device (function attributes belong to a device's context: a pipeline over
 // several GPUs launches the same kernel on each). `Tag` keeps the settings of one kernel apart.
 template <auto kKernel, int kTag, class Configure>

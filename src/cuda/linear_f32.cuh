@@ -64,11 +64,8 @@ inline int linear_f32_slices(const LinearF32Params& p, int sm_count) {
 template <int kRows, int kVec, bool kCluster>
 __device__ __forceinline__ void linear_f32_block(const LinearF32Params& p, int slices, bool early) {
   gpu::allow_dependents();
-  bool must_wait = true;
-  if (!early) {
-    gpu::dependent_wait();
-    must_wait = false;
-  }
+  gpu::WaitOnce wait;
+  if (!early) wait();
   using Vec = typename LinearVec<kVec>::T;
   __shared__ float warp_partial[kRows][kLinearThreads / 32];
   __shared__ float block_partial[kRows];
@@ -90,10 +87,7 @@ __device__ __forceinline__ void linear_f32_block(const LinearF32Params& p, int s
       const int64_t at = i + u * kLinearThreads;
       wv[u] = at < end ? w[at] : Vec{};
     }
-    if (must_wait) {  // before the first load of x
-      gpu::dependent_wait();
-      must_wait = false;
-    }
+    wait();  // before the first load of x
 #pragma unroll
     for (int u = 0; u < kLinearUnroll; ++u) {
       const int64_t at = i + u * kLinearThreads;
@@ -106,7 +100,7 @@ __device__ __forceinline__ void linear_f32_block(const LinearF32Params& p, int s
       for (int r = 0; r < kRows; ++r) acc[r] = dot_acc(xv[r][u], wv[u], acc[r]);
   }
 
-  if (must_wait) gpu::dependent_wait();  // a thread without loads, before the stores
+  wait();  // a thread without loads, before the stores
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
   for (int r = 0; r < kRows; ++r) {

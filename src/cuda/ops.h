@@ -207,9 +207,9 @@ void copy_rows(float* dst, int64_t dst_ld, const float* src, int64_t src_ld, int
 //     the largest scores, ties lower index first (the set of cpu::top_k_indices of that row), in descending score
 //     order (exactly cpu::top_k_indices'), or with set_indexer_select_index_order(true) in ascending index order (no
 //     sort of the candidates, which took ~40 % of the select; the attention's sum does not depend on the order beyond
-//     fp32 rounding). n_visible
-//     <= topk selects every key. The rest of the row is not written (n_visible 0: nothing). topk <= 2048; rows
-//     longer than shared memory holds (16384) are ranked from scores itself, same result.
+//     fp32 rounding). n_visible <= topk selects every key. The rest of the row is not written (n_visible 0:
+//     nothing). topk <= 2048; rows longer than shared memory holds (16384) are ranked from scores itself, same
+//     result.
 //   indexer_topk = indexer_scores, then indexer_select.
 // scores is scratch [n, max_entries]. Both size their grids from n, max_entries and topk only, so a graph replays
 // them with pos_device.

@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <functional>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -876,55 +877,49 @@ DecodeRun prefill_and_decode(SequenceRunner& r, const std::vector<int32_t>& prom
   return run;
 }
 
-// CudaRunnerOptions::fuse_moe_routing runs the same router and slot placement code in one launch: the logits of a
-// prefill and of graph-replayed decode steps (batch 1 and 5) are the same bits, with one kernel fewer per layer.
-TEST(CudaModel, FusedRoutingChangesNoBits) {
-  DSV4_REQUIRE_CUDA();
+// A runner option that must keep every bit: prefill of 40 rows and graph-replayed decode at batch 1 and 5 on
+// tiny-flash and tiny-pro with it on (twice: reproducible) and off, saving fewer(config) kernels per decode step.
+void expect_option_keeps_bits(const char* option, const std::function<void(CudaRunnerOptions&, bool)>& set,
+                              const std::function<int(const ModelConfig&)>& fewer, uint32_t seed) {
   for (const char* name : {"tiny-flash", "tiny-pro"}) {
     std::string source;
     const Model model = tiny_model(name, kDefault, &source);
     const int V = model.config().vocab_size, n = 40, steps = 8, B = 5;
-    const auto [prompt, fed] = random_prompt_and_fed(V, n, steps, 23);
-    auto run = [&](bool fused) {
+    const auto [prompt, fed] = random_prompt_and_fed(V, n, steps, seed);
+    auto run = [&](bool on) {
       CudaRunnerOptions options;
-      options.fuse_moe_routing = fused;
-      options.fuse_moe_gate = false;  // it would take precedence
-      options.sequences = B;
-      std::unique_ptr<SequenceRunner> r = make_cuda_runner(model, n + 2 * steps + 1, options);
-      const DecodeRun run = prefill_and_decode(*r, prompt, fed, B);
-      return std::pair{run.logits, run.graph_kernels};
-    };
-    const auto [fused, fused_kernels] = run(true);
-    const auto [plain, plain_kernels] = run(false);
-    ASSERT_EQ(fused.size(), plain.size());
-    EXPECT_EQ(std::memcmp(fused.data(), plain.data(), fused.size() * sizeof(float)), 0) << name;
-    EXPECT_EQ(plain_kernels - fused_kernels, model.config().n_layers) << name;
-  }
-}
-
-// CudaRunnerOptions::fuse_moe_gate: the gate's blocks are linear_f32's and the last one runs the router and slot
-// placement code, so the logits of graph-replayed decode steps (batch 1 and 5) are the same bits as three launches,
-// with two kernels fewer per layer; prefill chunks of 64 rows keep the three launches.
-TEST(CudaModel, FusedGateChangesNoBits) {
-  DSV4_REQUIRE_CUDA();
-  for (const char* name : {"tiny-flash", "tiny-pro"}) {
-    std::string source;
-    const Model model = tiny_model(name, kDefault, &source);
-    const int V = model.config().vocab_size, n = 40, steps = 8, B = 5;
-    const auto [prompt, fed] = random_prompt_and_fed(V, n, steps, 29);
-    auto run = [&](bool fused) {
-      CudaRunnerOptions options;
-      options.fuse_moe_gate = fused;
+      set(options, on);
       options.sequences = B;
       std::unique_ptr<SequenceRunner> r = make_cuda_runner(model, n + 2 * steps + 1, options);
       return prefill_and_decode(*r, prompt, fed, B);
     };
-    const DecodeRun fused = run(true), again = run(true), plain = run(false);
-    ASSERT_EQ(fused.logits.size(), plain.logits.size());
-    EXPECT_TRUE(fused.logits == plain.logits) << name << ": the fused gate changed the logits";
-    EXPECT_TRUE(fused.logits == again.logits) << name << ": the fused gate is not reproducible";
-    EXPECT_EQ(plain.graph_kernels - fused.graph_kernels, 2 * model.config().n_layers) << name;
+    const DecodeRun on = run(true), again = run(true), off = run(false);
+    ASSERT_EQ(on.logits.size(), off.logits.size()) << option << ", " << name;
+    EXPECT_TRUE(on.logits == off.logits) << option << ", " << name << ": the logits changed";
+    EXPECT_TRUE(on.logits == again.logits) << option << ", " << name << ": not reproducible";
+    EXPECT_EQ(off.graph_kernels - on.graph_kernels, fewer(model.config())) << option << ", " << name;
   }
+}
+
+// fuse_moe_routing runs the same router and slot placement code in one launch: one kernel fewer per layer.
+TEST(CudaModel, FusedRoutingChangesNoBits) {
+  DSV4_REQUIRE_CUDA();
+  expect_option_keeps_bits(
+      "fuse_moe_routing",
+      [](CudaRunnerOptions& o, bool on) {
+        o.fuse_moe_routing = on;
+        o.fuse_moe_gate = false;  // it would take precedence
+      },
+      [](const ModelConfig& c) { return c.n_layers; }, 23);
+}
+
+// fuse_moe_gate: the gate's blocks are linear_f32's and the last one runs the router and slot placement code, so the
+// logits keep their bits, with two kernels fewer per layer.
+TEST(CudaModel, FusedGateChangesNoBits) {
+  DSV4_REQUIRE_CUDA();
+  expect_option_keeps_bits(
+      "fuse_moe_gate", [](CudaRunnerOptions& o, bool on) { o.fuse_moe_gate = on; },
+      [](const ModelConfig& c) { return 2 * c.n_layers; }, 29);
 }
 
 // CudaRunnerOptions::fuse_mhc_post: each mHC post but the last runs inside the next hc_pre (the cluster collapse
@@ -959,29 +954,13 @@ TEST(CudaModel, FusedPostChangesNoBits) {
   }
 }
 
-// CudaRunnerOptions::fuse_swiglu: the experts' SwiGLU in the grouped w1 + w3 launch (its last block per slot at
-// decode; prefill chunks launch it after): the same bits as the separate launch, one kernel fewer per layer per
-// decode step (batch 1 and 5).
+// fuse_swiglu: the experts' SwiGLU in the grouped w1 + w3 launch (its last block per slot at decode; prefill chunks
+// launch it after): one kernel fewer per layer per decode step.
 TEST(CudaModel, FusedSwigluChangesNoBits) {
   DSV4_REQUIRE_CUDA();
-  for (const char* name : {"tiny-flash", "tiny-pro"}) {
-    std::string source;
-    const Model model = tiny_model(name, kDefault, &source);
-    const int V = model.config().vocab_size, n = 40, steps = 8, B = 5;
-    const auto [prompt, fed] = random_prompt_and_fed(V, n, steps, 47);
-    auto run = [&](bool fused) {
-      CudaRunnerOptions options;
-      options.fuse_swiglu = fused;
-      options.sequences = B;
-      std::unique_ptr<SequenceRunner> r = make_cuda_runner(model, n + 2 * steps + 1, options);
-      return prefill_and_decode(*r, prompt, fed, B);
-    };
-    const DecodeRun fused = run(true), again = run(true), plain = run(false);
-    ASSERT_EQ(fused.logits.size(), plain.logits.size());
-    EXPECT_TRUE(fused.logits == plain.logits) << name << ": the fused SwiGLU changed the logits";
-    EXPECT_TRUE(fused.logits == again.logits) << name << ": the fused SwiGLU is not reproducible";
-    EXPECT_EQ(plain.graph_kernels - fused.graph_kernels, model.config().n_layers) << name;
-  }
+  expect_option_keeps_bits(
+      "fuse_swiglu", [](CudaRunnerOptions& o, bool on) { o.fuse_swiglu = on; },
+      [](const ModelConfig& c) { return c.n_layers; }, 47);
 }
 
 // What a change of fp32 summation order alone does to this model's logits: the register GEMV kernel with every

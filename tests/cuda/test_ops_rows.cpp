@@ -884,6 +884,17 @@ TEST(OpsRowsRowOp, WideHadamardOddRowsAndInverse) {
 
 // Compressor entry finishing in a captured decode graph: emit_ratio with the position on the device. Only the
 // step that completes an entry writes it (in place, RoPE at entry · ratio); other steps leave everything alone.
+// a and b in one row_op_pair launch, or each in its own row_op launch.
+void run_row_ops(const gpu::RowOpParams& a, const gpu::RowOpParams& b, bool paired) {
+  if (paired) {
+    gpu::row_op_pair(a, b, nullptr);
+  } else {
+    gpu::row_op(a, nullptr);
+    gpu::row_op(b, nullptr);
+  }
+  sync();
+}
+
 // row_op_pair runs two independent row ops in one launch (q_norm and the kv row of a decode step): each must
 // give exactly the bits of its own row_op launch (padded lanes add zeros only).
 void check_pair(int tokens, int dim_a, int dim_b, int rope_b, uint32_t seed) {
@@ -903,13 +914,7 @@ void check_pair(int tokens, int dim_a, int dim_b, int rope_b, uint32_t seed) {
     b.x = dxb.as<float>(), b.x_token_stride = dim_b, b.y = yb.as<float>(), b.y_token_stride = dim_b;
     b.tokens = tokens, b.dim = dim_b, b.norm = true, b.weight = dwb.as<float>(), b.rope_dim = rope_b;
     b.inv_freq = df.as<float>(), b.pos0 = 8211, b.round = gpu::RowRound::KvFp8;
-    if (paired) {
-      gpu::row_op_pair(a, b, nullptr);
-    } else {
-      gpu::row_op(a, nullptr);
-      gpu::row_op(b, nullptr);
-    }
-    sync();
+    run_row_ops(a, b, paired);
     return std::pair{to_host<uint16_t>(ya, xa.size()), to_host<float>(yb, xb.size())};
   };
   const auto [alone_a, alone_b] = outputs(false);
@@ -948,13 +953,7 @@ void check_q_pair(int tokens, int heads_a, int dim_a, int heads_b, int dim_b, in
     b.x = b.y = dx.as<float>() + heads_a * dim_a;
     b.x_head_stride = b.y_head_stride = dim_b;
     b.heads = heads_b, b.dim = dim_b, b.norm = false, b.round = gpu::RowRound::IndexerFp4;
-    if (paired) {
-      gpu::row_op_pair(a, b, nullptr);
-    } else {
-      gpu::row_op(a, nullptr);
-      gpu::row_op(b, nullptr);
-    }
-    sync();
+    run_row_ops(a, b, paired);
     return to_host<float>(dx, x.size());
   };
   const std::vector<float> alone = output(false), pair = output(true);
