@@ -65,6 +65,8 @@ class WeightUploader {
   DeviceExperts experts(const std::vector<const Matrix*>& per_expert);
   // Whether experts() takes these matrices: one shape and one encoding (format, FP8 scale type, synthetic).
   bool groupable(const std::vector<const Matrix*>& matrices) const;
+  // Frees the tile layout's scratch (up to one matrix) once every matrix is up: cuda_memory_need does not count it.
+  void release_scratch() { tile_scratch_ = DeviceBuffer(); }
 
  private:
   struct Encoding {

@@ -805,6 +805,7 @@ CudaRunner::CudaRunner(const Model& model, int max_context, CudaRunnerOptions op
     mtp_->norm = upload_f32(m.norm);
     stats_.weight_bytes += mtp_->e_proj.bytes() + mtp_->h_proj.bytes();
   }
+  uploader.release_scratch();  // before the workspaces and state
   if (shared_grouped_layers)
     spdlog::info("cuda runner: the shared expert runs as one more grouped expert in {} of {} layers (same shape and "
                  "encoding as the routed ones)", shared_grouped_layers, layers_.size());
