@@ -327,18 +327,27 @@ void moe_slots(const MoeSlotsParams& p) {
   DSV4_CUDA_CHECK(detail::moe_slots_launch(p));
 }
 
-void moe_route_and_slots(const gpu::RouterParams& r, const MoeSlotsParams& p) {
-  DSV4_CHECK(r.n >= 1 && r.n <= 64, "moe_route_and_slots: {} tokens (a decode step: 1 .. 64)", r.n);
+namespace {
+
+// What the one-block router + placement (moe_route_and_slots and the fused gate) needs of its params.
+void check_route_and_slots(const gpu::RouterParams& r, const MoeSlotsParams& p, const char* what) {
+  DSV4_CHECK(r.n >= 1 && r.n <= 64, "{}: {} tokens (a decode step: 1 .. 64)", what, r.n);
   DSV4_CHECK(r.k > 0 && r.k <= 16 && r.k <= r.experts && r.experts <= 512,
-             "moe_route_and_slots: {} of {} experts per token (at most 16 of 512)", r.k, r.experts);
+             "{}: {} of {} experts per token (at most 16 of 512)", what, r.k, r.experts);
   DSV4_CHECK(p.ids == r.ids && p.n == r.n && p.k == r.k && (p.shared_expert < 0 || p.weights == r.weights),
-             "moe_route_and_slots: the slots must place the router's picks");
-  DSV4_CHECK(p.experts > 0 && p.experts <= 4096 && p.shared_expert < p.experts,
-             "moe_route_and_slots: {} expert slots, shared expert {}", p.experts, p.shared_expert);
+             "{}: the slots must place the router's picks", what);
+  DSV4_CHECK(p.experts > 0 && p.experts <= 4096 && p.shared_expert < p.experts, "{}: {} expert slots, shared expert {}",
+             what, p.experts, p.shared_expert);
   DSV4_CHECK(r.logits && r.ids && r.weights && p.slots.count && p.slots.expert && p.slots.offset && p.slots.row_order,
-             "moe_route_and_slots: every pointer must be a device pointer");
-  DSV4_CHECK(!r.tid2eid || r.tokens, "moe_route_and_slots: hash routing needs the token ids");
-  DSV4_CHECK(p.shared_expert < 0 || p.pair_weights, "moe_route_and_slots: a shared expert needs pair_weights");
+             "{}: every pointer must be a device pointer", what);
+  DSV4_CHECK(!r.tid2eid || r.tokens, "{}: hash routing needs the token ids", what);
+  DSV4_CHECK(p.shared_expert < 0 || p.pair_weights, "{}: a shared expert needs pair_weights", what);
+}
+
+}  // namespace
+
+void moe_route_and_slots(const gpu::RouterParams& r, const MoeSlotsParams& p) {
+  check_route_and_slots(r, p, "moe_route_and_slots");
   DSV4_CUDA_CHECK(detail::moe_route_and_slots_launch(r, p));
 }
 
@@ -354,16 +363,7 @@ void moe_gate_route_and_slots(const gpu::LinearF32Params& gate, const gpu::Route
              "experts, k % 4 == 0, 16-byte aligned x and W)", gate.m, gate.n, gate.k, kMoeGateMaxTokens);
   DSV4_CHECK(gate.y == r.logits && gate.m == r.n && gate.n == r.experts && ticket,
              "moe_gate_route_and_slots: the router must read the gate's logits, and a ticket is needed");
-  DSV4_CHECK(r.k > 0 && r.k <= 16 && r.k <= r.experts,
-             "moe_gate_route_and_slots: {} of {} experts per token (at most 16)", r.k, r.experts);
-  DSV4_CHECK(p.ids == r.ids && p.n == r.n && p.k == r.k && (p.shared_expert < 0 || p.weights == r.weights),
-             "moe_gate_route_and_slots: the slots must place the router's picks");
-  DSV4_CHECK(p.experts > 0 && p.experts <= 4096 && p.shared_expert < p.experts,
-             "moe_gate_route_and_slots: {} expert slots, shared expert {}", p.experts, p.shared_expert);
-  DSV4_CHECK(r.ids && r.weights && p.slots.count && p.slots.expert && p.slots.offset && p.slots.row_order,
-             "moe_gate_route_and_slots: every pointer must be a device pointer");
-  DSV4_CHECK(!r.tid2eid || r.tokens, "moe_gate_route_and_slots: hash routing needs the token ids");
-  DSV4_CHECK(p.shared_expert < 0 || p.pair_weights, "moe_gate_route_and_slots: a shared expert needs pair_weights");
+  check_route_and_slots(r, p, "moe_gate_route_and_slots");
   DSV4_CUDA_CHECK(detail::moe_gate_launch(gate, r, p, ticket));
 }
 

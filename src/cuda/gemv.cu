@@ -242,16 +242,8 @@ constexpr int kRouteThreads = 512;  // 16 warps: registers for the router's per-
 template <int kPerLane>
 __global__ void __launch_bounds__(kRouteThreads) moe_route_and_slots_kernel(gpu::RouterParams r, MoeSlotsParams p) {
   gpu::dependent_enter();
-  extern __shared__ float route_smem[];  // [warps][E] router scores, then count [p.experts], start [p.experts]
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  float* s = route_smem + warp * r.experts;
-  for (int t = warp; t < r.n; t += kRouteThreads / 32) {
-    route_token<kPerLane>(r, t, lane, s);
-    __syncwarp();  // the token's reads of s before the next token's writes
-  }
-  __syncthreads();
-  int* count = reinterpret_cast<int*>(route_smem + kRouteThreads / 32 * r.experts);
-  place_pairs(p, count, count + p.experts);
+  extern __shared__ float route_smem[];
+  route_and_place<kPerLane>(r, p, kRouteThreads / 32, route_smem);
 }
 
 template <int kPerLane>

@@ -35,16 +35,8 @@ __global__ void __launch_bounds__(kLinearThreads)
   __syncthreads();
   if (!last) return;
   __threadfence();
-  extern __shared__ float route_smem[];  // [warps][E] router scores, then count [s.experts], start [s.experts]
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  float* scores = route_smem + warp * r.experts;
-  for (int t = warp; t < r.n; t += kGateWarps) {
-    route_token<kPerLane>(r, t, lane, scores);
-    __syncwarp();  // the token's reads of scores before the next token's writes
-  }
-  __syncthreads();  // the ids and weights (global memory, written by this block) before the placement reads them
-  int* count = reinterpret_cast<int*>(route_smem + kGateWarps * r.experts);
-  place_pairs(s, count, count + s.experts);
+  extern __shared__ float route_smem[];
+  route_and_place<kPerLane>(r, s, kGateWarps, route_smem);
 }
 
 template <int kRows, bool kCluster, int kPerLane>
@@ -71,9 +63,6 @@ cudaError_t launch_for_rows(const gpu::LinearF32Params& g, int slices, const gpu
 }
 
 }  // namespace
-}  // namespace dsv4::detail
-
-namespace dsv4::detail {
 
 cudaError_t moe_gate_launch(const gpu::LinearF32Params& gate, const gpu::RouterParams& r, const MoeSlotsParams& p,
                             uint32_t* ticket) {

@@ -167,4 +167,21 @@ __device__ __forceinline__ void place_pairs(const MoeSlotsParams& p, int* count,
   }
 }
 
+// The router, then the placement, by every thread of a block of `warps` warps: warp w routes tokens w, w + warps,
+// .. with its E floats of smem, then the block places the pairs (the ids and weights this block wrote to global
+// memory are visible to it after __syncthreads). smem: warps · E floats, then count and start, p.experts ints each.
+template <int kPerLane>
+__device__ __forceinline__ void route_and_place(const gpu::RouterParams& r, const MoeSlotsParams& p, int warps,
+                                                float* smem) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  float* s = smem + warp * r.experts;
+  for (int t = warp; t < r.n; t += warps) {
+    route_token<kPerLane>(r, t, lane, s);
+    __syncwarp();  // the token's reads of s before the next token's writes
+  }
+  __syncthreads();
+  int* count = reinterpret_cast<int*>(smem + warps * r.experts);
+  place_pairs(p, count, count + p.experts);
+}
+
 }  // namespace dsv4::detail

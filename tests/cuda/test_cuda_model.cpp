@@ -929,29 +929,14 @@ TEST(CudaModel, FusedGateChangesNoBits) {
 // the cluster runs.
 TEST(CudaModel, FusedPostChangesNoBits) {
   DSV4_REQUIRE_CUDA();
-  for (const char* name : {"tiny-flash", "tiny-pro"}) {
-    std::string source;
-    const Model model = tiny_model(name, kDefault, &source);
-    const ModelConfig& c = model.config();
-    const int V = c.vocab_size, n = 40, steps = 8, B = 5;
-    const auto [prompt, fed] = random_prompt_and_fed(V, n, steps, 41);
-    for (const bool overlap : {true, false}) {
-      auto run = [&](bool fused) {
-        CudaRunnerOptions options;
-        options.fuse_mhc_post = fused;
-        options.overlap_branches = overlap;
-        options.sequences = B;
-        std::unique_ptr<SequenceRunner> r = make_cuda_runner(model, n + 2 * steps + 1, options);
-        return prefill_and_decode(*r, prompt, fed, B);
-      };
-      const DecodeRun fused = run(true), plain = run(false);
-      const std::string what = std::string(name) + (overlap ? " overlapped" : " one stream");
-      ASSERT_EQ(fused.logits.size(), plain.logits.size()) << what;
-      EXPECT_TRUE(fused.logits == plain.logits) << what << ": the fused mHC post changed the logits";
-      const int fewer = c.hidden_size % 64 == 0 ? 2 * c.n_layers - 1 : 0;
-      EXPECT_EQ(plain.graph_kernels - fused.graph_kernels, fewer) << what;
-    }
-  }
+  for (const bool overlap : {true, false})
+    expect_option_keeps_bits(
+        overlap ? "fuse_mhc_post, overlapped" : "fuse_mhc_post, one stream",
+        [overlap](CudaRunnerOptions& o, bool on) {
+          o.fuse_mhc_post = on;
+          o.overlap_branches = overlap;
+        },
+        [](const ModelConfig& c) { return c.hidden_size % 64 == 0 ? 2 * c.n_layers - 1 : 0; }, 41);
 }
 
 // fuse_swiglu: the experts' SwiGLU in the grouped w1 + w3 launch (its last block per slot at decode; prefill chunks
