@@ -60,7 +60,8 @@ struct RowOpParams {
   float* const* rows_base = nullptr;
 };
 void row_op(const RowOpParams& p, cudaStream_t stream);
-// a and b (independent: neither reads what the other writes) in one launch, one row per block.
+// a and b (independent: neither reads what the other writes) in one launch; rows of <= 32 threads as row_op runs
+// them (several per block), wider ones one per block.
 void row_op_pair(const RowOpParams& a, const RowOpParams& b, cudaStream_t stream);
 
 // y[m, n] = scale · x[m, k] · W[n, k]ᵀ in fp32 (small fp32 matrices: mHC mixes, router gate, indexer weights).
@@ -205,11 +206,11 @@ void copy_rows(float* dst, int64_t dst_ld, const float* src, int64_t src_ld, int
 //     (fp32, summation order unspecified) and nothing else. heads · dim <= 12288, dim % 32 == 0, dim <= 512.
 //   indexer_select reads scores[t, 0..n_visible) and writes selected[t, 0..min(topk, n_visible)) = the indices of
 //     the largest scores, ties lower index first (the set of cpu::top_k_indices of that row), in descending score
-//     order (exactly cpu::top_k_indices'), or with set_indexer_select_index_order(true) in ascending index order (no
-//     sort of the candidates, which took ~40 % of the select; the attention's sum does not depend on the order beyond
-//     fp32 rounding). n_visible <= topk selects every key. The rest of the row is not written (n_visible 0:
-//     nothing). topk <= 2048; rows longer than shared memory holds (16384) are ranked from scores itself, same
-//     result.
+//     order (exactly cpu::top_k_indices'), or with set_indexer_select_index_order(true) (the default) in ascending
+//     index order (no sort of the candidates, which took ~40 % of the select; the attention's sum does not depend on
+//     the order beyond fp32 rounding). n_visible <= topk selects every key. The rest of the row is not written
+//     (n_visible 0: nothing). topk <= 2048; rows longer than shared memory holds (16384) are ranked from scores
+//     itself, same result.
 //   indexer_topk = indexer_scores, then indexer_select.
 // scores is scratch [n, max_entries]. Both size their grids from n, max_entries and topk only, so a graph replays
 // them with pos_device.
@@ -230,8 +231,8 @@ struct IndexerTopkParams {
 };
 void indexer_scores(const IndexerTopkParams& p, cudaStream_t stream);
 void indexer_select(const IndexerTopkParams& p, cudaStream_t stream);
-// The order of indexer_select's picks: ascending index (on) or descending score (off, the default until the index
-// order has run on a GPU; process-wide).
+// The order of indexer_select's picks: ascending index (on, the default: +2.6 % at batch 1 on the H100, docs/perf.md
+// sixteenth round) or descending score (off; process-wide).
 void set_indexer_select_index_order(bool on);
 bool indexer_select_index_order();
 void indexer_topk(const IndexerTopkParams& p, cudaStream_t stream);
@@ -390,11 +391,11 @@ bool dependent_launch();
 // Kernels whose first loads are weights issue them before waiting for the previous kernel of the stream
 // (griddepcontrol.wait): no kernel writes weights, so under PDL they stream while the predecessor, often a few-µs
 // latency-bound kernel, finishes. Same loads and arithmetic, same bits. Gemv: the register GEMV's plain and batched
-// launches (measured +1.3 % at batch 1 on the H100, docs/perf.md fifteenth round; the default); All: also
-// linear_f32 (router gate, indexer weights_proj) and hc_pre's cluster mix (written, not yet run on a GPU).
+// launches (measured +1.3 % at batch 1 on the H100, docs/perf.md fifteenth round); All: also linear_f32 (router
+// gate, indexer weights_proj) and hc_pre's cluster mix (+1.7 % more at batch 1, level at 8 and 32: the default).
 // Process-wide, read at launch; DSV4_EARLY_WEIGHTS=0 / gemv / all in the environment sets it at the first call.
 enum class EarlyWeights { Off, Gemv, All };
-constexpr EarlyWeights kEarlyWeightsDefault = EarlyWeights::Gemv;
+constexpr EarlyWeights kEarlyWeightsDefault = EarlyWeights::All;
 void set_early_weights(EarlyWeights mode);
 EarlyWeights early_weights();
 inline bool early_gemv_weights() { return early_weights() != EarlyWeights::Off; }

@@ -471,7 +471,7 @@ void indexer_scores(const IndexerTopkParams& p, cudaStream_t stream) {
 
 namespace {
 
-bool g_select_index_order = false;  // set_indexer_select_index_order: off until run on a GPU
+bool g_select_index_order = true;  // set_indexer_select_index_order: +2.6 % at batch 1 (docs/perf.md)
 
 void launch_select(const IndexerTopkParams& p, cudaStream_t stream) {
   constexpr auto kKernel = indexer_select_kernel;

@@ -270,14 +270,18 @@ __global__ void row_op_kernel(__grid_constant__ const RowOpParams p, int lanes, 
   row_op_block(p, lanes, rows_per_block, blockIdx.x);
 }
 
-// Two independent row ops in one launch: blocks [0, blocks_a) run a, the rest b, one row per block.
+// Two independent row ops in one launch: blocks [0, blocks_a) run a, the rest b, each op with its own lanes per row
+// and rows per block (RowShape).
+struct RowShape {
+  int lanes, rows_per_block;
+};
 __global__ void row_op_pair_kernel(__grid_constant__ const RowOpParams a, __grid_constant__ const RowOpParams b,
-                                   int blocks_a, int lanes) {
+                                   int blocks_a, RowShape shape_a, RowShape shape_b) {
   gpu::dependent_enter();
   if (int(blockIdx.x) < blocks_a)
-    row_op_block(a, lanes, 1, blockIdx.x);
+    row_op_block(a, shape_a.lanes, shape_a.rows_per_block, blockIdx.x);
   else
-    row_op_block(b, lanes, 1, blockIdx.x - blocks_a);
+    row_op_block(b, shape_b.lanes, shape_b.rows_per_block, blockIdx.x - blocks_a);
 }
 
 // ---- linear_f32 (the block: cuda/linear_f32.cuh) -----------------------------------------------------------------
@@ -1068,19 +1072,31 @@ void row_op_pair(const RowOpParams& a, const RowOpParams& b, cudaStream_t stream
   const int rows_a = a.tokens * a.heads, rows_b = b.tokens * b.heads;
   const int threads_a = rows_a ? row_threads(a) : 0, threads_b = rows_b ? row_threads(b) : 0;
   if (rows_a + rows_b == 0) return;
-  // One row per block, each op's lanes padded to the wider one (padded lanes hold zeros and store nothing).
-  const int lanes = (std::max({threads_a, threads_b, 32}) + 31) / 32 * 32;
   OPS_CHECK(!a.rows_base && !b.rows_base, "row_op_pair: batched entry finishing (rows_base) runs alone");
+  // Blocks as wide as the wider op's row. A row of <= 32 threads keeps row_op's lanes (a power of two) and the
+  // block takes several such rows (the indexer's 128-value q rows, 4 per block beside 512-value ones: one row per
+  // block made the pair 2.6x slower than the two launches on a 512-token prefill chunk); a wider one is padded to
+  // the block (padded lanes hold zeros and store nothing).
+  const int block = (std::max({threads_a, threads_b, 32}) + 31) / 32 * 32;
+  auto shape_of = [block](int threads) {
+    if (threads > 32) return RowShape{block, 1};
+    int lanes = 1;
+    while (lanes < threads) lanes *= 2;
+    return RowShape{lanes, block / lanes};
+  };
+  const RowShape shape_a = shape_of(threads_a), shape_b = shape_of(threads_b);
   // The Hadamard stages of an FP4-rounded row wider than a warp's values go through shared memory with barriers:
-  // that row must fill the block. Narrower ones stay within the first warp (the padded warps shuffle zeros).
-  auto fp4_fits = [lanes](const RowOpParams& p, int threads) {
-    return p.round != RowRound::IndexerFp4 || p.dim <= 32 * kRowValues || threads == lanes;
+  // that row must fill the block. Narrower ones stay within their warp.
+  auto fp4_fits = [block](const RowOpParams& p, int threads) {
+    return p.round != RowRound::IndexerFp4 || p.dim <= 32 * kRowValues || threads == block;
   };
   OPS_CHECK(fp4_fits(a, threads_a) && fp4_fits(b, threads_b),
             "row_op_pair: FP4 indexer rounding across warps needs its row to fill the block (%d / %d of %d lanes)",
-            threads_a, threads_b, lanes);
+            threads_a, threads_b, block);
+  const int blocks_a = (rows_a + shape_a.rows_per_block - 1) / shape_a.rows_per_block;
+  const int blocks_b = (rows_b + shape_b.rows_per_block - 1) / shape_b.rows_per_block;
   const size_t smem = std::max(rows_a ? row_smem(a) : 0, rows_b ? row_smem(b) : 0);
-  gpu::launch(row_op_pair_kernel, rows_a + rows_b, lanes, smem, stream, a, b, rows_a, lanes);
+  gpu::launch(row_op_pair_kernel, blocks_a + blocks_b, block, smem, stream, a, b, blocks_a, shape_a, shape_b);
   DSV4_CUDA_LAUNCHED();
 }
 

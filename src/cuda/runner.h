@@ -70,17 +70,18 @@ struct CudaRunnerOptions {
   bool fuse_moe_routing = false;
   // Decode-sized chunks (< 64 rows, experts <= 512): the router gate, the router and moe_slots in one launch
   // (moe_gate_route_and_slots: the gate's blocks, then the last one to finish routes), two launches fewer per MoE
-  // layer on the critical path; the same bits. Takes precedence over fuse_moe_routing. Off until run on a GPU (written
-  // in stop 28 without device time, docs/perf.md fifteenth round); DSV4_FUSED_GATE=1 / 0 sets it.
+  // layer on the critical path; the same bits. Takes precedence over fuse_moe_routing. Off: measured 0.9-1 % slower at
+  // batch 1, 8 and 32 on the H100 (docs/perf.md sixteenth round); DSV4_FUSED_GATE=1 / 0 sets it.
   bool fuse_moe_gate = false;
   // Each mHC post but a stage's last runs inside the next sublayer's hc_pre (HcPreParams::prev_out: the cluster
   // collapse of decode-sized chunks updates its columns of the streams as it loads them; other chunks launch hc_post
-  // first), one launch fewer per sublayer at decode; the same bits. Off until run on a GPU; DSV4_FUSED_POST=1 / 0
-  // sets it.
-  bool fuse_mhc_post = false;
+  // first), one launch fewer per sublayer at decode; the same bits. On: +2.2 % at batch 1 on the H100, level at 8
+  // and 32 (docs/perf.md sixteenth round); DSV4_FUSED_POST=1 / 0 sets it.
+  bool fuse_mhc_post = true;
   // The routed experts' SwiGLU inside the grouped w1 + w3 launch (GemvGroupedParams::swiglu: the last block of each
   // slot computes it at decode; other kernels are followed by the swiglu launch), one launch fewer per MoE layer at
-  // decode; the same bits. Off until run on a GPU; DSV4_FUSED_SWIGLU=1 / 0 sets it.
+  // decode; the same bits. Off: measured 1.8 % slower at batch 1 and 8 / 13 % at 8 / 32 on the H100 (one block per
+  // slot computes the slot's pairs alone; docs/perf.md sixteenth round); DSV4_FUSED_SWIGLU=1 / 0 sets it.
   bool fuse_swiglu = false;
   // Independent chains on a second stream (parallel branches of the captured graph), same arithmetic and results:
   // hc_pre's post + comb (the Sinkhorn) beside each sublayer (hc_pre then runs as two launches: 2 per layer more);

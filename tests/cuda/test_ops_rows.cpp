@@ -966,6 +966,8 @@ TEST(OpsRowsRowOp, QPairMatchesTwoLaunches) {
   check_q_pair(1, 64, 512, 64, 128, 64, 91);  // Flash decode: 64 heads of 512 (128 lanes) + 64 indexer heads of 128
   check_q_pair(5, 64, 512, 64, 128, 64, 92);  // a batched decode step
   check_q_pair(2, 8, 64, 4, 32, 16, 93);      // tiny models: rows narrower than a warp
+  check_q_pair(33, 64, 512, 64, 128, 64, 94);  // a prefill chunk: the indexer rows 4 per block
+  check_q_pair(37, 64, 512, 3, 128, 64, 95);   // the narrower op's last block partly filled
 }
 
 void check_emit(int dim, int rope_dim, int ratio, gpu::RowRound round, uint32_t seed) {
