@@ -93,7 +93,8 @@ struct BenchArgs {
   // (the router gate, router and slots in one launch or three: CudaRunnerOptions::fuse_moe_gate), post / nopost (each
   // mHC post inside the next hc_pre or its own launch: fuse_mhc_post), swiglu / noswiglu (the experts' SwiGLU inside
   // the grouped w1 + w3 or its own launch: fuse_swiglu), indexorder / scoreorder (the indexer's picks in index order
-  // or sorted by score: set_indexer_select_index_order).
+  // or sorted by score: set_indexer_select_index_order), tiledN (N = 2..65: calls of >= N rows, decode batches
+  // included, on the tiled tensor-core GEMM: set_gemv_tiled_min_rows).
   // Prefill and --profile use the first.
   std::vector<std::string> switches = {"default"};
 };
@@ -108,6 +109,7 @@ struct StepSwitches {
   // -1: as built; 0 / 1: off / on (nogate / gate: fuse_moe_gate, nopost / post: fuse_mhc_post, noswiglu / swiglu:
   // fuse_swiglu, scoreorder / indexorder: set_indexer_select_index_order).
   int gate = -1, post = -1, swiglu = -1, index_order = -1;
+  int tiled_min = 0;  // tiledN: the tiled tensor-core GEMM from N rows (set_gemv_tiled_min_rows; 0: as built)
 };
 
 StepSwitches parse_switches(const std::string& spec) {
@@ -139,9 +141,12 @@ StepSwitches parse_switches(const std::string& spec) {
     else if (name == "swiglu") s.swiglu = 1;
     else if (name == "scoreorder") s.index_order = 0;
     else if (name == "indexorder") s.index_order = 1;
+    else if (name.rfind("tiled", 0) == 0 && name.size() > 5 &&
+             name.find_first_not_of("0123456789", 5) == std::string::npos)
+      s.tiled_min = std::stoi(name.substr(5));
     else DSV4_FAIL("dsv4 bench: --switches entry '{}' has '{}' (expected default, or bulk, bulkdense, overlap, "
                    "serial, mhc, routing, qnorm, heads16, heads64, hcblock, now4a8, early, earlyall, late, [no]gate, [no]post, "
-                   "[no]swiglu, scoreorder and indexorder joined by '+')",
+                   "[no]swiglu, scoreorder, indexorder and tiledN joined by '+')",
                    spec, name);
     from = to + 1;
   }
@@ -521,6 +526,7 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
   const bool built_w4a8 = gemv_w4a8_enabled();
   const gpu::EarlyWeights built_early = gpu::early_weights();
   const bool built_index_order = gpu::indexer_select_index_order();
+  const int built_tiled_min = gemv_tiled_min_rows();
   auto use_switches = [&](const std::string& spec) {
     const StepSwitches s = parse_switches(spec);
     CudaRunnerOptions o = built_options;
@@ -535,6 +541,7 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
     gpu::set_hc_collapse_cluster(!s.hc_block);
     gpu::set_indexer_select_index_order(s.index_order >= 0 ? s.index_order == 1 : built_index_order);
     set_gemv_w4a8(built_w4a8 && !s.no_w4a8);
+    set_gemv_tiled_min_rows(s.tiled_min ? s.tiled_min : built_tiled_min);
     gpu::set_early_weights(s.late ? gpu::EarlyWeights::Off
                            : s.early_all ? gpu::EarlyWeights::All
                            : s.early && built_early == gpu::EarlyWeights::Off ? gpu::EarlyWeights::Gemv
@@ -797,7 +804,8 @@ void add_bench_command(CLI::App& app, Handler& handler) {
                   "gate / nogate "
                   "(router gate, router and moe_slots in one launch or three), post / nopost (mHC post inside the next hc_pre or "
                   "apart), swiglu / noswiglu (the experts' SwiGLU inside the grouped w1 + w3 or apart), indexorder / "
-                  "scoreorder (the indexer's picks in index or score order), e.g. "
+                  "scoreorder (the indexer's picks in index or score order), tiledN (calls of >= N rows, N = 2..65, "
+                  "on the tiled tensor-core GEMM), e.g. "
                   "default,bulk,overlap,mhc+routing+qnorm,bulk+overlap+mhc+routing+qnorm,heads64")
       ->delimiter(',')->capture_default_str();
   cmd->add_flag("--mtp", args->mtp,

@@ -90,6 +90,23 @@ void set_gemv_forced_split(int split) {
 
 void set_gemv_w4a8(bool on) { w4a8_mode = on ? 1 : 0; }
 
+namespace {
+int tiled_min_rows = -1;  // set_gemv_tiled_min_rows; -1 = not yet read from the environment
+int clamp_tiled_min_rows(int rows) { return std::clamp(rows, 2, kGemvMaxM + 1); }
+}  // namespace
+
+void set_gemv_tiled_min_rows(int rows) { tiled_min_rows = clamp_tiled_min_rows(rows); }
+
+int gemv_tiled_min_rows() {
+  if (tiled_min_rows < 0) {
+    const char* v = std::getenv("DSV4_GEMV_TILED_MIN_M");
+    tiled_min_rows = clamp_tiled_min_rows(v && *v ? std::atoi(v) : kGemvTiledMinRowsDefault);
+    if (tiled_min_rows != kGemvTiledMinRowsDefault)
+      spdlog::info("gemv: the tiled tensor-core kernel runs from m = {} rows (DSV4_GEMV_TILED_MIN_M)", tiled_min_rows);
+  }
+  return tiled_min_rows;
+}
+
 bool gemv_w4a8_enabled() {
   if (w4a8_mode < 0) w4a8_mode = env_switch("DSV4_GEMV_W4A8").value_or(kGemvW4a8Default) ? 1 : 0;
   return w4a8_mode == 1;

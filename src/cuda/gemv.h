@@ -2,12 +2,12 @@
 // GEMM with compressed weights:  y[m, n] = sum_k x[m, k] * W[n, k]   (gemm_nt), for decode batches and prefill
 // chunks. Weights stay in their checkpoint layout in GPU memory and are decoded to bf16 in registers; products and
 // sums run on the tensor cores (mma.sync bf16, fp32 accumulate).
-//   m <= 64 (kGemvMaxM): the skinny kernel (gemv.cu): each weight byte is read once per launch for all m rows,
+//   m <= 64 (kGemvMaxM; below gemv_tiled_min_rows when that is lowered): the skinny kernel (gemv.cu): each weight byte is read once per launch for all m rows,
 //     activations come through L1; at small m it runs at memory bandwidth. FP4 / FP8 weights can instead come
 //     through the copy engine (gemv_bulk.cu, set_gemv_bulk below).
-//   m > 64: the tiled kernel (gemv_tiled.cu): 256 (or, on small grids, 128) weight rows x 64 activation rows per
-//     block, activations and weights staged in shared memory, weights from DRAM about once and from L2 for the
-//     further row tiles. FP8 block weights with f32 scales have no tiled kernel: they run as skinny 64-row pieces
+//   m > 64 (or >= gemv_tiled_min_rows): the tiled kernel (gemv_tiled.cu): 256 (or, on small grids, 128) weight rows
+//     x 64 (16 or 32 when m is that small) activation rows per block, activations and weights staged in shared
+//     memory, weights from DRAM about once and from L2 for the further row tiles. FP8 block weights with f32 scales have no tiled kernel: they run as skinny 64-row pieces
 //     (logged once).
 //
 // Contract
@@ -202,6 +202,15 @@ inline bool gemv_bulk_enabled() { return gemv_bulk_mode() != GemvBulk::Off; }
 constexpr bool kGemvW4a8Default = true;
 void set_gemv_w4a8(bool on);
 bool gemv_w4a8_enabled();
+
+// The rows from which the tiled tensor-core kernel runs (m >= rows; grouped: base.m, the most rows a slot may hold)
+// instead of the skinny one: kGemvMaxM + 1 (prefill chunks only) by default, down to 2 for decode batches, where
+// the skinny kernel's per-row FMAs on the CUDA cores (a decoded weight times m rows) bound it above m ~ 8. Formats
+// without a tiled kernel stay skinny. The two kernels sum k in different orders (last bits). Process-wide;
+// DSV4_GEMV_TILED_MIN_M in the environment sets it at the first call; values are clamped to [2, kGemvMaxM + 1].
+constexpr int kGemvTiledMinRowsDefault = kGemvMaxM + 1;
+void set_gemv_tiled_min_rows(int rows);
+int gemv_tiled_min_rows();
 
 // Tests: every skinny launch (gemv, gemv_batched, gemv_grouped) whose params leave split_k at 0 takes `split` (a power
 // of two up to kGemvWarps) instead of gemv_default_split_k; 0 restores the heuristic. Process-wide. Model-level tests

@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: MIT
-// The tiled tensor-core kernel behind gemv() for m > kGemvMaxM (prefill chunks; contract in gemv.h).
+// The tiled tensor-core kernel behind gemv() for m > kGemvMaxM (prefill chunks) and, when gemv_tiled_min_rows is
+// lowered, decode batches (contract in gemv.h).
 // A block computes 256 weight rows x 64 activation rows (128 x 64 when that leaves SMs idle): each of its 8 warps
 // owns two (one) 16-row weight tiles, decodes them from the checkpoint bytes in registers exactly like the skinny
 // kernel (same per-thread 16-byte pieces, same k permutation), and multiplies them against 64 activation rows. Per
@@ -27,8 +28,6 @@ namespace {
 enum class Fmt { BF16, FP8, MXFP4, NVFP4 };
 
 constexpr int kWarps = 8, kThreads = kWarps * 32;
-constexpr int kBlockTokens = 64;                        // activation rows per block (8 mma n-tiles)
-constexpr int kTokenTiles = kBlockTokens / 8;
 constexpr int kStages = 4;
 
 template <Fmt F>
@@ -90,11 +89,14 @@ __device__ __forceinline__ void decode_eight(const uint4& raw, int cc, const uin
 }
 
 // Shared memory of one block: kStages stages of (activation tile, weight tile), reused by the epilogue as the
-// [64 tokens][kBlockRows] fp32 output tile.
+// [kBlockTokens][kBlockRows] fp32 output tile.
 // kWeightTiles: 16-row weight tiles per warp (2: one block of 256 rows per SM; 1: two blocks of 128 rows).
-template <Fmt F, int kWeightTiles>
+// kTokenTiles: 8-row activation tiles (mma n-tiles) per block: 8 (64 rows) for prefill chunks, 2 or 4 when the
+// call has at most 16 or 32 rows (decode batches from gemv_tiled_min_rows).
+template <Fmt F, int kWeightTiles, int kTokenTiles>
 struct TiledSmem {
   static constexpr int kBlockRows = kWarps * kWeightTiles * 16;  // weight rows per block
+  static constexpr int kBlockTokens = kTokenTiles * 8;           // activation rows per block
   static constexpr int kXUnits = kBlockTokens * chunk_k<F>() / 8;  // 16-byte units per stage
   static constexpr int kWUnits = kBlockRows * 4;                    // 64 bytes of each weight row per stage
   static constexpr int kOutStride = kBlockRows + 4;                 // floats per token row of the output tile
@@ -102,16 +104,18 @@ struct TiledSmem {
   static constexpr size_t kBytes = std::max(kStages * kStageBytes, size_t(kBlockTokens) * kOutStride * 4);
 };
 
-template <Fmt F, bool kGrouped, int kWeightTiles>
+template <Fmt F, bool kGrouped, int kWeightTiles, int kTokenTiles>
 __global__ void __launch_bounds__(kThreads, kWeightTiles == 1 ? 2 : 1) gemv_tiled_kernel(const KernelArgs a) {
   gpu::allow_dependents();
-  using S = TiledSmem<F, kWeightTiles>;
-  constexpr int kBlockRows = S::kBlockRows;
+  using S = TiledSmem<F, kWeightTiles, kTokenTiles>;
+  constexpr int kBlockRows = S::kBlockRows, kBlockTokens = S::kBlockTokens;
   constexpr int kPiece = piece_elems<F>(), kChunkK = chunk_k<F>();
   constexpr int kRowChunks = kChunkK / 8;            // 16-byte units per token per stage
-  constexpr int kXCopies = S::kXUnits / kThreads;     // cp.async per thread per stage
+  // cp.async per thread per stage (small activation tiles of bf16 / fp8 rows leave some threads without one)
+  constexpr int kXCopies = (S::kXUnits + kThreads - 1) / kThreads;
+  constexpr bool kXAll = S::kXUnits % kThreads == 0;
   constexpr int kWCopies = S::kWUnits / kThreads;
-  static_assert(kXCopies >= 1 && S::kXUnits % kThreads == 0 && S::kWUnits % kThreads == 0);
+  static_assert(S::kWUnits % kThreads == 0);
   extern __shared__ __align__(16) uint4 smem[];
   auto x_stage = [&](int c) { return smem + (c % kStages) * (S::kXUnits + S::kWUnits); };
   auto w_stage = [&](int c) { return smem + (c % kStages) * (S::kXUnits + S::kWUnits) + S::kXUnits; };
@@ -180,8 +184,12 @@ __global__ void __launch_bounds__(kThreads, kWeightTiles == 1 ? 2 : 1) gemv_tile
     w_src[i] = r < a.n ? w_base + at : nullptr;
   }
 
-  if constexpr (!kGrouped) gpu::dependent_wait();  // x and y belong to the step
-  // Activation rows tok0 .. tok0 + 63 (more rows than the grid's row tiles cover take further passes).
+  // x and y belong to the step. Under a.early_weights a plain / batched block first issues its first stages'
+  // weight copies and scale loads (no kernel writes weights), then waits.
+  const bool early = !kGrouped && a.early_weights;
+  if (!kGrouped && !early) gpu::dependent_wait();
+  bool first_pass = true;
+  // Activation rows tok0 .. tok0 + kBlockTokens - 1 (more rows than the grid's row tiles cover take further passes).
   for (int tok0 = tok_first; tok0 < rows.m_rows; tok0 += token_blocks * kBlockTokens) {
   const int tokens = min(kBlockTokens, rows.m_rows - tok0);
   // The activation rows this thread copies into every stage (fixed token and 16-byte unit per copy).
@@ -192,25 +200,33 @@ __global__ void __launch_bounds__(kThreads, kWeightTiles == 1 ? 2 : 1) gemv_tile
     const int idx = threadIdx.x + i * kThreads, tok = idx / kRowChunks, c = idx % kRowChunks;
     x_unit[i] = c;
     x_dst[i] = tok * kRowChunks + swizzle<F>(c, tok);
-    x_src[i] =
-        tok < tokens ? rows.x + size_t(kGrouped ? pair_of(tok0 + tok) / a.x_row_div : tok0 + tok) * a.k : nullptr;
+    x_src[i] = tok < tokens && (kXAll || idx < S::kXUnits)
+                   ? rows.x + size_t(kGrouped ? pair_of(tok0 + tok) / a.x_row_div : tok0 + tok) * a.k
+                   : nullptr;
   }
-  auto copy_stage = [&](int c) {
-    if (c < n_chunks) {
-      uint4* xs = x_stage(c);
+  auto copy_x = [&](int c) {
+    if (c >= n_chunks) return;
+    uint4* xs = x_stage(c);
 #pragma unroll
-      for (int i = 0; i < kXCopies; ++i) {
-        const int kk = c * kChunkK + x_unit[i] * 8;
-        const bool valid = x_src[i] && kk < a.k;
-        cp_async_16(xs + x_dst[i], valid ? x_src[i] + kk : rows.x, valid);
-      }
-      uint4* ws = w_stage(c);
-#pragma unroll
-      for (int i = 0; i < kWCopies; ++i) {
-        const bool valid = w_src[i] && c * kChunkK + w_piece_k[i] < a.k;
-        cp_async_16(ws + threadIdx.x + i * kThreads, valid ? w_src[i] + size_t(c) * w_chunk_stride : a.w, valid);
-      }
+    for (int i = 0; i < kXCopies; ++i) {
+      if (!kXAll && threadIdx.x + i * kThreads >= S::kXUnits) continue;  // no unit: no copy (it would zero-fill)
+      const int kk = c * kChunkK + x_unit[i] * 8;
+      const bool valid = x_src[i] && kk < a.k;
+      cp_async_16(xs + x_dst[i], valid ? x_src[i] + kk : rows.x, valid);
     }
+  };
+  auto copy_w = [&](int c) {
+    if (c >= n_chunks) return;
+    uint4* ws = w_stage(c);
+#pragma unroll
+    for (int i = 0; i < kWCopies; ++i) {
+      const bool valid = w_src[i] && c * kChunkK + w_piece_k[i] < a.k;
+      cp_async_16(ws + threadIdx.x + i * kThreads, valid ? w_src[i] + size_t(c) * w_chunk_stride : a.w, valid);
+    }
+  };
+  auto copy_stage = [&](int c) {
+    copy_x(c);
+    copy_w(c);
     cp_async_commit();  // empty groups keep the wait counts uniform
   };
 
@@ -222,8 +238,25 @@ __global__ void __launch_bounds__(kThreads, kWeightTiles == 1 ? 2 : 1) gemv_tile
 
   uint32_t sc_cur[kWeightTiles][2], sc_next[kWeightTiles][2];
   load_scales(0, sc_cur);
+  if (early && first_pass) {
+    // Weight groups first, then the activation groups after the wait: the loop's wait for all but the newest
+    // kStages - 2 groups still covers stage c's weights and activations.
 #pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) copy_stage(s);
+    for (int s = 0; s < kStages - 1; ++s) {
+      copy_w(s);
+      cp_async_commit();
+    }
+    gpu::dependent_wait();
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) {
+      copy_x(s);
+      cp_async_commit();
+    }
+  } else {
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) copy_stage(s);
+  }
+  first_pass = false;
   for (int c = 0; c < n_chunks; ++c) {
     load_scales(c + 1, sc_next);
     cp_async_wait<kStages - 2>();
@@ -250,6 +283,7 @@ __global__ void __launch_bounds__(kThreads, kWeightTiles == 1 ? 2 : 1) gemv_tile
       const int unit_c = t * (kPiece / 8) + cc;
 #pragma unroll
       for (int j = 0; j < kTokenTiles; ++j) {
+        if (j * 8 >= tokens) break;  // n-tiles past the block's rows (a slot's few pairs): all zeros
         const int tok = j * 8 + g;
         const uint4 xb = xs[tok * kRowChunks + swizzle<F>(unit_c, tok)];
 #pragma unroll
@@ -297,27 +331,39 @@ __global__ void __launch_bounds__(kThreads, kWeightTiles == 1 ? 2 : 1) gemv_tile
   }  // row passes
 }
 
-template <Fmt F, bool kGrouped, int kWeightTiles>
+template <Fmt F, bool kGrouped, int kWeightTiles, int kTokenTiles>
 cudaError_t launch_fmt(const KernelArgs& a, dim3 grid, cudaStream_t stream) {
-  using S = TiledSmem<F, kWeightTiles>;
-  const int token_blocks = (a.m + kBlockTokens - 1) / kBlockTokens;
+  using S = TiledSmem<F, kWeightTiles, kTokenTiles>;
+  constexpr auto kKernel = gemv_tiled_kernel<F, kGrouped, kWeightTiles, kTokenTiles>;
+  const int token_blocks = (a.m + S::kBlockTokens - 1) / S::kBlockTokens;
   grid.x = unsigned((a.n + S::kBlockRows - 1) / S::kBlockRows * token_blocks);
   constexpr size_t smem = S::kBytes;
-  const cudaError_t configured = gpu::allow_dynamic_smem<gemv_tiled_kernel<F, kGrouped, kWeightTiles>>(int(smem));
+  const cudaError_t configured = gpu::allow_dynamic_smem<kKernel>(int(smem));
   if (configured != cudaSuccess) return configured;
-  gpu::launch(gemv_tiled_kernel<F, kGrouped, kWeightTiles>, grid, kThreads, smem, stream, a);
+  gpu::launch(kKernel, grid, kThreads, smem, stream, a);
   return cudaGetLastError();
+}
+
+template <Fmt F, int kTokenTiles>
+cudaError_t launch_tokens(const KernelArgs& a, dim3 grid, cudaStream_t stream, bool grouped) {
+  // One tile per warp when 256-row blocks would leave SMs idle (dsv4_gemm_bench: same speed on large grids, up to
+  // 1.6x faster on small ones, e.g. 1024 x 4096 at m = 128).
+  const int64_t token_blocks = (a.m + kTokenTiles * 8 - 1) / (kTokenTiles * 8);
+  const int64_t big_blocks = int64_t((a.n + 255) / 256) * token_blocks * grid.y * grid.z;
+  const int tiles = tiled_weight_tiles ? tiled_weight_tiles : big_blocks < 2 * int64_t(current_sm_count()) ? 1 : 2;
+  if (tiles == 1)
+    return grouped ? launch_fmt<F, true, 1, kTokenTiles>(a, grid, stream)
+                   : launch_fmt<F, false, 1, kTokenTiles>(a, grid, stream);
+  return grouped ? launch_fmt<F, true, 2, kTokenTiles>(a, grid, stream)
+                 : launch_fmt<F, false, 2, kTokenTiles>(a, grid, stream);
 }
 
 template <Fmt F>
 cudaError_t launch_any(const KernelArgs& a, dim3 grid, cudaStream_t stream, bool grouped) {
-  // One tile per warp when 256-row blocks would leave SMs idle (dsv4_gemm_bench: same speed on large grids, up to
-  // 1.6x faster on small ones, e.g. 1024 x 4096 at m = 128).
-  const int64_t big_blocks = int64_t((a.n + 255) / 256) * ((a.m + kBlockTokens - 1) / kBlockTokens) * grid.y * grid.z;
-  const int tiles = tiled_weight_tiles ? tiled_weight_tiles : big_blocks < 2 * int64_t(current_sm_count()) ? 1 : 2;
-  if (tiles == 1)
-    return grouped ? launch_fmt<F, true, 1>(a, grid, stream) : launch_fmt<F, false, 1>(a, grid, stream);
-  return grouped ? launch_fmt<F, true, 2>(a, grid, stream) : launch_fmt<F, false, 2>(a, grid, stream);
+  // The narrowest activation tile that holds the call's rows (grouped: the most any slot holds) in one pass.
+  if (a.m <= 16) return launch_tokens<F, 2>(a, grid, stream, grouped);
+  if (a.m <= 32) return launch_tokens<F, 4>(a, grid, stream, grouped);
+  return launch_tokens<F, 8>(a, grid, stream, grouped);
 }
 
 }  // namespace
@@ -325,7 +371,7 @@ cudaError_t launch_any(const KernelArgs& a, dim3 grid, cudaStream_t stream, bool
 int tiled_weight_tiles = 0;
 
 bool gemv_tiled_supported(const GemvParams& p) {
-  return p.m > kGemvMaxM && !(p.weight == GemvWeight::FP8_BLOCK && p.fp8_scale == GemvScale::F32);
+  return p.m >= gemv_tiled_min_rows() && !(p.weight == GemvWeight::FP8_BLOCK && p.fp8_scale == GemvScale::F32);
 }
 
 cudaError_t gemv_tiled_launch(const KernelArgs& a, const GemvParams& p, dim3 grid, bool grouped) {

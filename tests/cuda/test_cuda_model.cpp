@@ -764,6 +764,18 @@ TEST(CudaModel, BatchedDecodeFortySequences) {  // more rows than one mma n-tile
   DSV4_REQUIRE_CUDA();
   check_batched_decode("tiny-flash", kDefault, 40, 6);
 }
+// Every GEMM of a batched step on the tiled tensor-core kernel (16- and 64-row activation tiles) against the
+// sequences alone on the skinny one: fp32 summation order only, the same bounds.
+TEST(CudaModel, BatchedDecodeOnTheTiledKernel) {
+  DSV4_REQUIRE_CUDA();
+  struct Restore {
+    int rows = gemv_tiled_min_rows();
+    ~Restore() { set_gemv_tiled_min_rows(rows); }
+  } restore;
+  set_gemv_tiled_min_rows(2);
+  check_batched_decode("tiny-flash", kDefault, 5, 12);
+  check_batched_decode("tiny-flash", kDefault, 40, 6);
+}
 
 // Programmatic dependent launch (launch.cuh) lets a kernel start before its predecessor ends; every kernel waits
 // before touching what the step computes, so the logits must be the same bits with it on and off, and the same bits

@@ -123,12 +123,21 @@ struct Case {
   int split_k;  // 0 = heuristic
   GemvAct act = GemvAct::BF16;
   bool bulk = false;  // fp4 weights through the copy engine (set_gemv_bulk)
+  int tiled_min = 0;  // > 0: set_gemv_tiled_min_rows(tiled_min), so decode-sized m runs the tiled kernel
 };
 
 // set_gemv_bulk for one test, off again after it (also when an assertion returns early).
 struct BulkScope {
   explicit BulkScope(bool on) { set_gemv_bulk(on); }
   ~BulkScope() { set_gemv_bulk(false); }
+};
+
+// set_gemv_tiled_min_rows for one test (0: leave it), the default again after it.
+struct TiledMinScope {
+  explicit TiledMinScope(int rows) {
+    if (rows) set_gemv_tiled_min_rows(rows);
+  }
+  ~TiledMinScope() { set_gemv_tiled_min_rows(kGemvTiledMinRowsDefault); }
 };
 
 // The W4A8 kernel on or off for act FP8 at m = 1, whatever the default (kGemvW4a8Default).
@@ -145,6 +154,7 @@ std::string case_name(const Case& c) {
   s += c.split_k ? "_split" + std::to_string(c.split_k) : "_auto";
   if (c.act == GemvAct::FP8) s += "_actfp8";
   if (c.bulk) s += "_bulk";
+  if (c.tiled_min) s += "_tiledfrom" + std::to_string(c.tiled_min);
   return s;
 }
 
@@ -288,6 +298,8 @@ TEST_P(GemvTest, MatchesFp64Reference) {
     ASSERT_TRUE(detail::gemv_bulk_supported(p) || detail::gemv_w4a8_bulk_supported(p))
         << "the case must run a copy-engine kernel";
   }
+  const TiledMinScope tiled_min(c.tiled_min);
+  if (c.tiled_min) ASSERT_TRUE(detail::gemv_tiled_supported(p)) << "the case must run the tiled kernel";
   gemv(p);
   DSV4_CUDA_CHECK(cudaDeviceSynchronize());
   const std::vector<double> xq = effective_x(h.x, c.m, c.k, c.act);
@@ -373,6 +385,13 @@ std::vector<Case> all_cases() {
     }
     cases.push_back({f.w, f.s, 130, 301, f.k_wide, GemvOut::BF16, 0});
     cases.push_back({f.w, f.s, 300, 600, 512, GemvOut::F32, 0});
+    // Decode batches on the tiled kernel (set_gemv_tiled_min_rows): its 16- and 32-row activation tiles, partly
+    // filled, and the 64-row one at m <= 64; bf16 / fp8 rows leave threads without an activation copy.
+    if (f.s == GemvScale::E8M0)
+      for (int m : {2, 9, 16, 17, 32, 33, 64}) {
+        cases.push_back({f.w, f.s, m, 301, f.k_wide, GemvOut::F32, 0, GemvAct::BF16, false, 2});
+        cases.push_back({f.w, f.s, m, 45, f.k_deep, GemvOut::BF16, 0, GemvAct::BF16, false, 2});
+      }
     cases.push_back({f.w, f.s, 130, 301, f.k_wide, GemvOut::F32, 0, GemvAct::FP8});
     // act FP8: the W4A8 kernel (fp4 weights, m = 1) or x quantised into act_scratch first (everything else)
     for (int m : {1, 3, 64}) {
@@ -676,6 +695,7 @@ struct GroupedCase {
   bool second = false; // a second projection in the same launch (w3 next to w1)
   GemvAct act = GemvAct::BF16;
   bool bulk = false;   // fp4 weights through the copy engine
+  int tiled_min = 0;   // > 0: set_gemv_tiled_min_rows(tiled_min) (decode batches on the tiled kernel)
 };
 
 std::string grouped_name(const GroupedCase& c) {
@@ -684,7 +704,8 @@ std::string grouped_name(const GroupedCase& c) {
   s = s.substr(0, s.find("_m1_")) + "_t" + std::to_string(c.tokens) + "x" + std::to_string(c.k_pick) + "_E" +
       std::to_string(c.experts) + "_n" + std::to_string(c.n) + "_k" + std::to_string(c.k) +
       (c.x_row_div == 1 ? "_pairrows" : "_tokenrows") + (c.one_expert ? "_oneexpert" : "") +
-      (c.second ? "_second" : "") + (c.act == GemvAct::FP8 ? "_actfp8" : "") + (c.bulk ? "_bulk" : "");
+      (c.second ? "_second" : "") + (c.act == GemvAct::FP8 ? "_actfp8" : "") + (c.bulk ? "_bulk" : "") +
+      (c.tiled_min ? "_tiledfrom" + std::to_string(c.tiled_min) : "");
   return s;
 }
 
@@ -753,6 +774,8 @@ TEST_P(GemvGroupedTest, MatchesFp64ReferencePerPair) {
     ASSERT_TRUE(detail::gemv_bulk_grouped_supported(g) || detail::gemv_w4a8_bulk_supported(g.base))
         << "the case must run a copy-engine kernel";
   }
+  const TiledMinScope tiled_min(c.tiled_min);
+  if (c.tiled_min) ASSERT_TRUE(detail::gemv_tiled_supported(g.base)) << "the case must run the tiled kernel";
   gemv_grouped(g);
   DSV4_CUDA_CHECK(cudaDeviceSynchronize());
 
@@ -868,6 +891,15 @@ std::vector<GroupedCase> grouped_cases() {
     cases.push_back({w, s, 150, 6, 16, 136, 512, 6, false, true});
     cases.push_back({w, s, 150, 6, 16, 136, 512, 1, false});
     cases.push_back({w, s, 100, 2, 8, 72, 256, 2, true});
+    // Decode batches on the tiled kernel (set_gemv_tiled_min_rows): slots of a few rows in 16- / 32-row tiles,
+    // 40 rows on one expert in 32-row tiles (a second pass)
+    if (s == GemvScale::E8M0) {
+      const GemvAct a = GemvAct::BF16;
+      cases.push_back({w, s, 8, 6, 16, 200, 1056, 6, false, true, a, false, 2});
+      cases.push_back({w, s, 32, 6, 16, 136, 512, 6, false, true, a, false, 2});
+      cases.push_back({w, s, 32, 6, 16, 200, 1056, 1, false, false, a, false, 2});
+      cases.push_back({w, s, 20, 2, 8, 72, 256, 2, true, false, a, false, 2});
+    }
     // act FP8: decode slots (W4A8 for fp4 weights), a slot holding two rows, and quantised x rows (m > 1)
     cases.push_back({w, s, 1, 6, 16, 200, 1056, 6, false, true, GemvAct::FP8});
     cases.push_back({w, s, 1, 6, 16, 200, 1056, 1, false, false, GemvAct::FP8});
