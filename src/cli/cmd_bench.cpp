@@ -93,8 +93,8 @@ struct BenchArgs {
   // (the router gate, router and slots in one launch or three: CudaRunnerOptions::fuse_moe_gate), post / nopost (each
   // mHC post inside the next hc_pre or its own launch: fuse_mhc_post), swiglu / noswiglu (the experts' SwiGLU inside
   // the grouped w1 + w3 or its own launch: fuse_swiglu), indexorder / scoreorder (the indexer's picks in index order
-  // or sorted by score: set_indexer_select_index_order), tiledN (N = 2..65: calls of >= N rows, decode batches
-  // included, on the tiled tensor-core GEMM: set_gemv_tiled_min_rows).
+  // or sorted by score: set_indexer_select_index_order), tiledN (N = 2..65: calls of >= N rows whose grid fills the
+  // GPU, decode batches included, on the tiled tensor-core GEMM: set_gemv_tiled_min_rows).
   // Prefill and --profile use the first.
   std::vector<std::string> switches = {"default"};
 };
@@ -526,7 +526,7 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
   const bool built_w4a8 = gemv_w4a8_enabled();
   const gpu::EarlyWeights built_early = gpu::early_weights();
   const bool built_index_order = gpu::indexer_select_index_order();
-  const int built_tiled_min = gemv_tiled_min_rows();
+  const int built_tiled_min = gemv_tiled_min_rows(), built_tiled_blocks = gemv_tiled_min_blocks_per_sm();
   auto use_switches = [&](const std::string& spec) {
     const StepSwitches s = parse_switches(spec);
     CudaRunnerOptions o = built_options;
@@ -541,7 +541,7 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
     gpu::set_hc_collapse_cluster(!s.hc_block);
     gpu::set_indexer_select_index_order(s.index_order >= 0 ? s.index_order == 1 : built_index_order);
     set_gemv_w4a8(built_w4a8 && !s.no_w4a8);
-    set_gemv_tiled_min_rows(s.tiled_min ? s.tiled_min : built_tiled_min);
+    set_gemv_tiled_min_rows(s.tiled_min ? s.tiled_min : built_tiled_min, built_tiled_blocks);
     gpu::set_early_weights(s.late ? gpu::EarlyWeights::Off
                            : s.early_all ? gpu::EarlyWeights::All
                            : s.early && built_early == gpu::EarlyWeights::Off ? gpu::EarlyWeights::Gemv
@@ -805,7 +805,7 @@ void add_bench_command(CLI::App& app, Handler& handler) {
                   "(router gate, router and moe_slots in one launch or three), post / nopost (mHC post inside the next hc_pre or "
                   "apart), swiglu / noswiglu (the experts' SwiGLU inside the grouped w1 + w3 or apart), indexorder / "
                   "scoreorder (the indexer's picks in index or score order), tiledN (calls of >= N rows, N = 2..65, "
-                  "on the tiled tensor-core GEMM), e.g. "
+                  "on the tiled tensor-core GEMM where their grid fills the GPU), e.g. "
                   "default,bulk,overlap,mhc+routing+qnorm,bulk+overlap+mhc+routing+qnorm,heads64")
       ->delimiter(',')->capture_default_str();
   cmd->add_flag("--mtp", args->mtp,

@@ -92,10 +92,17 @@ void set_gemv_w4a8(bool on) { w4a8_mode = on ? 1 : 0; }
 
 namespace {
 int tiled_min_rows = -1;  // set_gemv_tiled_min_rows; -1 = not yet read from the environment
+int tiled_min_blocks_per_sm = kGemvTiledMinBlocksPerSm;
 int clamp_tiled_min_rows(int rows) { return std::clamp(rows, 2, kGemvMaxM + 1); }
 }  // namespace
 
-void set_gemv_tiled_min_rows(int rows) { tiled_min_rows = clamp_tiled_min_rows(rows); }
+void set_gemv_tiled_min_rows(int rows, int min_blocks_per_sm) {
+  DSV4_CHECK(min_blocks_per_sm >= 0, "set_gemv_tiled_min_rows: min_blocks_per_sm = {} is negative", min_blocks_per_sm);
+  tiled_min_rows = clamp_tiled_min_rows(rows);
+  tiled_min_blocks_per_sm = min_blocks_per_sm;
+}
+
+int gemv_tiled_min_blocks_per_sm() { return tiled_min_blocks_per_sm; }
 
 int gemv_tiled_min_rows() {
   if (tiled_min_rows < 0) {

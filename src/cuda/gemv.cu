@@ -274,7 +274,7 @@ cudaError_t gemv_batched_launch(const GemvBatchedParams& b, int split_k) {
   KernelArgs a = plain_args(b.base, split_k);
   a.x_batch_stride = b.x_batch_stride;
   a.y_batch_stride = b.y_batch_stride;
-  if (gemv_tiled_supported(b.base)) return gemv_tiled_launch(a, b.base, dim3(1, b.batch, 1), false);
+  if (gemv_tiled_supported(b.base, b.batch)) return gemv_tiled_launch(a, b.base, dim3(1, b.batch, 1), false);
   if (gemv_bulk_supported(b.base)) return gemv_bulk_launch(a, b.base, dim3(1, b.batch, 1), false);
   return launch<false>(b.base, a, dim3(1, b.batch, 1));
 }
@@ -296,7 +296,7 @@ cudaError_t gemv_grouped_launch(const GemvGroupedParams& g, int split_k, bool* s
   a.scale_2_second = g.base.weight == GemvWeight::NVFP4 ? g.second.scale_2 : nullptr;
   a.y_second = g.second.y;
   const dim3 grid(1, g.max_slots, g.second.w ? 2 : 1);
-  if (gemv_tiled_supported(g.base)) return gemv_tiled_launch(a, g.base, grid, true);
+  if (gemv_tiled_supported(g.base, gemv_grouped_matrices(g))) return gemv_tiled_launch(a, g.base, grid, true);
   if (gemv_w4a8_supported(g.base)) return gemv_w4a8_launch(a, g.base, grid, true);
   if (gemv_bulk_grouped_supported(g)) return gemv_bulk_launch(a, g.base, grid, true);
   if (g.swiglu.h) {

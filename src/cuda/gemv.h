@@ -203,14 +203,19 @@ constexpr bool kGemvW4a8Default = true;
 void set_gemv_w4a8(bool on);
 bool gemv_w4a8_enabled();
 
-// The rows from which the tiled tensor-core kernel runs (m >= rows; grouped: base.m, the most rows a slot may hold)
-// instead of the skinny one: kGemvMaxM + 1 (prefill chunks only) by default, down to 2 for decode batches, where
-// the skinny kernel's per-row FMAs on the CUDA cores (a decoded weight times m rows) bound it above m ~ 8. Formats
-// without a tiled kernel stay skinny. The two kernels sum k in different orders (last bits). Process-wide;
-// DSV4_GEMV_TILED_MIN_M in the environment sets it at the first call; values are clamped to [2, kGemvMaxM + 1].
+// Decode batches on the tiled tensor-core kernel: calls of m >= rows (grouped: base.m, the most rows a slot may
+// hold) run it instead of the skinny one when their grid has at least min_blocks_per_sm blocks of 128 weight rows
+// per multiprocessor (the tiled kernel has no split-k: wo_b's 32 row blocks ran 2x slower on it at batch 32, the
+// grouped experts and the q-side projection 1.2-2x faster, docs/perf.md sixteenth round). The skinny kernel's
+// per-row FMAs on the CUDA cores (a decoded weight times m rows) bound it above m ~ 8. m > kGemvMaxM always runs
+// the tiled kernel; formats without one stay skinny. The two kernels sum k in different orders (last bits).
+// Process-wide; DSV4_GEMV_TILED_MIN_M in the environment sets rows at the first call (clamped to
+// [2, kGemvMaxM + 1]; kGemvMaxM + 1: prefill chunks only). Tests pass min_blocks_per_sm 0 to force small calls.
 constexpr int kGemvTiledMinRowsDefault = kGemvMaxM + 1;
-void set_gemv_tiled_min_rows(int rows);
+constexpr int kGemvTiledMinBlocksPerSm = 2;
+void set_gemv_tiled_min_rows(int rows, int min_blocks_per_sm = kGemvTiledMinBlocksPerSm);
 int gemv_tiled_min_rows();
+int gemv_tiled_min_blocks_per_sm();
 
 // Tests: every skinny launch (gemv, gemv_batched, gemv_grouped) whose params leave split_k at 0 takes `split` (a power
 // of two up to kGemvWarps) instead of gemv_default_split_k; 0 restores the heuristic. Process-wide. Model-level tests

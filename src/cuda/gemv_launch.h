@@ -78,7 +78,14 @@ cudaError_t gemv_bulk_launch(const KernelArgs& a, const GemvParams& p, dim3 grid
 // The tiled kernel for m >= gemv_tiled_min_rows() (gemv_tiled.cu): every format except FP8 block weights with f32 scales.
 // Plain, batched (grid.y) and grouped (grid.y slots, grid.z projections) like the skinny kernel; a.m is the row
 // count (grouped: the most rows a slot holds; more are covered by further passes).
-bool gemv_tiled_supported(const GemvParams& p);
+// The matrices of a grouped launch that typically have work: active slots x projections.
+inline int64_t gemv_grouped_matrices(const GemvGroupedParams& g) {
+  const int active = g.active_slots_hint > 0 && g.active_slots_hint < g.max_slots ? g.active_slots_hint : g.max_slots;
+  return int64_t(active) * (g.second.w ? 2 : 1);
+}
+// matrices: the launch's matrices side by side in the grid (batched: batch; grouped: active slots x projections),
+// for the decode-batch rule of set_gemv_tiled_min_rows.
+bool gemv_tiled_supported(const GemvParams& p, int64_t matrices = 1);
 // 16-row weight tiles per warp of the tiled kernel: 0 = chosen per launch (1 when 256-row blocks would not give
 // every SM two blocks, else 2), or forced to 2 (256 rows per block, one block per SM) or 1 (128 rows, two blocks
 // per SM). Benchmarks and tests force it to compare; the engine leaves 0.

@@ -283,7 +283,9 @@ __global__ void __launch_bounds__(kThreads, kWeightTiles == 1 ? 2 : 1) gemv_tile
       const int unit_c = t * (kPiece / 8) + cc;
 #pragma unroll
       for (int j = 0; j < kTokenTiles; ++j) {
-        if (j * 8 >= tokens) break;  // n-tiles past the block's rows (a slot's few pairs): all zeros
+        // n-tiles past the block's rows (a slot's few pairs at decode): all zeros. Not in the 64-row variant,
+        // where the branch cost the prefill's grouped GEMM 15 % (less interleaving: 177 registers instead of 240).
+        if (kTokenTiles < 8 && j * 8 >= tokens) break;
         const int tok = j * 8 + g;
         const uint4 xb = xs[tok * kRowChunks + swizzle<F>(unit_c, tok)];
 #pragma unroll
@@ -370,8 +372,12 @@ cudaError_t launch_any(const KernelArgs& a, dim3 grid, cudaStream_t stream, bool
 
 int tiled_weight_tiles = 0;
 
-bool gemv_tiled_supported(const GemvParams& p) {
-  return p.m >= gemv_tiled_min_rows() && !(p.weight == GemvWeight::FP8_BLOCK && p.fp8_scale == GemvScale::F32);
+bool gemv_tiled_supported(const GemvParams& p, int64_t matrices) {
+  if (p.weight == GemvWeight::FP8_BLOCK && p.fp8_scale == GemvScale::F32) return false;
+  if (p.m > kGemvMaxM) return true;
+  if (p.m < gemv_tiled_min_rows()) return false;
+  const int64_t blocks = (int64_t(p.n) + 127) / 128 * std::max<int64_t>(matrices, 1);
+  return blocks >= int64_t(gemv_tiled_min_blocks_per_sm()) * current_sm_count();
 }
 
 cudaError_t gemv_tiled_launch(const KernelArgs& a, const GemvParams& p, dim3 grid, bool grouped) {

@@ -232,7 +232,7 @@ struct IndexerTopkParams {
 void indexer_scores(const IndexerTopkParams& p, cudaStream_t stream);
 void indexer_select(const IndexerTopkParams& p, cudaStream_t stream);
 // The order of indexer_select's picks: ascending index (on, the default: +2.6 % at batch 1 on the H100, docs/perf.md
-// sixteenth round) or descending score (off; process-wide).
+// sixteenth round) or descending score (off; process-wide; DSV4_INDEX_ORDER=0 in the environment at the first call).
 void set_indexer_select_index_order(bool on);
 bool indexer_select_index_order();
 void indexer_topk(const IndexerTopkParams& p, cudaStream_t stream);

@@ -3,6 +3,8 @@
 // between the experts' projections. Sparse attention is in attention.cu, the KV compressors in compressor.cu.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <string_view>
 
 #include "cuda/device.h"
 #include "cuda/launch.cuh"
@@ -471,13 +473,14 @@ void indexer_scores(const IndexerTopkParams& p, cudaStream_t stream) {
 
 namespace {
 
-bool g_select_index_order = true;  // set_indexer_select_index_order: +2.6 % at batch 1 (docs/perf.md)
+// set_indexer_select_index_order (+2.6 % at batch 1, docs/perf.md); -1: not yet read from DSV4_INDEX_ORDER
+int g_select_index_order = -1;
 
 void launch_select(const IndexerTopkParams& p, cudaStream_t stream) {
   constexpr auto kKernel = indexer_select_kernel;
   const cudaError_t attr = gpu::allow_dynamic_smem<kKernel>(int(kSelectMaxSmem));
   OPS_CHECK(attr == cudaSuccess, "indexer_select: cannot allow %d bytes of shared memory", int(kSelectMaxSmem));
-  const bool index_order = g_select_index_order;
+  const bool index_order = indexer_select_index_order();
   int sort_cap = 32;  // the sort's power-of-two length for the most candidates a row can have (none in index order)
   while (!index_order && sort_cap < std::min(p.topk, p.max_entries)) sort_cap <<= 1;
   const int cache_entries = std::min(p.max_entries, kSelectCacheEntries);
@@ -489,8 +492,14 @@ void launch_select(const IndexerTopkParams& p, cudaStream_t stream) {
 
 }  // namespace
 
-void set_indexer_select_index_order(bool on) { g_select_index_order = on; }
-bool indexer_select_index_order() { return g_select_index_order; }
+void set_indexer_select_index_order(bool on) { g_select_index_order = on ? 1 : 0; }
+bool indexer_select_index_order() {
+  if (g_select_index_order < 0) {
+    const char* v = std::getenv("DSV4_INDEX_ORDER");
+    g_select_index_order = v && std::string_view(v) == "0" ? 0 : 1;
+  }
+  return g_select_index_order == 1;
+}
 
 void indexer_select(const IndexerTopkParams& p, cudaStream_t stream) {
   if (p.n == 0) return;

@@ -769,10 +769,10 @@ TEST(CudaModel, BatchedDecodeFortySequences) {  // more rows than one mma n-tile
 TEST(CudaModel, BatchedDecodeOnTheTiledKernel) {
   DSV4_REQUIRE_CUDA();
   struct Restore {
-    int rows = gemv_tiled_min_rows();
-    ~Restore() { set_gemv_tiled_min_rows(rows); }
+    int rows = gemv_tiled_min_rows(), blocks = gemv_tiled_min_blocks_per_sm();
+    ~Restore() { set_gemv_tiled_min_rows(rows, blocks); }
   } restore;
-  set_gemv_tiled_min_rows(2);
+  set_gemv_tiled_min_rows(2, 0);  // the tiny models' grids are small
   check_batched_decode("tiny-flash", kDefault, 5, 12);
   check_batched_decode("tiny-flash", kDefault, 40, 6);
 }
@@ -800,6 +800,7 @@ void check_fused_mhc(const std::string& name, Numerics numerics) {
   auto run = [&](bool fused) {
     CudaRunnerOptions options;
     options.fuse_mhc_mix = fused;
+    options.fuse_mhc_post = false;  // the plain run's posts on their own, as the fused run's (hc_post_mix) are
     options.sequences = B;
     options.prefill_chunk = 64;  // 70 tokens: chunks of 64 and 6 rows, both decode-sized, so they run fused too
     std::unique_ptr<SequenceRunner> r = make_cuda_runner(model, n + 2 * steps + 1, options);

@@ -110,7 +110,11 @@ void expect_same_as_one_stage(const Model& model, const std::string& name, const
   const CudaRunnerStats stats = cuda_runner_stats(*r);
   EXPECT_EQ(stats.stages, int(stages)) << split;
   EXPECT_GT(stats.stage_copies, 0) << split;
-  EXPECT_EQ(stats.graph_kernels, one_kernels) << split << ": the stages' decode graphs hold the one-stage kernels";
+  // fuse_mhc_post leaves a stage's last post to its own launch (the next hc_pre is on the next stage): one kernel
+  // more per boundary where the cluster collapse would have applied it.
+  const bool post_fused = CudaRunnerOptions{}.fuse_mhc_post && model.config().hidden_size % 64 == 0;
+  EXPECT_EQ(stats.graph_kernels, one_kernels + (post_fused ? int64_t(stages) - 1 : 0))
+      << split << ": the stages' decode graphs hold the one-stage kernels";
   ASSERT_EQ(got.logits.size(), one.logits.size()) << split;
   EXPECT_EQ(std::memcmp(got.logits.data(), one.logits.data(), one.logits.size() * sizeof(float)), 0) << split;
   EXPECT_EQ(got.ids, one.ids) << split;

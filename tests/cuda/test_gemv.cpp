@@ -132,10 +132,10 @@ struct BulkScope {
   ~BulkScope() { set_gemv_bulk(false); }
 };
 
-// set_gemv_tiled_min_rows for one test (0: leave it), the default again after it.
+// set_gemv_tiled_min_rows for one test (0: leave it), whatever the grid size, the default again after it.
 struct TiledMinScope {
   explicit TiledMinScope(int rows) {
-    if (rows) set_gemv_tiled_min_rows(rows);
+    if (rows) set_gemv_tiled_min_rows(rows, 0);  // small test shapes: whatever the grid
   }
   ~TiledMinScope() { set_gemv_tiled_min_rows(kGemvTiledMinRowsDefault); }
 };
