@@ -203,15 +203,17 @@ constexpr bool kGemvW4a8Default = true;
 void set_gemv_w4a8(bool on);
 bool gemv_w4a8_enabled();
 
-// Decode batches on the tiled tensor-core kernel: calls of m >= rows (grouped: base.m, the most rows a slot may
-// hold) run it instead of the skinny one when their grid has at least min_blocks_per_sm blocks of 128 weight rows
-// per multiprocessor (the tiled kernel has no split-k: wo_b's 32 row blocks ran 2x slower on it at batch 32, the
-// grouped experts and the q-side projection 1.2-2x faster, docs/perf.md sixteenth round). The skinny kernel's
-// per-row FMAs on the CUDA cores (a decoded weight times m rows) bound it above m ~ 8. m > kGemvMaxM always runs
-// the tiled kernel; formats without one stay skinny. The two kernels sum k in different orders (last bits).
+// Decode batches on the tiled tensor-core kernel: calls of m >= rows (BF16 weights: 2 x rows; grouped: base.m, the
+// most rows a slot may hold) run it instead of the skinny one when their grid has at least min_blocks_per_sm blocks
+// of 128 weight rows per multiprocessor (the tiled kernel has no split-k: wo_b's 32 row blocks ran 2x slower on it
+// at batch 32, the grouped experts and the q-side projection 1.2-2x faster). The skinny kernel's per-row FMAs on the
+// CUDA cores (a decoded weight times m rows) bound it above m ~ 8; BF16 weights decode nothing, so their skinny
+// kernel holds out longer. Measured on the H100 (docs/perf.md sixteenth round), NVFP4 from 16 rows: batch 8 -5 %,
+// 16 +4 %, 32 +10 %, 64 +22 %; BF16 from 32: batch 16 -5 %, 32 +4 %, 64 +10 %. m > kGemvMaxM always runs the
+// tiled kernel; formats without one stay skinny. The two kernels sum k in different orders (last bits).
 // Process-wide; DSV4_GEMV_TILED_MIN_M in the environment sets rows at the first call (clamped to
 // [2, kGemvMaxM + 1]; kGemvMaxM + 1: prefill chunks only). Tests pass min_blocks_per_sm 0 to force small calls.
-constexpr int kGemvTiledMinRowsDefault = kGemvMaxM + 1;
+constexpr int kGemvTiledMinRowsDefault = 16;
 constexpr int kGemvTiledMinBlocksPerSm = 2;
 void set_gemv_tiled_min_rows(int rows, int min_blocks_per_sm = kGemvTiledMinBlocksPerSm);
 int gemv_tiled_min_rows();

@@ -375,7 +375,8 @@ int tiled_weight_tiles = 0;
 bool gemv_tiled_supported(const GemvParams& p, int64_t matrices) {
   if (p.weight == GemvWeight::FP8_BLOCK && p.fp8_scale == GemvScale::F32) return false;
   if (p.m > kGemvMaxM) return true;
-  if (p.m < gemv_tiled_min_rows()) return false;
+  const int min_rows = gemv_tiled_min_rows();
+  if (p.m < (p.weight == GemvWeight::BF16 ? std::min(2 * min_rows, kGemvMaxM + 1) : min_rows)) return false;
   const int64_t blocks = (int64_t(p.n) + 127) / 128 * std::max<int64_t>(matrices, 1);
   return blocks >= int64_t(gemv_tiled_min_blocks_per_sm()) * current_sm_count();
 }

@@ -787,7 +787,8 @@ TEST(CudaModel, BatchedDecodeOnTheTiledKernel) {
 // or indexer top-k choice flipped on an fp32 difference; a wrong mix moves every row. Under the default FP8 KV /
 // FP4 indexer rounding every such difference crosses rounding boundaries (median 7e-4, all rows), so that run
 // would test the rounding, not the fusion.
-void check_fused_mhc(const std::string& name, Numerics numerics) {
+// bounded: the median / max bounds below; else only that both runs are reproducible (the printout shows the rest).
+void check_fused_mhc(const std::string& name, Numerics numerics, bool bounded) {
   std::string source;
   const Model model = tiny_model(name, numerics, &source);
   const int V = model.config().vocab_size, n = 70, steps = 12, B = 5;
@@ -820,6 +821,8 @@ void check_fused_mhc(const std::string& name, Numerics numerics) {
   };
   const auto [fused, fused_kernels] = run(true);
   const auto [plain, plain_kernels] = run(false);
+  EXPECT_TRUE(run(true).first == fused) << name << ": the fused run is not reproducible";
+  EXPECT_TRUE(run(false).first == plain) << name << ": the plain run is not reproducible";
   // The mixes of every sublayer but the first no longer run on their own; where hc_pre computes the mix inside its
   // collapse's cluster (ops.h: hidden size a multiple of 64) the unfused runner has no mix launch either.
   const bool mix_in_cluster = model.config().hidden_size % 64 == 0;
@@ -836,14 +839,26 @@ void check_fused_mhc(const std::string& name, Numerics numerics) {
   for (size_t r = 0; r < diff.row_max.size(); ++r)
     std::printf("%s%.0f", r == size_t(n) || r == size_t(n + steps) ? " | " : " ", 1e4 * diff.row_max[r] / scale);
   std::printf("\n");
+  if (!bounded) return;
   EXPECT_LE(diff.quantile(0.5), 1e-4 * scale);
   EXPECT_LE(diff.max_abs, 5e-3 * scale);
 }
 
+// Bounded in score order. With the indexer's picks in index order (the default) this prompt meets a near-tie at row
+// 27 of tiny-flash (and in tiny-pro's second chunk): the fused mix's last-bit difference flips one discrete choice
+// and the difference spreads to every later row at ~1e-3 of max|logit| (H100, stop 29), which says nothing about
+// the fusion; there only reproducibility is checked.
 TEST(CudaModel, FusedMhcMixMatchesSeparateMix) {
   DSV4_REQUIRE_CUDA();
-  check_fused_mhc("tiny-flash", kF32);
-  check_fused_mhc("tiny-pro", kF32);
+  struct Restore {
+    bool index_order = gpu::indexer_select_index_order();
+    ~Restore() { gpu::set_indexer_select_index_order(index_order); }
+  } restore;
+  for (const bool index_order : {false, true}) {
+    gpu::set_indexer_select_index_order(index_order);
+    check_fused_mhc("tiny-flash", kF32, !index_order);
+    check_fused_mhc("tiny-pro", kF32, !index_order);
+  }
 }
 
 // The small synthetic structure with every linear's k a multiple of 512 (hidden, q_lora, o_lora, moe_inter 512; one

@@ -123,7 +123,7 @@ struct Case {
   int split_k;  // 0 = heuristic
   GemvAct act = GemvAct::BF16;
   bool bulk = false;  // fp4 weights through the copy engine (set_gemv_bulk)
-  int tiled_min = 0;  // > 0: set_gemv_tiled_min_rows(tiled_min), so decode-sized m runs the tiled kernel
+  int tiled_min = 0;  // > 0: set_gemv_tiled_min_rows(tiled_min): decode-sized m on the tiled kernel (TiledMinScope)
 };
 
 // set_gemv_bulk for one test, off again after it (also when an assertion returns early).
@@ -132,11 +132,10 @@ struct BulkScope {
   ~BulkScope() { set_gemv_bulk(false); }
 };
 
-// set_gemv_tiled_min_rows for one test (0: leave it), whatever the grid size, the default again after it.
+// set_gemv_tiled_min_rows for one case, whatever the grid size: its tiled_min, else kGemvMaxM + 1 (the skinny
+// kernel up to 64 rows, as the other cases are written for); the default again after it.
 struct TiledMinScope {
-  explicit TiledMinScope(int rows) {
-    if (rows) set_gemv_tiled_min_rows(rows, 0);  // small test shapes: whatever the grid
-  }
+  explicit TiledMinScope(int rows) { set_gemv_tiled_min_rows(rows ? rows : kGemvMaxM + 1, 0); }
   ~TiledMinScope() { set_gemv_tiled_min_rows(kGemvTiledMinRowsDefault); }
 };
 
@@ -388,7 +387,7 @@ std::vector<Case> all_cases() {
     // Decode batches on the tiled kernel (set_gemv_tiled_min_rows): its 16- and 32-row activation tiles, partly
     // filled, and the 64-row one at m <= 64; bf16 / fp8 rows leave threads without an activation copy.
     if (f.s == GemvScale::E8M0)
-      for (int m : {2, 9, 16, 17, 32, 33, 64}) {
+      for (int m : {4, 9, 16, 17, 32, 33, 64}) {  // bf16 weights from 2 x 2 rows
         cases.push_back({f.w, f.s, m, 301, f.k_wide, GemvOut::F32, 0, GemvAct::BF16, false, 2});
         cases.push_back({f.w, f.s, m, 45, f.k_deep, GemvOut::BF16, 0, GemvAct::BF16, false, 2});
       }
