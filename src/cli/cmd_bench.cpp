@@ -94,7 +94,8 @@ struct BenchArgs {
   // mHC post inside the next hc_pre or its own launch: fuse_mhc_post), swiglu / noswiglu (the experts' SwiGLU inside
   // the grouped w1 + w3 or its own launch: fuse_swiglu), indexorder / scoreorder (the indexer's picks in index order
   // or sorted by score: set_indexer_select_index_order), tiledN (N = 2..65: calls of >= N rows whose grid fills the
-  // GPU, decode batches included, on the tiled tensor-core GEMM: set_gemv_tiled_min_rows).
+  // GPU, decode batches included, on the tiled tensor-core GEMM: set_gemv_tiled_min_rows), split1 / 2 / 4 / 8 (every
+  // skinny GEMV at that split_k instead of the heuristic's: set_gemv_forced_split).
   // Prefill and --profile use the first.
   std::vector<std::string> switches = {"default"};
 };
@@ -110,6 +111,7 @@ struct StepSwitches {
   // fuse_swiglu, scoreorder / indexorder: set_indexer_select_index_order).
   int gate = -1, post = -1, swiglu = -1, index_order = -1;
   int tiled_min = 0;  // tiledN: the tiled tensor-core GEMM from N rows (set_gemv_tiled_min_rows; 0: as built)
+  int split = 0;      // splitN: every skinny GEMV launch at split_k N (set_gemv_forced_split; 0: the heuristic)
 };
 
 StepSwitches parse_switches(const std::string& spec) {
@@ -144,9 +146,11 @@ StepSwitches parse_switches(const std::string& spec) {
     else if (name.rfind("tiled", 0) == 0 && name.size() > 5 &&
              name.find_first_not_of("0123456789", 5) == std::string::npos)
       s.tiled_min = std::stoi(name.substr(5));
+    else if (name == "split1" || name == "split2" || name == "split4" || name == "split8")
+      s.split = name[5] - '0';
     else DSV4_FAIL("dsv4 bench: --switches entry '{}' has '{}' (expected default, or bulk, bulkdense, overlap, "
                    "serial, mhc, routing, qnorm, heads16, heads64, hcblock, now4a8, early, earlyall, late, [no]gate, [no]post, "
-                   "[no]swiglu, scoreorder, indexorder and tiledN joined by '+')",
+                   "[no]swiglu, scoreorder, indexorder, tiledN and split1/2/4/8 joined by '+')",
                    spec, name);
     from = to + 1;
   }
@@ -542,6 +546,7 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
     gpu::set_indexer_select_index_order(s.index_order >= 0 ? s.index_order == 1 : built_index_order);
     set_gemv_w4a8(built_w4a8 && !s.no_w4a8);
     set_gemv_tiled_min_rows(s.tiled_min ? s.tiled_min : built_tiled_min, built_tiled_blocks);
+    set_gemv_forced_split(s.split);
     gpu::set_early_weights(s.late ? gpu::EarlyWeights::Off
                            : s.early_all ? gpu::EarlyWeights::All
                            : s.early && built_early == gpu::EarlyWeights::Off ? gpu::EarlyWeights::Gemv
@@ -805,7 +810,8 @@ void add_bench_command(CLI::App& app, Handler& handler) {
                   "(router gate, router and moe_slots in one launch or three), post / nopost (mHC post inside the next hc_pre or "
                   "apart), swiglu / noswiglu (the experts' SwiGLU inside the grouped w1 + w3 or apart), indexorder / "
                   "scoreorder (the indexer's picks in index or score order), tiledN (calls of >= N rows, N = 2..65, "
-                  "on the tiled tensor-core GEMM where their grid fills the GPU), e.g. "
+                  "on the tiled tensor-core GEMM where their grid fills the GPU), split1 / 2 / 4 / 8 (every skinny GEMV at that "
+                  "split_k), e.g. "
                   "default,bulk,overlap,mhc+routing+qnorm,bulk+overlap+mhc+routing+qnorm,heads64")
       ->delimiter(',')->capture_default_str();
   cmd->add_flag("--mtp", args->mtp,
