@@ -86,20 +86,22 @@ __global__ void __launch_bounds__(kThreads, kTilesN <= 4 ? 2 : 1) gemv_kernel(co
   const uint8_t* w_scale = rows.w_scale;
   if constexpr (F == Fmt::MXFP4) w_scale += size_t(rows.w_row0) * (a.k / 32);
   if constexpr (F == Fmt::NVFP4) w_scale += size_t(rows.w_row0) * (a.k / 16);
-  // Where this thread's pieces of chunk 0 are (row r_lo / r_hi, bytes t·piece of the row's chunk), and how far the
-  // next chunk's are: row-major, or weight_tiles::offset of the same bytes (a tile's chunk holds its 16 rows' slices).
+  // Where this thread's pieces of chunk 0 are, and how far the next chunk's are: row-major, or the tile layout
+  // (weight_tiles::offset of the same bytes, written out: a tile's rows g and g + 8 are lane·piece bytes into the
+  // two halves of its chunk; through offset() itself ptxas allocated registers differently and batch 1 ran 2.6 %
+  // slower on the H100, docs/perf.md sixteenth round).
+  namespace wt = weight_tiles;
   constexpr int kScalePiece = F == Fmt::NVFP4 ? 2 : 1;  // fp4 scale bytes per 32-element piece
+  constexpr int kHalfChunk = 8 * wt::kChunkPieces;     // pieces in half a tile's chunk (rows g of 0..7)
+  const uint8_t* w_lo = kTileLayout ? w_base + size_t(row0) * row_bytes + lane * wt::kWeightPiece
+                                    : w_base + size_t(r_lo) * row_bytes + t * wt::kWeightPiece;
+  const uint8_t* w_hi = kTileLayout ? w_lo + kHalfChunk * wt::kWeightPiece : w_lo + 8 * row_bytes;
+  constexpr size_t kWChunkStride = kTileLayout ? wt::kRows * kChunkBytes : kChunkBytes;
   const size_t scale_row_bytes = size_t(a.k / 32) * kScalePiece;
-  auto at = [&](int r, size_t piece, size_t bytes_per_row) {
-    return kTileLayout ? weight_tiles::offset(size_t(r), t * piece, bytes_per_row, piece)
-                       : size_t(r) * bytes_per_row + t * piece;
-  };
-  const uint8_t* w_lo = w_base + at(r_lo, 16, row_bytes);
-  const uint8_t* w_hi = w_base + at(r_hi, 16, row_bytes);
-  constexpr size_t kWChunkStride = (kTileLayout ? weight_tiles::kRows : 1) * kChunkBytes;
-  const uint8_t* s_lo = w_scale + at(r_lo, kScalePiece, scale_row_bytes);
-  const uint8_t* s_hi = w_scale + at(r_hi, kScalePiece, scale_row_bytes);
-  constexpr size_t kSChunkStride = (kTileLayout ? weight_tiles::kRows : 1) * weight_tiles::kChunkPieces * kScalePiece;
+  const uint8_t* s_lo = kTileLayout ? w_scale + size_t(row0) * scale_row_bytes + lane * kScalePiece
+                               : w_scale + size_t(r_lo) * scale_row_bytes + t * kScalePiece;
+  const uint8_t* s_hi = kTileLayout ? s_lo + kHalfChunk * kScalePiece : s_lo + 8 * scale_row_bytes;
+  constexpr size_t kSChunkStride = (kTileLayout ? wt::kRows : 1) * wt::kChunkPieces * kScalePiece;
   auto pair_of = [&](int row) { return kGrouped ? a.row_order[rows.order0 + row] : row; };
   // x and y belong to the step. Under early_weights a plain / batched block first issues its first round of weight
   // loads (no kernel writes weights), so that they stream while the previous kernel finishes.
