@@ -95,8 +95,7 @@ struct BenchArgs {
   // the grouped w1 + w3 or its own launch: fuse_swiglu), indexorder / scoreorder (the indexer's picks in index order
   // or sorted by score: set_indexer_select_index_order), tiledN (N = 2..65: calls of >= N rows whose grid fills the
   // GPU, decode batches included, on the tiled tensor-core GEMM: set_gemv_tiled_min_rows), split1 / 2 / 4 / 8 (every
-  // skinny GEMV at that split_k instead of the heuristic's: set_gemv_forced_split), nosplit (the tiled kernel's decode
-  // calls without their k-split: set_gemv_tiled_split).
+  // skinny GEMV at that split_k instead of the heuristic's: set_gemv_forced_split).
   // Prefill and --profile use the first.
   std::vector<std::string> switches = {"default"};
 };
@@ -113,7 +112,6 @@ struct StepSwitches {
   int gate = -1, post = -1, swiglu = -1, index_order = -1;
   int tiled_min = 0;  // tiledN: the tiled tensor-core GEMM from N rows (set_gemv_tiled_min_rows; 0: as built)
   int split = 0;      // splitN: every skinny GEMV launch at split_k N (set_gemv_forced_split; 0: the heuristic)
-  bool no_tiled_split = false;  // nosplit: the tiled kernel's decode calls without their k-split (set_gemv_tiled_split)
 };
 
 StepSwitches parse_switches(const std::string& spec) {
@@ -148,12 +146,11 @@ StepSwitches parse_switches(const std::string& spec) {
     else if (name.rfind("tiled", 0) == 0 && name.size() > 5 &&
              name.find_first_not_of("0123456789", 5) == std::string::npos)
       s.tiled_min = std::stoi(name.substr(5));
-    else if (name == "nosplit") s.no_tiled_split = true;
     else if (name == "split1" || name == "split2" || name == "split4" || name == "split8")
       s.split = name[5] - '0';
     else DSV4_FAIL("dsv4 bench: --switches entry '{}' has '{}' (expected default, or bulk, bulkdense, overlap, "
                    "serial, mhc, routing, qnorm, heads16, heads64, hcblock, now4a8, early, earlyall, late, [no]gate, [no]post, "
-                   "[no]swiglu, scoreorder, indexorder, tiledN, split1/2/4/8 and nosplit joined by '+')",
+                   "[no]swiglu, scoreorder, indexorder, tiledN and split1/2/4/8 joined by '+')",
                    spec, name);
     from = to + 1;
   }
@@ -550,7 +547,6 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
     set_gemv_w4a8(built_w4a8 && !s.no_w4a8);
     set_gemv_tiled_min_rows(s.tiled_min ? s.tiled_min : built_tiled_min, built_tiled_blocks);
     set_gemv_forced_split(s.split);
-    set_gemv_tiled_split(s.no_tiled_split ? 1 : 0);
     gpu::set_early_weights(s.late ? gpu::EarlyWeights::Off
                            : s.early_all ? gpu::EarlyWeights::All
                            : s.early && built_early == gpu::EarlyWeights::Off ? gpu::EarlyWeights::Gemv
@@ -815,7 +811,7 @@ void add_bench_command(CLI::App& app, Handler& handler) {
                   "apart), swiglu / noswiglu (the experts' SwiGLU inside the grouped w1 + w3 or apart), indexorder / "
                   "scoreorder (the indexer's picks in index or score order), tiledN (calls of >= N rows, N = 2..65, "
                   "on the tiled tensor-core GEMM where their grid fills the GPU), split1 / 2 / 4 / 8 (every skinny GEMV at that "
-                  "split_k), nosplit (the tiled kernel's decode calls without their k-split), e.g. "
+                  "split_k), e.g. "
                   "default,bulk,overlap,mhc+routing+qnorm,bulk+overlap+mhc+routing+qnorm,heads64")
       ->delimiter(',')->capture_default_str();
   cmd->add_flag("--mtp", args->mtp,

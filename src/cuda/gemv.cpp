@@ -104,12 +104,6 @@ void set_gemv_tiled_min_rows(int rows, int min_blocks_per_sm) {
 
 int gemv_tiled_min_blocks_per_sm() { return tiled_min_blocks_per_sm; }
 
-void set_gemv_tiled_split(int parts) {
-  DSV4_CHECK(parts == 0 || parts == 1 || parts == 2 || parts == 4 || parts == 8,
-             "set_gemv_tiled_split: {} is not 0, 1, 2, 4 or 8", parts);
-  detail::tiled_forced_split = parts;
-}
-
 int gemv_tiled_min_rows() {
   if (tiled_min_rows < 0) {
     const char* v = std::getenv("DSV4_GEMV_TILED_MIN_M");

@@ -302,7 +302,7 @@ cudaError_t gemv_grouped_launch(const GemvGroupedParams& g, int split_k, bool* s
   a.scale_2_second = g.base.weight == GemvWeight::NVFP4 ? g.second.scale_2 : nullptr;
   a.y_second = g.second.y;
   const dim3 grid(1, g.max_slots, g.second.w ? 2 : 1);
-  if (gemv_tiled_supported(g.base, gemv_grouped_matrices(g), true)) return gemv_tiled_launch(a, g.base, grid, true);
+  if (gemv_tiled_supported(g.base, gemv_grouped_matrices(g))) return gemv_tiled_launch(a, g.base, grid, true);
   if (gemv_w4a8_supported(g.base)) return gemv_w4a8_launch(a, g.base, grid, true);
   if (gemv_bulk_grouped_supported(g)) return gemv_bulk_launch(a, g.base, grid, true);
   if (g.swiglu.h) {

@@ -205,9 +205,8 @@ bool gemv_w4a8_enabled();
 
 // Decode batches on the tiled tensor-core kernel: calls of m >= rows (BF16 weights: 2 x rows; grouped: base.m, the
 // most rows a slot may hold) run it instead of the skinny one when their grid has at least min_blocks_per_sm blocks
-// of 128 weight rows per multiprocessor, counting the k-split of plain / batched calls of <= 32 rows (without it,
-// wo_b's 32 row blocks ran 2x slower on it at batch 32; the grouped experts and the q-side projection ran 1.2-2x
-// faster: set_gemv_tiled_split below). The skinny kernel's per-row FMAs on the
+// of 128 weight rows per multiprocessor (the tiled kernel has no split-k: wo_b's 32 row blocks ran 2x slower on it
+// at batch 32, the grouped experts and the q-side projection 1.2-2x faster). The skinny kernel's per-row FMAs on the
 // CUDA cores (a decoded weight times m rows) bound it above m ~ 8; BF16 weights decode nothing, so their skinny
 // kernel holds out longer. Measured on the H100 (docs/perf.md sixteenth round), NVFP4 from 16 rows: batch 8 -5 %,
 // 16 +4 %, 32 +10 %, 64 +22 %; BF16 from 32: batch 16 -5 %, 32 +4 %, 64 +10 %. m > kGemvMaxM always runs the
@@ -217,10 +216,6 @@ bool gemv_w4a8_enabled();
 constexpr int kGemvTiledMinRowsDefault = 16;
 constexpr int kGemvTiledMinBlocksPerSm = 2;
 void set_gemv_tiled_min_rows(int rows, int min_blocks_per_sm = kGemvTiledMinBlocksPerSm);
-// The tiled kernel's k-split at decode (calls of <= 32 rows whose output tiles give < 2 blocks per SM, e.g. wo_b:
-// 2, 4 or 8 parts of k in a thread-block cluster, added in rank order): 0 = that rule, 1 = never, 2 / 4 / 8 = every
-// such call (tests, benchmarks). Process-wide.
-void set_gemv_tiled_split(int parts);
 int gemv_tiled_min_rows();
 int gemv_tiled_min_blocks_per_sm();
 

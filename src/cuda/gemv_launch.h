@@ -84,15 +84,12 @@ inline int64_t gemv_grouped_matrices(const GemvGroupedParams& g) {
   return int64_t(active) * (g.second.w ? 2 : 1);
 }
 // matrices: the launch's matrices side by side in the grid (batched: batch; grouped: active slots x projections),
-// for the decode-batch rule of set_gemv_tiled_min_rows (with the k-split plain and batched calls would take).
-bool gemv_tiled_supported(const GemvParams& p, int64_t matrices = 1, bool grouped = false);
+// for the decode-batch rule of set_gemv_tiled_min_rows.
+bool gemv_tiled_supported(const GemvParams& p, int64_t matrices = 1);
 // 16-row weight tiles per warp of the tiled kernel: 0 = chosen per launch (1 when 256-row blocks would not give
 // every SM two blocks, else 2), or forced to 2 (256 rows per block, one block per SM) or 1 (128 rows, two blocks
 // per SM). Benchmarks and tests force it to compare; the engine leaves 0.
 extern int tiled_weight_tiles;
-// The tiled kernel's k-split (parts of one output tile in a thread-block cluster, added in rank order): 0 = chosen
-// per launch (decode calls whose tiles give < 2 blocks per SM: 2, 4 or 8), or forced (1, 2, 4, 8; tests).
-extern int tiled_forced_split;
 cudaError_t gemv_tiled_launch(const KernelArgs& a, const GemvParams& p, dim3 grid, bool grouped);
 
 // y[r, :] = act_quant_fp8(x[r, :]) as bf16 for r < rows (act_quant_fp8 in gemv.h).

@@ -10,7 +10,6 @@
 // row is stored coalesced. Blocks of one weight tile and consecutive row tiles are adjacent in the grid, so the
 // weight bytes come from DRAM about once and from L2 for the other row tiles.
 // FP8 block weights with f32 scales are not handled here (gemv.cpp runs the skinny kernel for them).
-#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -27,20 +26,6 @@ namespace dsv4::detail {
 namespace {
 
 enum class Fmt { BF16, FP8, MXFP4, NVFP4 };
-
-// The k-split of a launch: decode calls (m <= kMaxSplitRows, not grouped) whose output tiles give fewer than two
-// blocks per SM take 2, 4 or 8 parts of at least kMinSplitChunks chunks each (wo_b's 4096 rows are 32 blocks of
-// 128). kMaxSplitRows: the 16- and 32-row variants of the kernel (launch_any).
-constexpr int kMaxSplit = 8, kMinSplitChunks = 4, kMaxSplitRows = 32;
-int tiled_split(int m, int n_chunks, int64_t blocks, bool grouped) {
-  if (grouped || m > kMaxSplitRows) return 1;
-  if (tiled_forced_split) return tiled_forced_split;  // set_gemv_tiled_split
-  int split = 1;
-  while (split < kMaxSplit && blocks * split < 2 * int64_t(current_sm_count()) &&
-         n_chunks >= 2 * split * kMinSplitChunks)
-    split *= 2;
-  return split;
-}
 
 constexpr int kWarps = 8, kThreads = kWarps * 32;
 constexpr int kStages = 4;
@@ -137,14 +122,9 @@ __global__ void __launch_bounds__(kThreads, kWeightTiles == 1 ? 2 : 1) gemv_tile
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  // a.split > 1 (decode calls of few row blocks): the split blocks of one output tile are a cluster along x, each
-  // summing a contiguous range of chunks; the cluster adds their tiles in rank order at the end. Only the 16- and
-  // 32-row variants split: in the 64-row ones (prefill) the extra state cost spills.
-  constexpr bool kCanSplit = kTokenTiles < 8;
-  const int split = kCanSplit ? a.split : 1, part = int(blockIdx.x) % split, tile_block = int(blockIdx.x) / split;
-  const int token_blocks = int(gridDim.x) / split / ((a.n + kBlockRows - 1) / kBlockRows);
-  const int tok_first = tile_block % token_blocks * kBlockTokens;
-  const int row_block0 = tile_block / token_blocks * kBlockRows;
+  const int token_blocks = int(gridDim.x) / ((a.n + kBlockRows - 1) / kBlockRows);
+  const int tok_first = int(blockIdx.x) % token_blocks * kBlockTokens;
+  const int row_block0 = int(blockIdx.x) / token_blocks * kBlockRows;
   const size_t row_bytes = F == Fmt::BF16 ? size_t(a.k) * 2 : F == Fmt::FP8 ? size_t(a.k) : size_t(a.k) / 2;
 
   BlockRows rows;
@@ -160,12 +140,6 @@ __global__ void __launch_bounds__(kThreads, kWeightTiles == 1 ? 2 : 1) gemv_tile
   if constexpr (F == Fmt::MXFP4) w_scale += size_t(rows.w_row0) * (a.k / 32);
   if constexpr (F == Fmt::NVFP4) w_scale += size_t(rows.w_row0) * (a.k / 16);
   const int n_chunks = (a.k + kChunkK - 1) / kChunkK;
-  int c_begin = 0, c_end = n_chunks;  // this part's chunks (the constants keep the 64-row variants' code as it was)
-  if constexpr (kCanSplit) {
-    const int per_part = (n_chunks + split - 1) / split;
-    c_begin = min(n_chunks, part * per_part);
-    c_end = min(n_chunks, c_begin + per_part);
-  }
   // This thread's weight rows in the block's tile: (warp·2 + wt)·16 + g (+ 8 for hi); its piece is bytes t·16.
   int local[kWeightTiles][2];
 #pragma unroll
@@ -231,7 +205,7 @@ __global__ void __launch_bounds__(kThreads, kWeightTiles == 1 ? 2 : 1) gemv_tile
                    : nullptr;
   }
   auto copy_x = [&](int c) {
-    if (c >= c_end) return;
+    if (c >= n_chunks) return;
     uint4* xs = x_stage(c);
 #pragma unroll
     for (int i = 0; i < kXCopies; ++i) {
@@ -242,7 +216,7 @@ __global__ void __launch_bounds__(kThreads, kWeightTiles == 1 ? 2 : 1) gemv_tile
     }
   };
   auto copy_w = [&](int c) {
-    if (c >= c_end) return;
+    if (c >= n_chunks) return;
     uint4* ws = w_stage(c);
 #pragma unroll
     for (int i = 0; i < kWCopies; ++i) {
@@ -263,27 +237,27 @@ __global__ void __launch_bounds__(kThreads, kWeightTiles == 1 ? 2 : 1) gemv_tile
     for (int j = 0; j < kTokenTiles; ++j) acc[wt][j][0] = acc[wt][j][1] = acc[wt][j][2] = acc[wt][j][3] = 0.0f;
 
   uint32_t sc_cur[kWeightTiles][2], sc_next[kWeightTiles][2];
-  load_scales(c_begin, sc_cur);
+  load_scales(0, sc_cur);
   if (early && first_pass) {
     // Weight groups first, then the activation groups after the wait: the loop's wait for all but the newest
     // kStages - 2 groups still covers stage c's weights and activations.
 #pragma unroll
     for (int s = 0; s < kStages - 1; ++s) {
-      copy_w(c_begin + s);
+      copy_w(s);
       cp_async_commit();
     }
     gpu::dependent_wait();
 #pragma unroll
     for (int s = 0; s < kStages - 1; ++s) {
-      copy_x(c_begin + s);
+      copy_x(s);
       cp_async_commit();
     }
   } else {
 #pragma unroll
-    for (int s = 0; s < kStages - 1; ++s) copy_stage(c_begin + s);
+    for (int s = 0; s < kStages - 1; ++s) copy_stage(s);
   }
   first_pass = false;
-  for (int c = c_begin; c < c_end; ++c) {
+  for (int c = 0; c < n_chunks; ++c) {
     load_scales(c + 1, sc_next);
     cp_async_wait<kStages - 2>();
     __syncthreads();  // stage c is complete for every thread; stage c - 1 is no longer read
@@ -342,60 +316,40 @@ __global__ void __launch_bounds__(kThreads, kWeightTiles == 1 ? 2 : 1) gemv_tile
 #pragma unroll
       for (int e = 0; e < 4; ++e)
         tile[(j * 8 + 2 * t + (e & 1)) * S::kOutStride + local[wt][e >> 1]] = acc[wt][j][e] * rows.y_factor;
-  // Between the parts of a split tile a cluster barrier (it also orders the block's own threads).
-  auto tile_barrier = [&] {
-    if constexpr (kCanSplit)
-      if (split > 1) return cooperative_groups::this_cluster().sync();
-    __syncthreads();
-  };
-  tile_barrier();  // every part's tile is complete
+  __syncthreads();
   void* y = kGrouped && blockIdx.z == 1 ? a.y_second : a.y;
   const int cols = min(kBlockRows, a.n - row_block0);
-  // Part p stores tokens p, p + split, ..: the parts' tiles added in rank order (the same order for every output).
-  for (int tok = part + warp * split; tok < tokens; tok += kWarps * split) {
+  for (int tok = warp; tok < tokens; tok += kWarps) {
     const int64_t out_row = rows.y_offset + int64_t(pair_of(tok0 + tok)) * a.ldy + row_block0;
     for (int col = lane; col < cols; col += 32) {
-      float v = tile[tok * S::kOutStride + col];
-      if constexpr (kCanSplit) {
-        if (split > 1) {
-          cooperative_groups::cluster_group cluster = cooperative_groups::this_cluster();
-          v = *cluster.map_shared_rank(&tile[tok * S::kOutStride + col], 0);
-          for (int q = 1; q < split; ++q) v += *cluster.map_shared_rank(&tile[tok * S::kOutStride + col], q);
-        }
-      }
+      const float v = tile[tok * S::kOutStride + col];
       if (a.out_bf16)
         static_cast<__nv_bfloat16*>(y)[out_row + col] = __float2bfloat16_rn(v);
       else
         static_cast<float*>(y)[out_row + col] = v;
     }
   }
-  tile_barrier();  // the tile is read (by the other parts too): a further pass may refill the stages
+  __syncthreads();  // the tile is read: a further pass may refill the stages
   }  // row passes
 }
 
 template <Fmt F, bool kGrouped, int kWeightTiles, int kTokenTiles>
-cudaError_t launch_fmt(KernelArgs a, dim3 grid, cudaStream_t stream) {
+cudaError_t launch_fmt(const KernelArgs& a, dim3 grid, cudaStream_t stream) {
   using S = TiledSmem<F, kWeightTiles, kTokenTiles>;
   constexpr auto kKernel = gemv_tiled_kernel<F, kGrouped, kWeightTiles, kTokenTiles>;
   const int token_blocks = (a.m + S::kBlockTokens - 1) / S::kBlockTokens;
-  const int64_t tile_blocks = int64_t((a.n + S::kBlockRows - 1) / S::kBlockRows) * token_blocks;
-  const int n_chunks = (a.k + chunk_k<F>() - 1) / chunk_k<F>();
-  a.split = kTokenTiles == 8 ? 1 : tiled_split(a.m, n_chunks, tile_blocks * grid.y * grid.z, kGrouped);
-  grid.x = unsigned(tile_blocks * a.split);
+  grid.x = unsigned((a.n + S::kBlockRows - 1) / S::kBlockRows * token_blocks);
   constexpr size_t smem = S::kBytes;
   const cudaError_t configured = gpu::allow_dynamic_smem<kKernel>(int(smem));
   if (configured != cudaSuccess) return configured;
-  if (a.split == 1) {
-    gpu::launch(kKernel, grid, kThreads, smem, stream, a);
-    return cudaGetLastError();
-  }
-  return gpu::launch_ex(kKernel, grid, kThreads, smem, unsigned(a.split), stream, a);
+  gpu::launch(kKernel, grid, kThreads, smem, stream, a);
+  return cudaGetLastError();
 }
 
 template <Fmt F, int kTokenTiles>
 cudaError_t launch_tokens(const KernelArgs& a, dim3 grid, cudaStream_t stream, bool grouped) {
   // One tile per warp when 256-row blocks would leave SMs idle (dsv4_gemm_bench: same speed on large grids, up to
-  // 1.6x faster on small ones, e.g. 1024 x 4096 at m = 128), and always when the k-split applies.
+  // 1.6x faster on small ones, e.g. 1024 x 4096 at m = 128).
   const int64_t token_blocks = (a.m + kTokenTiles * 8 - 1) / (kTokenTiles * 8);
   const int64_t big_blocks = int64_t((a.n + 255) / 256) * token_blocks * grid.y * grid.z;
   const int tiles = tiled_weight_tiles ? tiled_weight_tiles : big_blocks < 2 * int64_t(current_sm_count()) ? 1 : 2;
@@ -417,18 +371,14 @@ cudaError_t launch_any(const KernelArgs& a, dim3 grid, cudaStream_t stream, bool
 }  // namespace
 
 int tiled_weight_tiles = 0;
-int tiled_forced_split = 0;
 
-bool gemv_tiled_supported(const GemvParams& p, int64_t matrices, bool grouped) {
+bool gemv_tiled_supported(const GemvParams& p, int64_t matrices) {
   if (p.weight == GemvWeight::FP8_BLOCK && p.fp8_scale == GemvScale::F32) return false;
   if (p.m > kGemvMaxM) return true;
   const int min_rows = gemv_tiled_min_rows();
   if (p.m < (p.weight == GemvWeight::BF16 ? std::min(2 * min_rows, kGemvMaxM + 1) : min_rows)) return false;
-  // Blocks of 128 rows, times the k-split the launch would take.
   const int64_t blocks = (int64_t(p.n) + 127) / 128 * std::max<int64_t>(matrices, 1);
-  const int chunk = p.weight == GemvWeight::BF16 ? 32 : p.weight == GemvWeight::FP8_BLOCK ? 64 : 128;
-  const int split = tiled_split(p.m, (p.k + chunk - 1) / chunk, blocks, grouped);
-  return blocks * split >= int64_t(gemv_tiled_min_blocks_per_sm()) * current_sm_count();
+  return blocks >= int64_t(gemv_tiled_min_blocks_per_sm()) * current_sm_count();
 }
 
 cudaError_t gemv_tiled_launch(const KernelArgs& a, const GemvParams& p, dim3 grid, bool grouped) {

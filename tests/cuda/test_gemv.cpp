@@ -470,47 +470,6 @@ TEST(GemvTiled, WeightTileVariantsAgreeBitForBit) {
     }
 }
 
-// The tiled kernel's k-split for decode calls (parts of one output tile in a cluster, added in rank order): every
-// output written, and each split within fp32 reordering of the unsplit sums (2, 4, 8 parts; 33 chunks leave the last
-// of 8 parts empty). The auto rule's splits are checked against fp64 by the tiledfrom cases above.
-TEST(GemvTiled, KSplitPartsAgreeWithOnePart) {
-  DSV4_REQUIRE_CUDA();
-  std::mt19937_64 rng(78);
-  const TiledMinScope tiled_min(2);
-  for (const auto& [w, s] : {std::pair{GemvWeight::BF16, GemvScale::E8M0}, {GemvWeight::FP8_BLOCK, GemvScale::E8M0},
-                             {GemvWeight::MXFP4, GemvScale::E8M0}, {GemvWeight::NVFP4, GemvScale::E8M0}})
-    for (const auto& [m, n, k] : {std::tuple{5, 301, 4128}, {20, 45, 4128}, {32, 136, 1056}}) {
-      const Case c{w, s, m, n, k, GemvOut::F32, 0};
-      const HostProblem h = make_problem(c, rng);
-      DeviceBuffer x(h.x.size() * 2), dw(h.w.size()), ds(std::max<size_t>(h.scale.size(), 16)), y(size_t(m) * n * 4);
-      x.upload(h.x.data(), h.x.size() * 2);
-      dw.upload(h.w.data(), h.w.size());
-      if (!h.scale.empty()) ds.upload(h.scale.data(), h.scale.size());
-      GemvParams p;
-      p.m = m, p.n = n, p.k = k, p.x = x.data(), p.w = dw.data(), p.w_scale = ds.data(), p.w_scale_2 = h.scale_2;
-      p.y = y.data(), p.weight = w, p.fp8_scale = s;
-      ASSERT_TRUE(detail::gemv_tiled_supported(p));
-      std::vector<std::vector<float>> got;
-      for (int split : {1, 2, 4, 8}) {
-        set_gemv_tiled_split(split);
-        y.fill_bytes(0xff);
-        gemv(p);
-        DSV4_CUDA_CHECK(cudaDeviceSynchronize());
-        got.emplace_back(size_t(m) * n);
-        y.download(got.back().data(), got.back().size() * 4);
-      }
-      set_gemv_tiled_split(0);
-      double max_ref = 0;
-      for (float v : got[0]) max_ref = std::max(max_ref, double(std::fabs(v)));
-      for (size_t i = 1; i < got.size(); ++i) {
-        int bad = 0;
-        for (size_t e = 0; e < got[0].size(); ++e)
-          if (!(std::fabs(double(got[i][e]) - got[0][e]) <= 1e-5 * max_ref)) ++bad;  // NaN (unwritten) counts
-        EXPECT_EQ(bad, 0) << gemv_weight_name(w) << " m " << m << " n " << n << " k " << k << " split " << (1 << i);
-      }
-    }
-}
-
 // At split_k 1 the copy-engine kernel walks k in the register kernel's order (one warp per tile, chunks in order,
 // the same mma sequence), so the two agree bit for bit; with more warps per tile only the split-k partition differs
 // (checked against fp64 above).
