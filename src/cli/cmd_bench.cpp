@@ -72,7 +72,7 @@ struct BenchArgs {
   bool plan_only = false;
   bool profile = false;  // one more decode step with an event after every launch site
   int profile_prefill = 0;  // > 0: a prefill of this many tokens with an event after every launch site
-  std::string act_quant = "none";  // --act-quant: fp8 runs the fp4 decode GEMVs as W4A8
+  std::string act_quant = "none";  // --act-quant: fp8 quantises the FP8/FP4 linears' inputs (official numerics)
   std::string gpus;  // --gpus 0,1: the layers split over these GPUs (CudaRunnerOptions::devices)
   // Decode is timed once per launch mode: "pdl" (the default: programmatic dependent launch) or "plain" (serialised
   // launches). Prefill and --profile use the first.
@@ -786,7 +786,8 @@ void add_bench_command(CLI::App& app, Handler& handler) {
   cmd->add_option("--seed", args->seed, "Seed of the weights and token ids")->capture_default_str();
   cmd->add_option("--json", args->json_path, "Also write every number to this JSON file");
   cmd->add_option("--act-quant", args->act_quant,
-                  "Inputs of the FP8/FP4 linears: none, or fp8 (official numerics; NVFP4 decode then runs W4A8)")
+                  "Inputs of the FP8/FP4 linears: none, or fp8 (official numerics; with DSV4_GEMV_TILES=0 NVFP4 "
+                  "decode runs the W4A8 kernel)")
       ->capture_default_str()->check(CLI::IsMember({"none", "fp8"}));
   cmd->add_option("--launch-modes", args->launch_modes,
                   "Decode timed in each mode: pdl (programmatic dependent launch, the default) or plain (serialised "

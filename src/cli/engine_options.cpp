@@ -36,7 +36,7 @@ void add_engine_options(CLI::App* cmd, EngineOptions& o) {
       ->capture_default_str()->check(CLI::IsMember({"fp4", "bf16", "f32"}));
   cmd->add_option("--act-quant", o.act_quant,
                   "Inputs of the FP8/FP4 linears: none, or fp8 (the official per-128-block quantisation; on CUDA "
-                  "the fp4 weights then run the W4A8 kernel at decode)")
+                  "x is quantised before each such linear, or inside the W4A8 kernel when DSV4_GEMV_TILES=0)")
       ->capture_default_str()->check(CLI::IsMember({"none", "fp8"}));
 }
 
