@@ -811,8 +811,8 @@ void add_bench_command(CLI::App& app, Handler& handler) {
                   "(router gate, router and moe_slots in one launch or three), post / nopost (mHC post inside the next hc_pre or "
                   "apart), swiglu / noswiglu (the experts' SwiGLU inside the grouped w1 + w3 or apart), indexorder / "
                   "scoreorder (the indexer's picks in index or score order), tiledN (calls of >= N rows, N = 2..65, "
-                  "on the tiled tensor-core GEMM where their grid fills the GPU), split1 / 2 / 4 / 8 (every skinny GEMV at that "
-                  "split_k), e.g. "
+                  "on the tiled tensor-core GEMM where their grid fills the GPU), split1 / 2 / 4 / 8 (every skinny "
+                  "GEMV at that split_k), e.g. "
                   "default,bulk,overlap,mhc+routing+qnorm,bulk+overlap+mhc+routing+qnorm,heads64")
       ->delimiter(',')->capture_default_str();
   cmd->add_flag("--mtp", args->mtp,

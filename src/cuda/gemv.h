@@ -2,13 +2,13 @@
 // GEMM with compressed weights:  y[m, n] = sum_k x[m, k] * W[n, k]   (gemm_nt), for decode batches and prefill
 // chunks. Weights stay in their checkpoint layout in GPU memory and are decoded to bf16 in registers; products and
 // sums run on the tensor cores (mma.sync bf16, fp32 accumulate).
-//   m <= 64 (kGemvMaxM; below gemv_tiled_min_rows when that is lowered): the skinny kernel (gemv.cu): each weight byte is read once per launch for all m rows,
-//     activations come through L1; at small m it runs at memory bandwidth. FP4 / FP8 weights can instead come
-//     through the copy engine (gemv_bulk.cu, set_gemv_bulk below).
-//   m > 64 (or >= gemv_tiled_min_rows): the tiled kernel (gemv_tiled.cu): 256 (or, on small grids, 128) weight rows
-//     x 64 (16 or 32 when m is that small) activation rows per block, activations and weights staged in shared
-//     memory, weights from DRAM about once and from L2 for the further row tiles. FP8 block weights with f32 scales have no tiled kernel: they run as skinny 64-row pieces
-//     (logged once).
+//   m <= 64 (kGemvMaxM; decode batches below gemv_tiled_min_rows): the skinny kernel (gemv.cu): each weight byte
+//     is read once per launch for all m rows, activations come through L1; at small m it runs at memory bandwidth.
+//     FP4 / FP8 weights can instead come through the copy engine (gemv_bulk.cu, set_gemv_bulk below).
+//   m > 64 (and decode batches from gemv_tiled_min_rows): the tiled kernel (gemv_tiled.cu): 256 (or, on small
+//     grids, 128) weight rows x 64 (16 or 32 when m is that small) activation rows per block, activations and
+//     weights staged in shared memory, weights from DRAM about once and from L2 for the further row tiles. FP8
+//     block weights with f32 scales have no tiled kernel: they run as skinny 64-row pieces (logged once).
 //
 // Contract
 //   x  [m, k] bf16, row-major, contiguous (row stride k).

@@ -75,7 +75,8 @@ bool gemv_bulk_supported(const GemvParams& p);
 bool gemv_bulk_grouped_supported(const GemvGroupedParams& g);
 cudaError_t gemv_bulk_launch(const KernelArgs& a, const GemvParams& p, dim3 grid, bool grouped);
 
-// The tiled kernel for m >= gemv_tiled_min_rows() (gemv_tiled.cu): every format except FP8 block weights with f32 scales.
+// The tiled kernel for m > kGemvMaxM and decode batches from gemv_tiled_min_rows() (gemv_tiled.cu): every format
+// except FP8 block weights with f32 scales.
 // Plain, batched (grid.y) and grouped (grid.y slots, grid.z projections) like the skinny kernel; a.m is the row
 // count (grouped: the most rows a slot holds; more are covered by further passes).
 // The matrices of a grouped launch that typically have work: active slots x projections.
