@@ -27,17 +27,7 @@ constexpr int kThreads = kGemvWarps * 32;
 // Grouped w1 + w3 (KernelArgs::swiglu_h): the last block of the slot to store its tile sums computes the SwiGLU of
 // the slot's pairs from both projections' fp32 outputs, gpu::swiglu's arithmetic (ops_attention.cu swiglu_kernel).
 __device__ __forceinline__ void swiglu_after_slot(const KernelArgs& a, const BlockRows& rows) {
-  __shared__ bool last;
-  __threadfence();  // this block's outputs, before its ticket
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    uint32_t* ticket = a.slot_tickets + blockIdx.y;
-    last = atomicAdd(ticket, 1u) == gridDim.x * gridDim.z - 1;
-    if (last) *ticket = 0;  // every other block of the slot has taken its ticket
-  }
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
+  if (!gpu::detail::last_block_to_arrive(a.slot_tickets + blockIdx.y, gridDim.x * gridDim.z)) return;
   const float* gate = static_cast<const float*>(a.y);
   const float* up = static_cast<const float*>(a.y_second);
   const int inter = a.n;

@@ -24,17 +24,8 @@ __global__ void __launch_bounds__(kLinearThreads)
     moe_gate_kernel(gpu::LinearF32Params gate, int slices, bool early, gpu::RouterParams r, MoeSlotsParams s,
                     uint32_t* ticket) {
   gpu::detail::linear_f32_block<kRows, 4, kCluster>(gate, slices, early);
-  // Release this block's logits, then take a ticket: the block with the last one sees every block's logits.
-  __shared__ bool last;
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    last = atomicAdd(ticket, 1u) == gridDim.x * gridDim.y - 1;
-    if (last) *ticket = 0;  // every other block has taken its ticket: ready for the next launch
-  }
-  __syncthreads();
-  if (!last) return;
-  __threadfence();
+  // The block that arrives last sees every block's logits.
+  if (!gpu::detail::last_block_to_arrive(ticket, gridDim.x * gridDim.y)) return;
   extern __shared__ float route_smem[];
   route_and_place<kPerLane>(r, s, kGateWarps, route_smem);
 }

@@ -11,6 +11,22 @@
 
 namespace dsv4::gpu::detail {
 
+// Whether this block is the last of `blocks` to arrive at *ticket (0 before the launch; the last block resets it
+// for the next one). Every block's global stores before the call are visible to the last block after it. Called by
+// every thread of the block, once per launch.
+__device__ __forceinline__ bool last_block_to_arrive(uint32_t* ticket, unsigned blocks) {
+  __shared__ bool last;
+  __threadfence();  // this block's stores, before its ticket
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    last = atomicAdd(ticket, 1u) == blocks - 1;
+    if (last) *ticket = 0;  // every other block has taken its ticket
+  }
+  __syncthreads();
+  if (last) __threadfence();
+  return last;
+}
+
 // Sum over the warp, every lane gets it (float, double; unsigned long long: exact).
 template <class T>
 __device__ __forceinline__ T warp_sum(T v) {
