@@ -648,8 +648,42 @@ __global__ void __launch_bounds__(hc_max_threads(kHc)) hc_pre_kernel(HcPreParams
     post_and_comb(p, t, rs, comb_mix, comb_base, post_mix, post_base, scale1, scale2);
 }
 
+// mHC post (2.4) of token t at columns d .. d + 3, in two pieces shared by hc_post and hc_pre's fused post.
+// The sublayer output it adds: out[t, 0] + .. + out[t, out_k - 1] (+ out2[t]), summed in that order.
+__device__ __forceinline__ float4 post_output4(const float* out, int out_k, const float* out2, int t, int D, int d) {
+  float4 o = *reinterpret_cast<const float4*>(out + int64_t(t) * out_k * D + d);
+#pragma unroll 4
+  for (int e = 1; e < out_k; ++e) {
+    const float4 a = *reinterpret_cast<const float4*>(out + (int64_t(t) * out_k + e) * D + d);
+    o = make_float4(__fadd_rn(o.x, a.x), __fadd_rn(o.y, a.y), __fadd_rn(o.z, a.z), __fadd_rn(o.w, a.w));
+  }
+  if (out2) {
+    const float4 a = *reinterpret_cast<const float4*>(out2 + int64_t(t) * D + d);
+    o = make_float4(__fadd_rn(o.x, a.x), __fadd_rn(o.y, a.y), __fadd_rn(o.z, a.z), __fadd_rn(o.w, a.w));
+  }
+  return o;
+}
+// New stream k: post[t, k] · o + Σ_j comb[t, j, k] · old[j] over the token's hc <= kHc old streams, in j order.
+template <int kHc>
+__device__ __forceinline__ float4 posted4(const float* post, const float* comb, int hc, int t, int k, float4 o,
+                                          const float4 (&old)[kHc]) {
+  const float* C = comb + int64_t(t) * hc * hc;
+  const float pk = post[int64_t(t) * hc + k];
+  float4 acc = make_float4(__fmul_rn(pk, o.x), __fmul_rn(pk, o.y), __fmul_rn(pk, o.z), __fmul_rn(pk, o.w));
+#pragma unroll
+  for (int j = 0; j < kHc; ++j)
+    if (j < hc) {
+      const float c = C[j * hc + k];
+      acc.x = __fadd_rn(acc.x, __fmul_rn(c, old[j].x));
+      acc.y = __fadd_rn(acc.y, __fmul_rn(c, old[j].y));
+      acc.z = __fadd_rn(acc.z, __fmul_rn(c, old[j].z));
+      acc.w = __fadd_rn(acc.w, __fmul_rn(c, old[j].w));
+    }
+  return acc;
+}
+
 // Stream k of token t at columns d .. d + 3 after the previous sublayer's mHC post (HcPreParams::prev_out, with its
-// post and comb): hc_post_group's arithmetic for that one stream, nothing stored.
+// post and comb): hc_post's arithmetic for that one stream, nothing stored.
 template <int kHc>
 __device__ __forceinline__ float4 posted_stream(const HcPreParams& p, int t, int k, int d) {
   const int D = p.D;
@@ -657,28 +691,8 @@ __device__ __forceinline__ float4 posted_stream(const HcPreParams& p, int t, int
   float4 old[kHc];
 #pragma unroll
   for (int j = 0; j < kHc; ++j) old[j] = *reinterpret_cast<const float4*>(xs + int64_t(j) * D + d);
-  const float* out = p.prev_out;
-  float4 o = *reinterpret_cast<const float4*>(out + int64_t(t) * p.prev_out_k * D + d);
-  for (int e = 1; e < p.prev_out_k; ++e) {
-    const float4 a = *reinterpret_cast<const float4*>(out + (int64_t(t) * p.prev_out_k + e) * D + d);
-    o = make_float4(__fadd_rn(o.x, a.x), __fadd_rn(o.y, a.y), __fadd_rn(o.z, a.z), __fadd_rn(o.w, a.w));
-  }
-  if (p.prev_out2) {
-    const float4 a = *reinterpret_cast<const float4*>(p.prev_out2 + int64_t(t) * D + d);
-    o = make_float4(__fadd_rn(o.x, a.x), __fadd_rn(o.y, a.y), __fadd_rn(o.z, a.z), __fadd_rn(o.w, a.w));
-  }
-  const float* C = p.comb + int64_t(t) * kHc * kHc;
-  const float pk = p.post[int64_t(t) * kHc + k];
-  float4 acc = make_float4(__fmul_rn(pk, o.x), __fmul_rn(pk, o.y), __fmul_rn(pk, o.z), __fmul_rn(pk, o.w));
-#pragma unroll
-  for (int j = 0; j < kHc; ++j) {
-    const float c = C[j * kHc + k];
-    acc.x = __fadd_rn(acc.x, __fmul_rn(c, old[j].x));
-    acc.y = __fadd_rn(acc.y, __fmul_rn(c, old[j].y));
-    acc.z = __fadd_rn(acc.z, __fmul_rn(c, old[j].z));
-    acc.w = __fadd_rn(acc.w, __fmul_rn(c, old[j].w));
-  }
-  return acc;
+  const float4 o = post_output4(p.prev_out, p.prev_out_k, p.prev_out2, t, D, d);
+  return posted4<kHc>(p.post, p.comb, kHc, t, k, o, old);
 }
 
 // hc_pre's collapse + norm for decode-sized chunks, and with HcPreParams::fn the mix before it, in one launch: the
@@ -878,29 +892,9 @@ __device__ __forceinline__ void hc_post_group(const float* out, int out_k, const
 #pragma unroll
   for (int j = 0; j < kHc; ++j)
     if (j < hc) old[j] = *reinterpret_cast<const float4*>(xs + int64_t(j) * D + d);
-  float4 o = *reinterpret_cast<const float4*>(out + int64_t(t) * out_k * D + d);
-#pragma unroll 4
-  for (int e = 1; e < out_k; ++e) {
-    const float4 a = *reinterpret_cast<const float4*>(out + (int64_t(t) * out_k + e) * D + d);
-    o = make_float4(__fadd_rn(o.x, a.x), __fadd_rn(o.y, a.y), __fadd_rn(o.z, a.z), __fadd_rn(o.w, a.w));
-  }
-  if (out2) {
-    const float4 a = *reinterpret_cast<const float4*>(out2 + int64_t(t) * D + d);
-    o = make_float4(__fadd_rn(o.x, a.x), __fadd_rn(o.y, a.y), __fadd_rn(o.z, a.z), __fadd_rn(o.w, a.w));
-  }
-  const float* C = comb + int64_t(t) * hc * hc;
+  const float4 o = post_output4(out, out_k, out2, t, D, d);
   for (int k = 0; k < hc; ++k) {
-    const float pk = post[int64_t(t) * hc + k];
-    float4 acc = make_float4(__fmul_rn(pk, o.x), __fmul_rn(pk, o.y), __fmul_rn(pk, o.z), __fmul_rn(pk, o.w));
-#pragma unroll
-    for (int j = 0; j < kHc; ++j)
-      if (j < hc) {
-        const float c = C[j * hc + k];
-        acc.x = __fadd_rn(acc.x, __fmul_rn(c, old[j].x));
-        acc.y = __fadd_rn(acc.y, __fmul_rn(c, old[j].y));
-        acc.z = __fadd_rn(acc.z, __fmul_rn(c, old[j].z));
-        acc.w = __fadd_rn(acc.w, __fmul_rn(c, old[j].w));
-      }
+    const float4 acc = posted4<kHc>(post, comb, hc, t, k, o, old);
     *reinterpret_cast<float4*>(xs + int64_t(k) * D + d) = acc;
     if (fresh) fresh[k] = acc;
   }
