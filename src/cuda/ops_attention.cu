@@ -3,9 +3,8 @@
 // between the experts' projections. Sparse attention is in attention.cu, the KV compressors in compressor.cu.
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
-#include <string_view>
 
+#include "core/env.h"
 #include "cuda/device.h"
 #include "cuda/launch.cuh"
 #include "cuda/moe_route.cuh"
@@ -481,12 +480,12 @@ void launch_select(const IndexerTopkParams& p, cudaStream_t stream) {
   const cudaError_t attr = gpu::allow_dynamic_smem<kKernel>(int(kSelectMaxSmem));
   OPS_CHECK(attr == cudaSuccess, "indexer_select: cannot allow %d bytes of shared memory", int(kSelectMaxSmem));
   const bool index_order = indexer_select_index_order();
-  int sort_cap = 32;  // the sort's power-of-two length for the most candidates a row can have (none in index order)
-  while (!index_order && sort_cap < std::min(p.topk, p.max_entries)) sort_cap <<= 1;
+  int sort_cap = 0;  // the sort's power-of-two length for the most candidates a row can have (no sort in index order)
+  if (!index_order)
+    for (sort_cap = 32; sort_cap < std::min(p.topk, p.max_entries);) sort_cap <<= 1;
   const int cache_entries = std::min(p.max_entries, kSelectCacheEntries);
-  const size_t smem =
-      (index_order ? 0 : 2 * size_t(sort_cap) * sizeof(uint64_t)) + size_t(cache_entries) * sizeof(uint32_t);
-  gpu::launch(kKernel, p.n, kSelectThreads, smem, stream, p, index_order ? 0 : sort_cap, cache_entries, index_order);
+  const size_t smem = 2 * size_t(sort_cap) * sizeof(uint64_t) + size_t(cache_entries) * sizeof(uint32_t);
+  gpu::launch(kKernel, p.n, kSelectThreads, smem, stream, p, sort_cap, cache_entries, index_order);
   DSV4_CUDA_LAUNCHED();
 }
 
@@ -494,10 +493,7 @@ void launch_select(const IndexerTopkParams& p, cudaStream_t stream) {
 
 void set_indexer_select_index_order(bool on) { g_select_index_order = on ? 1 : 0; }
 bool indexer_select_index_order() {
-  if (g_select_index_order < 0) {
-    const char* v = std::getenv("DSV4_INDEX_ORDER");
-    g_select_index_order = v && std::string_view(v) == "0" ? 0 : 1;
-  }
+  if (g_select_index_order < 0) g_select_index_order = env_switch("DSV4_INDEX_ORDER").value_or(true) ? 1 : 0;
   return g_select_index_order == 1;
 }
 
