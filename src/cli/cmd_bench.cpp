@@ -149,8 +149,8 @@ StepSwitches parse_switches(const std::string& spec) {
     else if (name == "split1" || name == "split2" || name == "split4" || name == "split8")
       s.split = name[5] - '0';
     else DSV4_FAIL("dsv4 bench: --switches entry '{}' has '{}' (expected default, or bulk, bulkdense, overlap, "
-                   "serial, mhc, routing, qnorm, heads16, heads64, hcblock, now4a8, early, earlyall, late, [no]gate, [no]post, "
-                   "[no]swiglu, scoreorder, indexorder, tiledN and split1/2/4/8 joined by '+')",
+                   "serial, mhc, routing, qnorm, heads16, heads64, hcblock, now4a8, early, earlyall, late, [no]gate, "
+                   "[no]post, [no]swiglu, scoreorder, indexorder, tiledN and split1/2/4/8 joined by '+')",
                    spec, name);
     from = to + 1;
   }
@@ -807,9 +807,8 @@ void add_bench_command(CLI::App& app, Handler& handler) {
                   "decode collapse in one block per token), now4a8 (--act-quant fp8 at batch 1 without the W4A8 "
                   "kernel: x quantised first, then the bf16 kernel), early / earlyall / late (GEMVs / also linear_f32 "
                   "and hc_pre's mix / nothing load their first weights before waiting for the previous kernel), "
-                  "gate / nogate "
-                  "(router gate, router and moe_slots in one launch or three), post / nopost (mHC post inside the next hc_pre or "
-                  "apart), swiglu / noswiglu (the experts' SwiGLU inside the grouped w1 + w3 or apart), indexorder / "
+                  "gate / nogate (router gate, router and moe_slots in one launch or three), post / nopost (mHC post "
+                  "inside the next hc_pre or apart), swiglu / noswiglu (the experts' SwiGLU inside the grouped w1 + w3 or apart), indexorder / "
                   "scoreorder (the indexer's picks in index or score order), tiledN (calls of >= N rows, N = 2..65, "
                   "on the tiled tensor-core GEMM where their grid fills the GPU), split1 / 2 / 4 / 8 (every skinny "
                   "GEMV at that split_k), e.g. "

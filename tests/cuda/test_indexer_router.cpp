@@ -766,6 +766,14 @@ void check_route_and_slots(const RouterInputs& in, bool shared, const char* what
   if (shared) same(separate.pair_weights, fused.pair_weights, size_t(pairs) * 4, "pair weights");
 }
 
+// A router of the one-launch tests: E experts (32 with softmax scores, else sqrt(softplus); 384 with Pro's top-8),
+// n tokens, hash routing or the selection-only bias.
+RouterCase fused_router_case(int E, int n, bool hash) {
+  RouterCase c;
+  c.n = n, c.E = E, c.hash = hash, c.bias = !hash, c.scoring = E == 32 ? 2 : 0, c.k = E == 384 ? 8 : 6;
+  return c;
+}
+
 TEST(CudaRouter, RouteAndSlotsInOneLaunch) {
   DSV4_REQUIRE_CUDA();
   std::mt19937 rng(34);
@@ -774,8 +782,7 @@ TEST(CudaRouter, RouteAndSlotsInOneLaunch) {
     for (const int n : {1, 5, 64})
       for (const bool hash : {false, true})
         for (const bool shared : {false, true}) {
-          RouterCase c;
-          c.n = n, c.E = E, c.hash = hash, c.bias = !hash, c.scoring = E == 32 ? 2 : 0, c.k = E == 384 ? 8 : 6;
+          const RouterCase c = fused_router_case(E, n, hash);
           char what[96];
           std::snprintf(what, sizeof what, "E=%d n=%d hash=%d shared=%d", E, n, int(hash), int(shared));
           check_route_and_slots(make_router_inputs(c, rng, n == 5), shared, what);
@@ -804,8 +811,7 @@ TEST(CudaRouter, GateRouteAndSlotsInOneLaunch) {
     for (const int n : {1, 5, 63})
       for (const bool hash : {false, true})
         for (const int k : {4096, 256}) {
-          RouterCase c;
-          c.n = n, c.E = E, c.hash = hash, c.bias = !hash, c.scoring = E == 32 ? 2 : 0, c.k = E == 384 ? 8 : 6;
+          const RouterCase c = fused_router_case(E, n, hash);
           char what[96];
           std::snprintf(what, sizeof what, "gate E=%d n=%d hash=%d k=%d", E, n, int(hash), k);
           check_route_and_slots(make_router_inputs(c, rng, false), !hash, what, k);
