@@ -107,8 +107,9 @@ int main() try {
   cudaStream_t s;
   check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
 
-  std::printf("%-10s %-18s %6s %10s %9s %7s %12s | %-10s %9s %7s | %-12s %9s\n", "format", "shape", "m", "time (us)",
-              "TFLOP/s", "of peak", "decode (us)", "tiled (us)", "TFLOP/s", "of peak", "tiled 1 (us)", "TFLOP/s");
+  std::printf("%-10s %-18s %6s %10s %9s %7s %12s | %-10s %9s %7s | %-12s %9s | %-10s %9s %7s\n", "format", "shape",
+              "m", "time (us)", "TFLOP/s", "of peak", "decode (us)", "tiled (us)", "TFLOP/s", "of peak",
+              "tiled 1 (us)", "TFLOP/s", "wgmma (us)", "TFLOP/s", "of peak");
   for (const Format& f : formats) {
     // Valid codes: bf16 in +-[0.5, 1), e4m3 without NaN, any e2m1; scales 2^0 (e8m0 127) / e4m3 1.0 (0x38).
     fill(w, 3, f.w == GemvWeight::BF16 ? 0x807F807Fu : f.w == GemvWeight::FP8_BLOCK ? 0xBFBFBFBFu : ~0u,
@@ -131,16 +132,22 @@ int main() try {
         GemvParams g;
         g.m = m, g.n = sh.n, g.k = sh.k, g.x = x.data(), g.w = w.data(), g.w_scale = wd.w_scale, g.w_scale_2 = 0.5f;
         g.y = y.data(), g.weight = f.w, g.out = GemvOut::BF16;
+        set_gemv_wgmma(false);  // the mma.sync kernel's two variants, then (fp4) the wgmma kernel
         detail::tiled_weight_tiles = 2;
         const double t_tiled = time_call([&](cudaStream_t st) { g.stream = st; gemv(g); }, s);
         const double tiled_tflops = 2.0 * m * sh.n * sh.k / t_tiled * 1e-12;
         detail::tiled_weight_tiles = 1;  // the variant with one 16-row weight tile per warp, two blocks per SM
         const double t_tiled1 = time_call([&](cudaStream_t st) { g.stream = st; gemv(g); }, s);
         detail::tiled_weight_tiles = 0;
-        std::printf("%-10s %-18s %6d %10.1f %9.1f %6.1f%% %12.1f | %10.1f %9.1f %6.1f%% | %12.1f %9.1f\n", f.name,
-                    sh.name, m, t * 1e6, tflops, 100.0 * tflops / kPeakTflops, t_decode * 1e6, t_tiled * 1e6,
-                    tiled_tflops, 100.0 * tiled_tflops / kPeakTflops, t_tiled1 * 1e6,
-                    2.0 * m * sh.n * sh.k / t_tiled1 * 1e-12);
+        set_gemv_wgmma(true);
+        const bool fp4 = f.w == GemvWeight::NVFP4 && gemv_wgmma_enabled();
+        const double t_wgmma = fp4 ? time_call([&](cudaStream_t st) { g.stream = st; gemv(g); }, s) : 0.0;
+        const double wgmma_tflops = fp4 ? 2.0 * m * sh.n * sh.k / t_wgmma * 1e-12 : 0.0;
+        std::printf("%-10s %-18s %6d %10.1f %9.1f %6.1f%% %12.1f | %10.1f %9.1f %6.1f%% | %12.1f %9.1f | %10.1f %9.1f "
+                    "%6.1f%%\n", f.name, sh.name, m, t * 1e6, tflops, 100.0 * tflops / kPeakTflops, t_decode * 1e6,
+                    t_tiled * 1e6, tiled_tflops, 100.0 * tiled_tflops / kPeakTflops, t_tiled1 * 1e6,
+                    2.0 * m * sh.n * sh.k / t_tiled1 * 1e-12, t_wgmma * 1e6, wgmma_tflops,
+                    100.0 * wgmma_tflops / kPeakTflops);
       }
     }
   }

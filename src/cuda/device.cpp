@@ -37,19 +37,27 @@ DeviceInfo device_info(int ordinal) {
   return info;
 }
 
-int current_sm_count() {
+namespace {
+// An attribute of the current device, read once per device ordinal.
+int current_attribute(cudaDeviceAttr attr, std::vector<int>& cache) {
   static std::mutex mutex;
-  static std::vector<int> counts;  // by ordinal; 0 = not read yet
   int ordinal = 0;
   DSV4_CUDA_CHECK(cudaGetDevice(&ordinal));
   std::lock_guard<std::mutex> lock(mutex);
-  if (size_t(ordinal) >= counts.size()) counts.resize(size_t(ordinal) + 1, 0);
-  if (counts[size_t(ordinal)] == 0) {
-    int n = 0;
-    DSV4_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, ordinal));
-    counts[size_t(ordinal)] = n;
-  }
-  return counts[size_t(ordinal)];
+  if (size_t(ordinal) >= cache.size()) cache.resize(size_t(ordinal) + 1, -1);
+  if (cache[size_t(ordinal)] < 0) DSV4_CUDA_CHECK(cudaDeviceGetAttribute(&cache[size_t(ordinal)], attr, ordinal));
+  return cache[size_t(ordinal)];
+}
+}  // namespace
+
+int current_sm_count() {
+  static std::vector<int> counts;
+  return current_attribute(cudaDevAttrMultiProcessorCount, counts);
+}
+
+int current_cc_major() {
+  static std::vector<int> majors;
+  return current_attribute(cudaDevAttrComputeCapabilityMajor, majors);
 }
 
 DeviceBuffer::DeviceBuffer(size_t bytes) : bytes_(bytes) {

@@ -25,6 +25,8 @@ DeviceInfo device_info(int ordinal = 0);
 
 // Multiprocessor count of the current device, cached per ordinal (used by launch heuristics).
 int current_sm_count();
+// Compute capability major of the current device (9 for H100 / H200), cached per device.
+int current_cc_major();
 
 // Owning, move-only device allocation (cudaMalloc / cudaFree). Size in bytes; data() is 256-byte aligned.
 class DeviceBuffer {

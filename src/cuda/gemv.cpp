@@ -114,6 +114,23 @@ int gemv_tiled_min_rows() {
   return tiled_min_rows;
 }
 
+int wgmma_mode = -1;  // set_gemv_wgmma; -1 = not yet read from the environment
+
+void set_gemv_wgmma(bool on) { wgmma_mode = on ? 1 : 0; }
+
+bool gemv_wgmma_enabled() {
+  if (wgmma_mode < 0) wgmma_mode = env_switch("DSV4_GEMV_WGMMA").value_or(kGemvWgmmaDefault) ? 1 : 0;
+  if (wgmma_mode == 0) return false;
+  if (current_cc_major() == 9) return true;
+  static bool logged = false;
+  if (!logged) {
+    logged = true;
+    spdlog::info("gemv: no wgmma on compute capability {}.x: fp4 weights in 64-row tiles run the mma.sync kernel",
+                 current_cc_major());
+  }
+  return false;
+}
+
 bool gemv_w4a8_enabled() {
   if (w4a8_mode < 0) w4a8_mode = env_switch("DSV4_GEMV_W4A8").value_or(kGemvW4a8Default) ? 1 : 0;
   return w4a8_mode == 1;

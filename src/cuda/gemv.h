@@ -8,7 +8,8 @@
 //   m > 64 (and decode batches from gemv_tiled_min_rows): the tiled kernel (gemv_tiled.cu): 256 (or, on small
 //     grids, 128) weight rows x 64 (16 or 32 when m is that small) activation rows per block, activations and
 //     weights staged in shared memory, weights from DRAM about once and from L2 for the further row tiles. FP8
-//     block weights with f32 scales have no tiled kernel: they run as skinny 64-row pieces (logged once).
+//     block weights with f32 scales have no tiled kernel: they run as skinny 64-row pieces (logged once). FP4
+//     weights in 64-row tiles run on wgmma (gemv_wgmma.cu, set_gemv_wgmma below).
 //
 // Contract
 //   x  [m, k] bf16, row-major, contiguous (row stride k).
@@ -218,6 +219,15 @@ constexpr int kGemvTiledMinBlocksPerSm = 2;
 void set_gemv_tiled_min_rows(int rows, int min_blocks_per_sm = kGemvTiledMinBlocksPerSm);
 int gemv_tiled_min_rows();
 int gemv_tiled_min_blocks_per_sm();
+
+// FP4 weights (MXFP4 / NVFP4) in the tiled kernel's 64-row activation tiles (prefill chunks, decode batches of
+// 33..64 rows there) on Hopper's warpgroup MMA (gemv_wgmma.cu: the decoded weights as the register operand, the
+// activation tile read by the tensor cores from shared memory) instead of mma.sync. Only on compute capability 9.x
+// (elsewhere the mma.sync kernel, logged once). The two sum k in the same 16-wide steps but may round differently
+// inside a step (last bits). Process-wide; DSV4_GEMV_WGMMA=0/1 in the environment sets it at the first call.
+constexpr bool kGemvWgmmaDefault = true;
+void set_gemv_wgmma(bool on);
+bool gemv_wgmma_enabled();
 
 // Tests: every skinny launch (gemv, gemv_batched, gemv_grouped) whose params leave split_k at 0 takes `split` (a power
 // of two up to kGemvWarps) instead of gemv_default_split_k; 0 restores the heuristic. Process-wide. Model-level tests

@@ -93,6 +93,10 @@ bool gemv_tiled_supported(const GemvParams& p, int64_t matrices = 1);
 extern int tiled_weight_tiles;
 cudaError_t gemv_tiled_launch(const KernelArgs& a, const GemvParams& p, dim3 grid, bool grouped);
 
+// FP4 weights (w MXFP4 / NVFP4) in 64-row activation tiles on wgmma (gemv_wgmma.cu); called by gemv_tiled.cu when
+// gemv_wgmma_enabled(), with its grid (plain, batched, grouped); a.m as for gemv_tiled_launch.
+cudaError_t gemv_wgmma_launch(const KernelArgs& a, GemvWeight w, dim3 grid, cudaStream_t stream, bool grouped);
+
 // y[r, :] = act_quant_fp8(x[r, :]) as bf16 for r < rows (act_quant_fp8 in gemv.h).
 cudaError_t act_quant_launch(const uint16_t* x, uint16_t* y, int rows, int k, cudaStream_t stream);
 

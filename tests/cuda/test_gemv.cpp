@@ -124,6 +124,7 @@ struct Case {
   GemvAct act = GemvAct::BF16;
   bool bulk = false;  // fp4 weights through the copy engine (set_gemv_bulk)
   int tiled_min = 0;  // > 0: set_gemv_tiled_min_rows(tiled_min): decode-sized m on the tiled kernel (TiledMinScope)
+  bool mma_sync = false;  // fp4 weights in 64-row tiles on the mma.sync kernel instead of wgmma (MmaSyncScope)
 };
 
 // set_gemv_bulk for one test, off again after it (also when an assertion returns early).
@@ -137,6 +138,18 @@ struct BulkScope {
 struct TiledMinScope {
   explicit TiledMinScope(int rows) { set_gemv_tiled_min_rows(rows ? rows : kGemvMaxM + 1, 0); }
   ~TiledMinScope() { set_gemv_tiled_min_rows(kGemvTiledMinRowsDefault); }
+};
+
+// FP4 weights in the tiled kernel's 64-row tiles on mma.sync instead of wgmma for one case (set_gemv_wgmma), the
+// default again after it.
+struct MmaSyncScope {
+  explicit MmaSyncScope(bool on) : on(on) {
+    if (on) set_gemv_wgmma(false);
+  }
+  ~MmaSyncScope() {
+    if (on) set_gemv_wgmma(kGemvWgmmaDefault);
+  }
+  bool on;
 };
 
 // The W4A8 kernel on or off for act FP8 at m = 1, whatever the default (kGemvW4a8Default).
@@ -154,6 +167,7 @@ std::string case_name(const Case& c) {
   if (c.act == GemvAct::FP8) s += "_actfp8";
   if (c.bulk) s += "_bulk";
   if (c.tiled_min) s += "_tiledfrom" + std::to_string(c.tiled_min);
+  if (c.mma_sync) s += "_mmasync";
   return s;
 }
 
@@ -299,6 +313,7 @@ TEST_P(GemvTest, MatchesFp64Reference) {
   }
   const TiledMinScope tiled_min(c.tiled_min);
   if (c.tiled_min) ASSERT_TRUE(detail::gemv_tiled_supported(p)) << "the case must run the tiled kernel";
+  const MmaSyncScope mma_sync(c.mma_sync);
   gemv(p);
   DSV4_CUDA_CHECK(cudaDeviceSynchronize());
   const std::vector<double> xq = effective_x(h.x, c.m, c.k, c.act);
@@ -384,6 +399,11 @@ std::vector<Case> all_cases() {
     }
     cases.push_back({f.w, f.s, 130, 301, f.k_wide, GemvOut::BF16, 0});
     cases.push_back({f.w, f.s, 300, 600, 512, GemvOut::F32, 0});
+    if (f.w == GemvWeight::MXFP4 || f.w == GemvWeight::NVFP4)  // the above ran on wgmma: mma.sync too
+      for (int m : {65, 130, 300}) {
+        cases.push_back({f.w, f.s, m, 301, f.k_wide, GemvOut::F32, 0, GemvAct::BF16, false, 0, true});
+        cases.push_back({f.w, f.s, m, 45, f.k_deep, GemvOut::BF16, 0, GemvAct::BF16, false, 0, true});
+      }
     // Decode batches on the tiled kernel (set_gemv_tiled_min_rows): its 16- and 32-row activation tiles, partly
     // filled, and the 64-row one at m <= 64; bf16 / fp8 rows leave threads without an activation copy.
     if (f.s == GemvScale::E8M0)
@@ -456,6 +476,7 @@ TEST(GemvTiled, WeightTileVariantsAgreeBitForBit) {
       p.m = m, p.n = n, p.k = k, p.x = x.data(), p.w = dw.data(), p.w_scale = ds.data(), p.w_scale_2 = h.scale_2;
       p.y = y.data(), p.weight = w, p.fp8_scale = s;
       std::vector<std::vector<float>> got;
+      const MmaSyncScope mma_sync(true);  // the variants are of the mma.sync kernel
       for (int tiles : {2, 1}) {
         detail::tiled_weight_tiles = tiles;
         y.fill_bytes(0xff);
@@ -695,6 +716,7 @@ struct GroupedCase {
   GemvAct act = GemvAct::BF16;
   bool bulk = false;   // fp4 weights through the copy engine
   int tiled_min = 0;   // > 0: set_gemv_tiled_min_rows(tiled_min) (decode batches on the tiled kernel)
+  bool mma_sync = false;  // fp4 weights in 64-row tiles on the mma.sync kernel instead of wgmma
 };
 
 std::string grouped_name(const GroupedCase& c) {
@@ -704,7 +726,7 @@ std::string grouped_name(const GroupedCase& c) {
       std::to_string(c.experts) + "_n" + std::to_string(c.n) + "_k" + std::to_string(c.k) +
       (c.x_row_div == 1 ? "_pairrows" : "_tokenrows") + (c.one_expert ? "_oneexpert" : "") +
       (c.second ? "_second" : "") + (c.act == GemvAct::FP8 ? "_actfp8" : "") + (c.bulk ? "_bulk" : "") +
-      (c.tiled_min ? "_tiledfrom" + std::to_string(c.tiled_min) : "");
+      (c.tiled_min ? "_tiledfrom" + std::to_string(c.tiled_min) : "") + (c.mma_sync ? "_mmasync" : "");
   return s;
 }
 
@@ -775,6 +797,7 @@ TEST_P(GemvGroupedTest, MatchesFp64ReferencePerPair) {
   }
   const TiledMinScope tiled_min(c.tiled_min);
   if (c.tiled_min) ASSERT_TRUE(detail::gemv_tiled_supported(g.base)) << "the case must run the tiled kernel";
+  const MmaSyncScope mma_sync(c.mma_sync);
   gemv_grouped(g);
   DSV4_CUDA_CHECK(cudaDeviceSynchronize());
 
@@ -890,6 +913,12 @@ std::vector<GroupedCase> grouped_cases() {
     cases.push_back({w, s, 150, 6, 16, 136, 512, 6, false, true});
     cases.push_back({w, s, 150, 6, 16, 136, 512, 1, false});
     cases.push_back({w, s, 100, 2, 8, 72, 256, 2, true});
+    if (w == GemvWeight::MXFP4 || w == GemvWeight::NVFP4) {  // the three above ran on wgmma: mma.sync too
+      const GemvAct a = GemvAct::BF16;
+      cases.push_back({w, s, 150, 6, 16, 136, 512, 6, false, true, a, false, 0, true});
+      cases.push_back({w, s, 150, 6, 16, 136, 512, 1, false, false, a, false, 0, true});
+      cases.push_back({w, s, 100, 2, 8, 72, 256, 2, true, false, a, false, 0, true});
+    }
     // Decode batches on the tiled kernel (set_gemv_tiled_min_rows): slots of a few rows in 16- / 32-row tiles,
     // 40 rows on one expert in 32-row tiles (a second pass)
     if (s == GemvScale::E8M0) {

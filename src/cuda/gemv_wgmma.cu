@@ -1,0 +1,349 @@
+// SPDX-License-Identifier: MIT
+// The tiled kernel's 64-row activation tiles for fp4 weights on Hopper's warpgroup MMA (wgmma), chosen by
+// gemv_tiled.cu when gemv_wgmma_enabled() (contract in gemv.h, arguments in gemv_launch.h).
+// Why: the mma.sync kernel decodes each weight tile in registers and issues 16 mma.sync per 16 k per warp; at one
+// block of 8 warps per SM it is latency-bound (tensor pipe ~40 %, docs/perf.md sixth round) and every warp reads
+// the whole activation tile from shared memory (8x the tile per stage). Here a block still computes 256 weight rows
+// x 64 activation rows, and each warp still decodes its two 16-row weight tiles from the checkpoint bytes exactly
+// like the mma.sync kernel (same pieces, same k permutation), but the decoded words go to wgmma as the A operand in
+// registers (a warpgroup's four warps hold one 64-row tile) and the activation tile is read by the tensor cores
+// from shared memory once per 64-row tile, asynchronously: the decode of the next k16 pair overlaps the MMAs.
+//
+// k order: a wgmma k16 step takes k pairs t and t + 4 from quad thread t, while a thread's 16-byte weight piece
+// holds 32 consecutive k. So the activation tile is stored with k permuted to match: step s of a 128-k chunk pairs
+// element 2t + e (+ 8) of the step with elements 32t + 4s + e (+ 2) of the chunk. Each thread loads four 16-byte
+// units of a token's chunk row that land in the same four permuted units (a 4 x 4 transpose of 32-bit words, free
+// in registers) and stores them in the canonical K-major layout with the 128-byte swizzle (two 64-k halves).
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "cuda/dequant.cuh"
+#include "cuda/gemv_launch.h"
+#include "cuda/gemv_slot.cuh"
+#include "cuda/launch.cuh"
+#include "cuda/weight_tiles.h"
+
+namespace dsv4::detail {
+namespace {
+
+constexpr int kThreads = 256;                // two warpgroups
+constexpr int kBlockRows = 256;              // weight rows per block: 2 warpgroups x 2 tiles of 64
+constexpr int kBlockTokens = 64;             // activation rows per block (the wgmma N)
+constexpr int kChunkK = 128;                 // k per stage: a quad's four 16-byte pieces of 32 fp4 values per row
+constexpr int kWStages = 4;                  // raw weight bytes, cp.async ring
+constexpr int kXStages = 3;                  // activation tiles in the wgmma layout
+constexpr int kWStageBytes = kBlockRows * 64;
+constexpr int kXStageBytes = kBlockTokens * kChunkK * 2;
+constexpr int kXHalfBytes = kBlockTokens * 128;  // one 64-k half: 64 rows of 128 bytes (8-row swizzle atoms)
+constexpr int kOutStride = kBlockRows + 4;       // floats per token row of the epilogue's output tile
+constexpr size_t kSmemBytes = 1024 + size_t(kXStages) * kXStageBytes + size_t(kWStages) * kWStageBytes;
+static_assert(size_t(kBlockTokens) * kOutStride * 4 <= size_t(kXStages) * kXStageBytes + kWStages * kWStageBytes);
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define DSV4_WGMMA 1
+#endif
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+
+// Shared-memory matrix descriptor of a K-major operand with the 128-byte swizzle: rows of 128 bytes, 8-row atoms
+// 1024 bytes apart (the leading byte offset is unused in this mode and encoded as 1).
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t addr) {
+  return uint64_t((addr & 0x3FFFF) >> 4) | uint64_t(1) << 16 | uint64_t(1024 >> 4) << 32 | uint64_t(1) << 62;
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+#ifdef DSV4_WGMMA
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wgmma_commit() {
+#ifdef DSV4_WGMMA
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+#endif
+}
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+#ifdef DSV4_WGMMA
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+#endif
+}
+// Generic-proxy shared-memory writes (st.shared, cp.async) made visible to the tensor cores' async proxy.
+__device__ __forceinline__ void fence_async_shared() {
+#ifdef DSV4_WGMMA
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+// Keeps the compiler from moving reads of the accumulators above a wgmma_wait.
+__device__ __forceinline__ void fence_accumulators(float (&d)[32]) {
+#pragma unroll
+  for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// d[64 x 64] += A[64 x 16] (bf16 registers, the mma.sync A fragment per warp) x B[16 x 64] (K-major in shared memory).
+__device__ __forceinline__ void wgmma_64x64x16(float (&d)[32], const uint32_t (&a)[4], uint64_t b) {
+#ifdef DSV4_WGMMA
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+      "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+#else
+  __trap();  // the host launches this kernel on sm_90 only
+#endif
+}
+
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(smem)), "l"(gmem), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+
+template <bool kNvfp4, bool kGrouped>
+__global__ void __launch_bounds__(kThreads, 1) gemv_wgmma_kernel(const KernelArgs a) {
+  gpu::allow_dependents();
+  extern __shared__ __align__(16) uint8_t smem_raw[];
+  // The swizzle atoms need 1024-byte alignment: activation stages first, then the raw weight stages.
+  uint8_t* smem = smem_raw + ((1024 - smem_addr(smem_raw) % 1024) % 1024);
+  auto x_stage = [&](int c) { return smem + (c % kXStages) * kXStageBytes; };
+  auto w_stage = [&](int c) {
+    return reinterpret_cast<uint4*>(smem + kXStages * kXStageBytes + (c % kWStages) * kWStageBytes);
+  };
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3, wg = warp >> 2, wq = warp & 3;
+  const int token_blocks = int(gridDim.x) / ((a.n + kBlockRows - 1) / kBlockRows);
+  const int tok_first = int(blockIdx.x) % token_blocks * kBlockTokens;
+  const int row_block0 = int(blockIdx.x) / token_blocks * kBlockRows;
+  const size_t row_bytes = size_t(a.k) / 2;
+
+  BlockRows rows;
+  if (!block_rows<kGrouped>(a, rows)) return;  // an empty slot: the whole block, before any barrier
+  auto pair_of = [&](int row) { return kGrouped ? a.row_order[rows.order0 + row] : row; };
+
+  const bool tiles = a.tiles;
+  const size_t w_chunk_stride = tiles ? 16 * 64 : 64;
+  const uint8_t* w_base = rows.w + size_t(rows.w_row0) * row_bytes;
+  const uint8_t* w_scale = rows.w_scale + size_t(rows.w_row0) * (kNvfp4 ? a.k / 16 : a.k / 32);
+  const int n_chunks = (a.k + kChunkK - 1) / kChunkK;
+  // This thread's weight rows in the block: tile wt of warpgroup wg is rows wg·128 + wt·64 .. + 63, of which warp
+  // wq holds 16 (the A fragment: rows g and g + 8); its piece of each row is bytes t·16 of the chunk's 64.
+  int local[2][2];
+#pragma unroll
+  for (int wt = 0; wt < 2; ++wt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) local[wt][h] = wg * 128 + wt * 64 + wq * 16 + g + 8 * h;
+
+  auto load_scales = [&](int c, uint32_t sc[2][2]) {  // raw scale bits of this thread's pieces of chunk c
+    const int kk = c * kChunkK + t * 32;
+#pragma unroll
+    for (int wt = 0; wt < 2; ++wt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = row_block0 + local[wt][h];
+        const bool ok = c < n_chunks && kk < a.k && r < a.n;
+        uint32_t v = 0;
+        if constexpr (kNvfp4) {
+          const size_t at = tiles ? weight_tiles::offset(size_t(r), size_t(kk / 16), size_t(a.k / 16), 2)
+                                  : size_t(r) * (a.k / 16) + kk / 16;
+          if (ok) v = __ldg(reinterpret_cast<const uint16_t*>(w_scale + at));
+        } else {
+          const size_t at = tiles ? weight_tiles::offset(size_t(r), size_t(kk / 32), size_t(a.k / 32), 1)
+                                  : size_t(r) * (a.k / 32) + kk / 32;
+          if (ok) v = __ldg(w_scale + at);
+        }
+        sc[wt][h] = v;
+      }
+  };
+
+  // Raw weight pieces this thread copies into every stage: row idx / 4 of the block, piece idx % 4.
+  constexpr int kWCopies = kBlockRows * 4 / kThreads;
+  const uint8_t* w_src[kWCopies];
+  int w_piece_k[kWCopies];
+#pragma unroll
+  for (int i = 0; i < kWCopies; ++i) {
+    const int idx = threadIdx.x + i * kThreads, r = row_block0 + idx / 4;
+    w_piece_k[i] = (idx % 4) * 32;
+    const size_t at = tiles ? weight_tiles::offset(size_t(r), size_t(idx % 4) * 16, row_bytes, 16)
+                            : size_t(r) * row_bytes + (idx % 4) * 16;
+    w_src[i] = r < a.n ? w_base + at : nullptr;
+  }
+  auto copy_w = [&](int c) {  // always commits a group (empty ones keep the wait counts uniform)
+    if (c < n_chunks) {
+      uint4* ws = w_stage(c);
+#pragma unroll
+      for (int i = 0; i < kWCopies; ++i) {
+        const bool valid = w_src[i] && c * kChunkK + w_piece_k[i] < a.k;
+        cp_async_16(ws + threadIdx.x + i * kThreads, valid ? w_src[i] + size_t(c) * w_chunk_stride : a.w, valid);
+      }
+    }
+    cp_async_commit();
+  };
+
+  // Activation copies: token x_tok of the tile, 16-byte units x_r + 4i (i = 0..3) of its chunk row, which become
+  // permuted units 4·x_r + j holding word j of each (see the top of the file).
+  const int x_tok = threadIdx.x >> 2, x_r = threadIdx.x & 3;
+  uint32_t x_dst[4];  // shared-memory offsets of the four permuted units in a stage
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int unit = 4 * x_r + j, half = unit >> 3, chunk = unit & 7;
+    x_dst[j] = uint32_t(half * kXHalfBytes + x_tok * 128 + ((chunk ^ (x_tok & 7)) << 4));
+  }
+
+  const bool early = !kGrouped && a.early_weights;
+  if (!kGrouped && !early) gpu::dependent_wait();
+  bool first_pass = true;
+  for (int tok0 = tok_first; tok0 < rows.m_rows; tok0 += token_blocks * kBlockTokens) {
+  const int tokens = min(kBlockTokens, rows.m_rows - tok0);
+  const __nv_bfloat16* x_row =
+      x_tok < tokens ? rows.x + size_t(kGrouped ? pair_of(tok0 + x_tok) / a.x_row_div : tok0 + x_tok) * a.k
+                     : nullptr;
+  uint4 xr[4];
+  auto load_x = [&](int c) {  // plain loads (x is the previous kernel's output); zeros past k and past the rows
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int kk = c * kChunkK + (x_r + 4 * i) * 8;
+      xr[i] = x_row && c < n_chunks && kk < a.k ? __ldcg(reinterpret_cast<const uint4*>(x_row + kk))
+                                                 : make_uint4(0, 0, 0, 0);
+    }
+  };
+  auto store_x = [&](int c) {
+    uint8_t* xs = x_stage(c);
+    const uint4 u[4] = {make_uint4(xr[0].x, xr[1].x, xr[2].x, xr[3].x), make_uint4(xr[0].y, xr[1].y, xr[2].y, xr[3].y),
+                        make_uint4(xr[0].z, xr[1].z, xr[2].z, xr[3].z), make_uint4(xr[0].w, xr[1].w, xr[2].w, xr[3].w)};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) *reinterpret_cast<uint4*>(xs + x_dst[j]) = u[j];
+    fence_async_shared();
+  };
+
+  float acc[2][32];
+#pragma unroll
+  for (int wt = 0; wt < 2; ++wt)
+#pragma unroll
+    for (int i = 0; i < 32; ++i) acc[wt][i] = 0.0f;
+
+  uint32_t sc_cur[2][2], sc_next[2][2];
+  load_scales(0, sc_cur);
+  if (early && first_pass) {
+#pragma unroll
+    for (int s = 0; s < kWStages - 1; ++s) copy_w(s);
+    gpu::dependent_wait();
+  } else {
+#pragma unroll
+    for (int s = 0; s < kWStages - 1; ++s) copy_w(s);
+  }
+  first_pass = false;
+  load_x(0);
+  store_x(0);
+  load_x(1);
+  for (int c = 0; c < n_chunks; ++c) {
+    load_scales(c + 1, sc_next);
+    cp_async_wait<kWStages - 2>();
+    fence_async_shared();
+    // Stage c's weights and activations are complete for every thread; every warpgroup has waited for its MMAs of
+    // chunk c - 2 (the wait_group<1> of chunk c - 1's first step), so that activation stage can be refilled, and
+    // chunk c - 1's raw weights have been read.
+    __syncthreads();
+    copy_w(c + kWStages - 1);
+    store_x(c + 1);  // the stage of chunk c - 2
+    load_x(c + 2);
+    const uint4* ws = w_stage(c);
+    uint4 raw[2][2];
+    uint32_t f[2][2][2];
+#pragma unroll
+    for (int wt = 0; wt < 2; ++wt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        raw[wt][h] = ws[local[wt][h] * 4 + t];
+        if constexpr (kNvfp4) dq::nvfp4_factor_pair(sc_cur[wt][h], f[wt][h][0], f[wt][h][1]);
+        else f[wt][h][0] = f[wt][h][1] = dq::mxfp4_factor(sc_cur[wt][h]);
+      }
+    const uint32_t x_base = smem_addr(x_stage(c));
+#pragma unroll
+    for (int cc = 0; cc < 4; ++cc) {  // word cc of each piece: k steps 2cc and 2cc + 1
+      uint32_t wa[2][2][4];
+#pragma unroll
+      for (int wt = 0; wt < 2; ++wt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const uint32_t word[4] = {raw[wt][h].x, raw[wt][h].y, raw[wt][h].z, raw[wt][h].w};
+          dq::e2m1x8_to_bf16x2(word[cc], f[wt][h][cc >> 1], wa[wt][h]);
+        }
+      wgmma_fence();
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const int s = 2 * cc + u;  // k16 step: its 64-k half, then 32 bytes per step within the 128-byte rows
+        const uint64_t b = sw128_desc(x_base + (s >> 2) * kXHalfBytes + (s & 3) * 32);
+#pragma unroll
+        for (int wt = 0; wt < 2; ++wt) {
+          const uint32_t frag[4] = {wa[wt][0][2 * u], wa[wt][1][2 * u], wa[wt][0][2 * u + 1], wa[wt][1][2 * u + 1]};
+          wgmma_64x64x16(acc[wt], frag, b);
+        }
+      }
+      wgmma_commit();
+      wgmma_wait<1>();  // the previous step's MMAs: their registers may be reused
+    }
+#pragma unroll
+    for (int wt = 0; wt < 2; ++wt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) sc_cur[wt][h] = sc_next[wt][h];
+  }
+  wgmma_wait<0>();
+  fence_accumulators(acc[0]);
+  fence_accumulators(acc[1]);
+  cp_async_wait<0>();
+  __syncthreads();  // every stage read: the output tile reuses them
+
+  // acc[wt][4j + e]: weight row local[wt][e >> 1], token 8j + 2t + (e & 1) -> the [token][row] tile, then each
+  // token's row of outputs with consecutive threads on consecutive columns (coalesced stores).
+  float* tile = reinterpret_cast<float*>(smem);
+#pragma unroll
+  for (int wt = 0; wt < 2; ++wt)
+#pragma unroll
+    for (int i = 0; i < 32; ++i)
+      tile[(8 * (i >> 2) + 2 * t + (i & 1)) * kOutStride + local[wt][(i >> 1) & 1]] = acc[wt][i] * rows.y_factor;
+  __syncthreads();
+  void* y = kGrouped && blockIdx.z == 1 ? a.y_second : a.y;
+  const int cols = min(kBlockRows, a.n - row_block0);
+  for (int tok = warp; tok < tokens; tok += kThreads / 32) {
+    const int64_t out_row = rows.y_offset + int64_t(pair_of(tok0 + tok)) * a.ldy + row_block0;
+    for (int col = lane; col < cols; col += 32) {
+      const float v = tile[tok * kOutStride + col];
+      if (a.out_bf16)
+        static_cast<__nv_bfloat16*>(y)[out_row + col] = __float2bfloat16_rn(v);
+      else
+        static_cast<float*>(y)[out_row + col] = v;
+    }
+  }
+  __syncthreads();  // the tile is read: a further pass may refill the stages
+  }  // row passes
+}
+
+template <bool kNvfp4, bool kGrouped>
+cudaError_t launch(const KernelArgs& a, dim3 grid, cudaStream_t stream) {
+  constexpr auto kKernel = gemv_wgmma_kernel<kNvfp4, kGrouped>;
+  const int token_blocks = (a.m + kBlockTokens - 1) / kBlockTokens;
+  grid.x = unsigned((a.n + kBlockRows - 1) / kBlockRows * token_blocks);
+  const cudaError_t configured = gpu::allow_dynamic_smem<kKernel>(int(kSmemBytes));
+  if (configured != cudaSuccess) return configured;
+  gpu::launch(kKernel, grid, kThreads, kSmemBytes, stream, a);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t gemv_wgmma_launch(const KernelArgs& a, GemvWeight w, dim3 grid, cudaStream_t stream, bool grouped) {
+  if (w == GemvWeight::NVFP4) return grouped ? launch<true, true>(a, grid, stream) : launch<true, false>(a, grid, stream);
+  if (w == GemvWeight::MXFP4)
+    return grouped ? launch<false, true>(a, grid, stream) : launch<false, false>(a, grid, stream);
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace dsv4::detail
