@@ -340,7 +340,8 @@ cudaError_t launch(const KernelArgs& a, dim3 grid, cudaStream_t stream) {
 }  // namespace
 
 cudaError_t gemv_wgmma_launch(const KernelArgs& a, GemvWeight w, dim3 grid, cudaStream_t stream, bool grouped) {
-  if (w == GemvWeight::NVFP4) return grouped ? launch<true, true>(a, grid, stream) : launch<true, false>(a, grid, stream);
+  if (w == GemvWeight::NVFP4)
+    return grouped ? launch<true, true>(a, grid, stream) : launch<true, false>(a, grid, stream);
   if (w == GemvWeight::MXFP4)
     return grouped ? launch<false, true>(a, grid, stream) : launch<false, false>(a, grid, stream);
   return cudaErrorInvalidValue;
