@@ -2,7 +2,8 @@
 # One device call for the CUDA backend (the device tool runs it in a copy of the repository):
 #   (FIRST_FILTER) new kernels' tests alone -> GPU tests -> compute-sanitizer memcheck on a short run -> (SERVE=1)
 #   the server's curl test on the GPU, with tokens drawn on the host and on the device -> (GEMV=1) dsv4_gemv_bench
-#   (GEMV_ARGS, default --quick --pdl; fp4 / fp8 rows also with the copy-engine kernels) -> dsv4 bench (Flash-shaped,
+#   (GEMV_ARGS, default --quick --pdl; fp4 / fp8 rows also with the copy-engine kernels) -> (GEMM=1) dsv4_gemm_bench
+#   (cuBLASLt, the tiled kernel on mma.sync and on wgmma, its nvfp4 lines) -> dsv4 bench (Flash-shaped,
 #   NVFP4 + BF16) -> (BENCH_ENV="A=1 B=1") the bench again with those variables set (same arguments), an A/B of
 #   switches that are off by default.
 # Expects devrun/build.tar.xz made on the CPU machine by bench/cuda/pack_device_build.sh (binaries + the
@@ -52,6 +53,12 @@ if [ -n "${GEMV:-}" ]; then
   timeout ${GEMV_TIMEOUT:-200} "$B/dsv4_gemv_bench" ${GEMV_ARGS:---quick --pdl} > "$OUT/gemv.log" 2>&1
   echo "gemv bench exit code: $? ($(( $(date +%s) - T0 )) s)"
   grep -E "^(copy|fixed)|mxfp4|nvfp4|fp8_e8m0|fp8_f32s" "$OUT/gemv.log" | head -60
+fi
+if [ -n "${GEMM:-}" ]; then
+  T0=$(date +%s)
+  timeout ${GEMM_TIMEOUT:-150} "$B/dsv4_gemm_bench" > "$OUT/gemm.log" 2>&1
+  echo "gemm bench exit code: $? ($(( $(date +%s) - T0 )) s)"
+  grep -E "^(format|device|nvfp4)" "$OUT/gemm.log" | head -40
 fi
 if [ -z "${NO_BENCH:-}" ]; then
   T0=$(date +%s)
