@@ -96,6 +96,9 @@ cudaError_t gemv_tiled_launch(const KernelArgs& a, const GemvParams& p, dim3 gri
 // FP4 weights (w MXFP4 / NVFP4) in 64-row activation tiles on wgmma (gemv_wgmma.cu); called by gemv_tiled.cu when
 // gemv_wgmma_enabled(), with its grid (plain, batched, grouped); a.m as for gemv_tiled_launch.
 cudaError_t gemv_wgmma_launch(const KernelArgs& a, GemvWeight w, dim3 grid, cudaStream_t stream, bool grouped);
+// The wgmma kernel's block shape: 0 = chosen per launch (3 above 64 rows, else 1), or forced (benchmarks, tests) to
+// 1 (256 weight rows x 64 activation rows), 2 (128 x 128) or 3 (256 x 128).
+extern int wgmma_shape;
 
 // y[r, :] = act_quant_fp8(x[r, :]) as bf16 for r < rows (act_quant_fp8 in gemv.h).
 cudaError_t act_quant_launch(const uint16_t* x, uint16_t* y, int rows, int k, cudaStream_t stream);

@@ -27,18 +27,23 @@
 namespace dsv4::detail {
 namespace {
 
-constexpr int kThreads = 256;                // two warpgroups
-constexpr int kBlockRows = 256;              // weight rows per block: 2 warpgroups x 2 tiles of 64
-constexpr int kBlockTokens = 64;             // activation rows per block (the wgmma N)
-constexpr int kChunkK = 128;                 // k per stage: a quad's four 16-byte pieces of 32 fp4 values per row
-constexpr int kWStages = 4;                  // raw weight bytes, cp.async ring
-constexpr int kXStages = 3;                  // activation tiles in the wgmma layout
-constexpr int kWStageBytes = kBlockRows * 64;
-constexpr int kXStageBytes = kBlockTokens * kChunkK * 2;
-constexpr int kXHalfBytes = kBlockTokens * 128;  // one 64-k half: 64 rows of 128 bytes (8-row swizzle atoms)
-constexpr int kOutStride = kBlockRows + 4;       // floats per token row of the epilogue's output tile
-constexpr size_t kSmemBytes = 1024 + size_t(kXStages) * kXStageBytes + size_t(kWStages) * kWStageBytes;
-static_assert(size_t(kBlockTokens) * kOutStride * 4 <= size_t(kXStages) * kXStageBytes + kWStages * kWStageBytes);
+constexpr int kThreads = 256;  // two warpgroups
+constexpr int kChunkK = 128;   // k per stage: a quad's four 16-byte pieces of 32 fp4 values per row
+constexpr int kWStages = 4;    // raw weight bytes, cp.async ring
+constexpr int kXStages = 3;    // activation tiles in the wgmma layout
+
+// A block: kTiles 64-row weight tiles per warpgroup (kBlockRows rows) x kN activation rows (the wgmma N).
+template <int kTiles, int kN>
+struct WgmmaShape {
+  static constexpr int kBlockRows = 2 * 64 * kTiles;
+  static constexpr int kWStageBytes = kBlockRows * 64;
+  static constexpr int kXHalfBytes = kN * 128;  // one 64-k half of a stage: kN rows of 128 bytes (8-row atoms)
+  static constexpr int kXStageBytes = 2 * kXHalfBytes;
+  static constexpr int kOutStride = kBlockRows + 4;  // floats per token row of the epilogue's output tile
+  static constexpr size_t kStagesBytes = size_t(kXStages) * kXStageBytes + size_t(kWStages) * kWStageBytes;
+  static constexpr size_t kSmemBytes = 1024 + kStagesBytes;  // + the alignment of the swizzle atoms
+  static_assert(size_t(kN) * kOutStride * 4 <= kStagesBytes, "the output tile reuses the stages");
+};
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define DSV4_WGMMA 1
@@ -75,24 +80,53 @@ __device__ __forceinline__ void fence_async_shared() {
 #endif
 }
 // Keeps the compiler from moving reads of the accumulators above a wgmma_wait.
-__device__ __forceinline__ void fence_accumulators(float (&d)[32]) {
+template <int R>
+__device__ __forceinline__ void fence_accumulators(float (&d)[R]) {
 #pragma unroll
-  for (int i = 0; i < 32; ++i) asm volatile("" : "+f"(d[i])::"memory");
+  for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
 
-// d[64 x 64] += A[64 x 16] (bf16 registers, the mma.sync A fragment per warp) x B[16 x 64] (K-major in shared memory).
-__device__ __forceinline__ void wgmma_64x64x16(float (&d)[32], const uint32_t (&a)[4], uint64_t b) {
+// d[64 x N] += A[64 x 16] (bf16 registers, the mma.sync A fragment per warp) x B[16 x N] (K-major in shared memory).
+template <int N>
+__device__ void wgmma_64xNx16(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b);
+template <>
+__device__ __forceinline__ void wgmma_64xNx16<64>(float (&d)[32], const uint32_t (&a)[4], uint64_t b) {
 #ifdef DSV4_WGMMA
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
-      "{%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+      "}, {%32, %33, %34, %35}, %36, p, 1, 1, 0;\n}\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
         "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
         "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
         "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+#else
+  __trap();  // the host launches this kernel on sm_90 only
+#endif
+}
+
+template <>
+__device__ __forceinline__ void wgmma_64xNx16<128>(float (&d)[64], const uint32_t (&a)[4], uint64_t b) {
+#ifdef DSV4_WGMMA
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+      "}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
 #else
   __trap();  // the host launches this kernel on sm_90 only
@@ -106,21 +140,24 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
 
-template <bool kNvfp4, bool kGrouped>
+template <bool kNvfp4, bool kGrouped, int kTiles, int kN>
 __global__ void __launch_bounds__(kThreads, 1) gemv_wgmma_kernel(const KernelArgs a) {
+  using S = WgmmaShape<kTiles, kN>;
+  constexpr int kBlockRows = S::kBlockRows, kOutStride = S::kOutStride;
+  constexpr int kXGroups = kN * 4 / kThreads;  // activation copy groups per thread per stage (see load_x)
   gpu::allow_dependents();
   extern __shared__ __align__(16) uint8_t smem_raw[];
   // The swizzle atoms need 1024-byte alignment: activation stages first, then the raw weight stages.
   uint8_t* smem = smem_raw + ((1024 - smem_addr(smem_raw) % 1024) % 1024);
-  auto x_stage = [&](int c) { return smem + (c % kXStages) * kXStageBytes; };
+  auto x_stage = [&](int c) { return smem + (c % kXStages) * S::kXStageBytes; };
   auto w_stage = [&](int c) {
-    return reinterpret_cast<uint4*>(smem + kXStages * kXStageBytes + (c % kWStages) * kWStageBytes);
+    return reinterpret_cast<uint4*>(smem + kXStages * S::kXStageBytes + (c % kWStages) * S::kWStageBytes);
   };
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3, wg = warp >> 2, wq = warp & 3;
   const int token_blocks = int(gridDim.x) / ((a.n + kBlockRows - 1) / kBlockRows);
-  const int tok_first = int(blockIdx.x) % token_blocks * kBlockTokens;
+  const int tok_first = int(blockIdx.x) % token_blocks * kN;
   const int row_block0 = int(blockIdx.x) / token_blocks * kBlockRows;
   const size_t row_bytes = size_t(a.k) / 2;
 
@@ -133,18 +170,18 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_wgmma_kernel(const KernelArg
   const uint8_t* w_base = rows.w + size_t(rows.w_row0) * row_bytes;
   const uint8_t* w_scale = rows.w_scale + size_t(rows.w_row0) * (kNvfp4 ? a.k / 16 : a.k / 32);
   const int n_chunks = (a.k + kChunkK - 1) / kChunkK;
-  // This thread's weight rows in the block: tile wt of warpgroup wg is rows wg·128 + wt·64 .. + 63, of which warp
-  // wq holds 16 (the A fragment: rows g and g + 8); its piece of each row is bytes t·16 of the chunk's 64.
-  int local[2][2];
+  // This thread's weight rows in the block: tile wt of warpgroup wg is 64 rows, of which warp wq holds 16 (the A
+  // fragment: rows g and g + 8); its piece of each row is bytes t·16 of the chunk's 64.
+  int local[kTiles][2];
 #pragma unroll
-  for (int wt = 0; wt < 2; ++wt)
+  for (int wt = 0; wt < kTiles; ++wt)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) local[wt][h] = wg * 128 + wt * 64 + wq * 16 + g + 8 * h;
+    for (int h = 0; h < 2; ++h) local[wt][h] = (wg * kTiles + wt) * 64 + wq * 16 + g + 8 * h;
 
-  auto load_scales = [&](int c, uint32_t sc[2][2]) {  // raw scale bits of this thread's pieces of chunk c
+  auto load_scales = [&](int c, uint32_t sc[kTiles][2]) {  // raw scale bits of this thread's pieces of chunk c
     const int kk = c * kChunkK + t * 32;
 #pragma unroll
-    for (int wt = 0; wt < 2; ++wt)
+    for (int wt = 0; wt < kTiles; ++wt)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int r = row_block0 + local[wt][h];
@@ -187,58 +224,65 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_wgmma_kernel(const KernelArg
     cp_async_commit();
   };
 
-  // Activation copies: token x_tok of the tile, 16-byte units x_r + 4i (i = 0..3) of its chunk row, which become
-  // permuted units 4·x_r + j holding word j of each (see the top of the file).
+  // Activation copies, group q: token x_tok + 64q of the tile, 16-byte units x_r + 4i (i = 0..3) of its chunk row,
+  // which become permuted units 4·x_r + j holding word j of each (see the top of the file).
   const int x_tok = threadIdx.x >> 2, x_r = threadIdx.x & 3;
-  uint32_t x_dst[4];  // shared-memory offsets of the four permuted units in a stage
+  uint32_t x_dst[kXGroups][4];  // shared-memory offsets of the permuted units in a stage
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int unit = 4 * x_r + j, half = unit >> 3, chunk = unit & 7;
-    x_dst[j] = uint32_t(half * kXHalfBytes + x_tok * 128 + ((chunk ^ (x_tok & 7)) << 4));
-  }
+  for (int q = 0; q < kXGroups; ++q)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int unit = 4 * x_r + j, half = unit >> 3, chunk = unit & 7, tok = x_tok + 64 * q;
+      x_dst[q][j] = uint32_t(half * S::kXHalfBytes + tok * 128 + ((chunk ^ (tok & 7)) << 4));
+    }
 
   const bool early = !kGrouped && a.early_weights;
   if (!kGrouped && !early) gpu::dependent_wait();
   bool first_pass = true;
-  for (int tok0 = tok_first; tok0 < rows.m_rows; tok0 += token_blocks * kBlockTokens) {
-  const int tokens = min(kBlockTokens, rows.m_rows - tok0);
-  const __nv_bfloat16* x_row =
-      x_tok < tokens ? rows.x + size_t(kGrouped ? pair_of(tok0 + x_tok) / a.x_row_div : tok0 + x_tok) * a.k
-                     : nullptr;
-  uint4 xr[4];
+  for (int tok0 = tok_first; tok0 < rows.m_rows; tok0 += token_blocks * kN) {
+  const int tokens = min(kN, rows.m_rows - tok0);
+  const __nv_bfloat16* x_row[kXGroups];
+#pragma unroll
+  for (int q = 0; q < kXGroups; ++q) {
+    const int tok = x_tok + 64 * q;
+    x_row[q] = tok < tokens ? rows.x + size_t(kGrouped ? pair_of(tok0 + tok) / a.x_row_div : tok0 + tok) * a.k
+                            : nullptr;
+  }
+  uint4 xr[kXGroups][4];
   auto load_x = [&](int c) {  // plain loads (x is the previous kernel's output); zeros past k and past the rows
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int kk = c * kChunkK + (x_r + 4 * i) * 8;
-      xr[i] = x_row && c < n_chunks && kk < a.k ? __ldcg(reinterpret_cast<const uint4*>(x_row + kk))
-                                                 : make_uint4(0, 0, 0, 0);
-    }
+    for (int q = 0; q < kXGroups; ++q)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int kk = c * kChunkK + (x_r + 4 * i) * 8;
+        xr[q][i] = x_row[q] && c < n_chunks && kk < a.k ? __ldcg(reinterpret_cast<const uint4*>(x_row[q] + kk))
+                                                        : make_uint4(0, 0, 0, 0);
+      }
   };
   auto store_x = [&](int c) {
     uint8_t* xs = x_stage(c);
-    const uint4 u[4] = {make_uint4(xr[0].x, xr[1].x, xr[2].x, xr[3].x), make_uint4(xr[0].y, xr[1].y, xr[2].y, xr[3].y),
-                        make_uint4(xr[0].z, xr[1].z, xr[2].z, xr[3].z), make_uint4(xr[0].w, xr[1].w, xr[2].w, xr[3].w)};
 #pragma unroll
-    for (int j = 0; j < 4; ++j) *reinterpret_cast<uint4*>(xs + x_dst[j]) = u[j];
+    for (int q = 0; q < kXGroups; ++q) {
+      const uint4(&v)[4] = xr[q];
+      const uint4 u[4] = {make_uint4(v[0].x, v[1].x, v[2].x, v[3].x), make_uint4(v[0].y, v[1].y, v[2].y, v[3].y),
+                          make_uint4(v[0].z, v[1].z, v[2].z, v[3].z), make_uint4(v[0].w, v[1].w, v[2].w, v[3].w)};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) *reinterpret_cast<uint4*>(xs + x_dst[q][j]) = u[j];
+    }
     fence_async_shared();
   };
 
-  float acc[2][32];
+  float acc[kTiles][kN / 2];
 #pragma unroll
-  for (int wt = 0; wt < 2; ++wt)
+  for (int wt = 0; wt < kTiles; ++wt)
 #pragma unroll
-    for (int i = 0; i < 32; ++i) acc[wt][i] = 0.0f;
+    for (int i = 0; i < kN / 2; ++i) acc[wt][i] = 0.0f;
 
-  uint32_t sc_cur[2][2], sc_next[2][2];
+  uint32_t sc_cur[kTiles][2], sc_next[kTiles][2];
   load_scales(0, sc_cur);
-  if (early && first_pass) {
 #pragma unroll
-    for (int s = 0; s < kWStages - 1; ++s) copy_w(s);
-    gpu::dependent_wait();
-  } else {
-#pragma unroll
-    for (int s = 0; s < kWStages - 1; ++s) copy_w(s);
-  }
+  for (int s = 0; s < kWStages - 1; ++s) copy_w(s);
+  if (early && first_pass) gpu::dependent_wait();  // the weights' first stages were issued before the wait
   first_pass = false;
   load_x(0);
   store_x(0);
@@ -246,7 +290,6 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_wgmma_kernel(const KernelArg
   for (int c = 0; c < n_chunks; ++c) {
     load_scales(c + 1, sc_next);
     cp_async_wait<kWStages - 2>();
-    fence_async_shared();
     // Stage c's weights and activations are complete for every thread; every warpgroup has waited for its MMAs of
     // chunk c - 2 (the wait_group<1> of chunk c - 1's first step), so that activation stage can be refilled, and
     // chunk c - 1's raw weights have been read.
@@ -255,10 +298,10 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_wgmma_kernel(const KernelArg
     store_x(c + 1);  // the stage of chunk c - 2
     load_x(c + 2);
     const uint4* ws = w_stage(c);
-    uint4 raw[2][2];
-    uint32_t f[2][2][2];
+    uint4 raw[kTiles][2];
+    uint32_t f[kTiles][2][2];
 #pragma unroll
-    for (int wt = 0; wt < 2; ++wt)
+    for (int wt = 0; wt < kTiles; ++wt)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         raw[wt][h] = ws[local[wt][h] * 4 + t];
@@ -268,9 +311,9 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_wgmma_kernel(const KernelArg
     const uint32_t x_base = smem_addr(x_stage(c));
 #pragma unroll
     for (int cc = 0; cc < 4; ++cc) {  // word cc of each piece: k steps 2cc and 2cc + 1
-      uint32_t wa[2][2][4];
+      uint32_t wa[kTiles][2][4];
 #pragma unroll
-      for (int wt = 0; wt < 2; ++wt)
+      for (int wt = 0; wt < kTiles; ++wt)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const uint32_t word[4] = {raw[wt][h].x, raw[wt][h].y, raw[wt][h].z, raw[wt][h].w};
@@ -280,24 +323,24 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_wgmma_kernel(const KernelArg
 #pragma unroll
       for (int u = 0; u < 2; ++u) {
         const int s = 2 * cc + u;  // k16 step: its 64-k half, then 32 bytes per step within the 128-byte rows
-        const uint64_t b = sw128_desc(x_base + (s >> 2) * kXHalfBytes + (s & 3) * 32);
+        const uint64_t b = sw128_desc(x_base + (s >> 2) * S::kXHalfBytes + (s & 3) * 32);
 #pragma unroll
-        for (int wt = 0; wt < 2; ++wt) {
+        for (int wt = 0; wt < kTiles; ++wt) {
           const uint32_t frag[4] = {wa[wt][0][2 * u], wa[wt][1][2 * u], wa[wt][0][2 * u + 1], wa[wt][1][2 * u + 1]};
-          wgmma_64x64x16(acc[wt], frag, b);
+          wgmma_64xNx16<kN>(acc[wt], frag, b);
         }
       }
       wgmma_commit();
       wgmma_wait<1>();  // the previous step's MMAs: their registers may be reused
     }
 #pragma unroll
-    for (int wt = 0; wt < 2; ++wt)
+    for (int wt = 0; wt < kTiles; ++wt)
 #pragma unroll
       for (int h = 0; h < 2; ++h) sc_cur[wt][h] = sc_next[wt][h];
   }
   wgmma_wait<0>();
-  fence_accumulators(acc[0]);
-  fence_accumulators(acc[1]);
+#pragma unroll
+  for (int wt = 0; wt < kTiles; ++wt) fence_accumulators(acc[wt]);
   cp_async_wait<0>();
   __syncthreads();  // every stage read: the output tile reuses them
 
@@ -305,9 +348,9 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_wgmma_kernel(const KernelArg
   // token's row of outputs with consecutive threads on consecutive columns (coalesced stores).
   float* tile = reinterpret_cast<float*>(smem);
 #pragma unroll
-  for (int wt = 0; wt < 2; ++wt)
+  for (int wt = 0; wt < kTiles; ++wt)
 #pragma unroll
-    for (int i = 0; i < 32; ++i)
+    for (int i = 0; i < kN / 2; ++i)
       tile[(8 * (i >> 2) + 2 * t + (i & 1)) * kOutStride + local[wt][(i >> 1) & 1]] = acc[wt][i] * rows.y_factor;
   __syncthreads();
   void* y = kGrouped && blockIdx.z == 1 ? a.y_second : a.y;
@@ -326,24 +369,35 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_wgmma_kernel(const KernelArg
   }  // row passes
 }
 
-template <bool kNvfp4, bool kGrouped>
+template <bool kNvfp4, bool kGrouped, int kTiles, int kN>
 cudaError_t launch(const KernelArgs& a, dim3 grid, cudaStream_t stream) {
-  constexpr auto kKernel = gemv_wgmma_kernel<kNvfp4, kGrouped>;
-  const int token_blocks = (a.m + kBlockTokens - 1) / kBlockTokens;
-  grid.x = unsigned((a.n + kBlockRows - 1) / kBlockRows * token_blocks);
-  const cudaError_t configured = gpu::allow_dynamic_smem<kKernel>(int(kSmemBytes));
+  using S = WgmmaShape<kTiles, kN>;
+  constexpr auto kKernel = gemv_wgmma_kernel<kNvfp4, kGrouped, kTiles, kN>;
+  const int token_blocks = (a.m + kN - 1) / kN;
+  grid.x = unsigned((a.n + S::kBlockRows - 1) / S::kBlockRows * token_blocks);
+  const cudaError_t configured = gpu::allow_dynamic_smem<kKernel>(int(S::kSmemBytes));
   if (configured != cudaSuccess) return configured;
-  gpu::launch(kKernel, grid, kThreads, kSmemBytes, stream, a);
+  gpu::launch(kKernel, grid, kThreads, S::kSmemBytes, stream, a);
   return cudaGetLastError();
+}
+
+template <bool kNvfp4, bool kGrouped>
+cudaError_t launch_shape(const KernelArgs& a, dim3 grid, cudaStream_t stream) {
+  const int shape = wgmma_shape ? wgmma_shape : a.m > 64 ? 3 : 1;
+  if (shape == 2) return launch<kNvfp4, kGrouped, 1, 128>(a, grid, stream);
+  if (shape == 3) return launch<kNvfp4, kGrouped, 2, 128>(a, grid, stream);
+  return launch<kNvfp4, kGrouped, 2, 64>(a, grid, stream);
 }
 
 }  // namespace
 
+int wgmma_shape = 0;
+
 cudaError_t gemv_wgmma_launch(const KernelArgs& a, GemvWeight w, dim3 grid, cudaStream_t stream, bool grouped) {
   if (w == GemvWeight::NVFP4)
-    return grouped ? launch<true, true>(a, grid, stream) : launch<true, false>(a, grid, stream);
+    return grouped ? launch_shape<true, true>(a, grid, stream) : launch_shape<true, false>(a, grid, stream);
   if (w == GemvWeight::MXFP4)
-    return grouped ? launch<false, true>(a, grid, stream) : launch<false, false>(a, grid, stream);
+    return grouped ? launch_shape<false, true>(a, grid, stream) : launch_shape<false, false>(a, grid, stream);
   return cudaErrorInvalidValue;
 }
 

@@ -458,6 +458,35 @@ INSTANTIATE_TEST_SUITE_P(AllFormats, GemvTest, ::testing::ValuesIn(all_cases()),
                          [](const ::testing::TestParamInfo<Case>& info) { return case_name(info.param); });
 
 // ---------------------------------------------------------------------------------------------------------
+// One plain gemv problem on the device, run under several settings; outputs() gives each run's y (fp32).
+struct VariantRuns {
+  VariantRuns(GemvWeight w, GemvScale s, int m, int n, int k, std::mt19937_64& rng)
+      : h(make_problem(Case{w, s, m, n, k, GemvOut::F32, 0}, rng)), x(h.x.size() * 2), dw(h.w.size()),
+        ds(std::max<size_t>(h.scale.size(), 16)), y(size_t(m) * n * 4) {
+    x.upload(h.x.data(), h.x.size() * 2);
+    dw.upload(h.w.data(), h.w.size());
+    if (!h.scale.empty()) ds.upload(h.scale.data(), h.scale.size());
+    p.m = m, p.n = n, p.k = k, p.x = x.data(), p.w = dw.data(), p.w_scale = ds.data(), p.w_scale_2 = h.scale_2;
+    p.y = y.data(), p.weight = w, p.fp8_scale = s;
+  }
+  void run() {
+    y.fill_bytes(0xff);
+    gemv(p);
+    DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+    outputs.emplace_back(size_t(p.m) * p.n);
+    y.download(outputs.back().data(), outputs.back().size() * 4);
+  }
+  bool all_equal() const {
+    for (const std::vector<float>& o : outputs)
+      if (std::memcmp(o.data(), outputs[0].data(), o.size() * 4) != 0) return false;
+    return true;
+  }
+  HostProblem h;
+  DeviceBuffer x, dw, ds, y;
+  GemvParams p;
+  std::vector<std::vector<float>> outputs;
+};
+
 // The tiled kernel's variant with one 16-row weight tile per warp (two blocks per SM) computes every output with
 // the same k order as the default one, so the two agree bit for bit (the default is checked against fp64 above).
 TEST(GemvTiled, WeightTileVariantsAgreeBitForBit) {
@@ -466,28 +495,33 @@ TEST(GemvTiled, WeightTileVariantsAgreeBitForBit) {
   for (const auto& [w, s] : {std::pair{GemvWeight::BF16, GemvScale::E8M0}, {GemvWeight::FP8_BLOCK, GemvScale::E8M0},
                              {GemvWeight::MXFP4, GemvScale::E8M0}, {GemvWeight::NVFP4, GemvScale::E8M0}})
     for (const auto& [m, n, k] : {std::tuple{130, 301, 1056}, {300, 600, 512}, {65, 45, 4128}}) {
-      const Case c{w, s, m, n, k, GemvOut::F32, 0};
-      const HostProblem h = make_problem(c, rng);
-      DeviceBuffer x(h.x.size() * 2), dw(h.w.size()), ds(std::max<size_t>(h.scale.size(), 16)), y(size_t(m) * n * 4);
-      x.upload(h.x.data(), h.x.size() * 2);
-      dw.upload(h.w.data(), h.w.size());
-      if (!h.scale.empty()) ds.upload(h.scale.data(), h.scale.size());
-      GemvParams p;
-      p.m = m, p.n = n, p.k = k, p.x = x.data(), p.w = dw.data(), p.w_scale = ds.data(), p.w_scale_2 = h.scale_2;
-      p.y = y.data(), p.weight = w, p.fp8_scale = s;
-      std::vector<std::vector<float>> got;
+      VariantRuns v(w, s, m, n, k, rng);
       const MmaSyncScope mma_sync(true);  // the variants are of the mma.sync kernel
       for (int tiles : {2, 1}) {
         detail::tiled_weight_tiles = tiles;
-        y.fill_bytes(0xff);
-        gemv(p);
-        DSV4_CUDA_CHECK(cudaDeviceSynchronize());
-        got.emplace_back(size_t(m) * n);
-        y.download(got.back().data(), got.back().size() * 4);
+        v.run();
       }
       detail::tiled_weight_tiles = 0;
-      EXPECT_EQ(0, std::memcmp(got[0].data(), got[1].data(), got[0].size() * 4))
-          << gemv_weight_name(w) << " m " << m << " n " << n << " k " << k;
+      EXPECT_TRUE(v.all_equal()) << gemv_weight_name(w) << " m " << m << " n " << n << " k " << k;
+    }
+}
+
+// The wgmma kernel's block shapes (256 x 64, 128 x 128, 256 x 128) run the same wgmma k16 steps in the same order
+// for every output, so they agree bit for bit (the default shape is checked against fp64 above).
+TEST(GemvWgmma, BlockShapesAgreeBitForBit) {
+  DSV4_REQUIRE_CUDA();
+  if (!gemv_wgmma_enabled()) GTEST_SKIP() << "no wgmma on this device";
+  std::mt19937_64 rng(78);
+  for (const GemvWeight w : {GemvWeight::MXFP4, GemvWeight::NVFP4})
+    for (const auto& [m, n, k] : {std::tuple{130, 301, 1056}, {300, 600, 512}, {65, 45, 4128}, {33, 520, 256}}) {
+      VariantRuns v(w, GemvScale::E8M0, m, n, k, rng);
+      const TiledMinScope tiled_min(m <= kGemvMaxM ? 2 : 0);
+      for (int shape : {1, 2, 3}) {
+        detail::wgmma_shape = shape;
+        v.run();
+      }
+      detail::wgmma_shape = 0;
+      EXPECT_TRUE(v.all_equal()) << gemv_weight_name(w) << " m " << m << " n " << n << " k " << k;
     }
 }
 
