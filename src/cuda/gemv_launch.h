@@ -93,11 +93,16 @@ bool gemv_tiled_supported(const GemvParams& p, int64_t matrices = 1);
 extern int tiled_weight_tiles;
 cudaError_t gemv_tiled_launch(const KernelArgs& a, const GemvParams& p, dim3 grid, bool grouped);
 
-// FP4 weights (w MXFP4 / NVFP4) in 64-row activation tiles on wgmma (gemv_wgmma.cu); called by gemv_tiled.cu when
-// gemv_wgmma_enabled(), with its grid (plain, batched, grouped); a.m as for gemv_tiled_launch.
-cudaError_t gemv_wgmma_launch(const KernelArgs& a, GemvWeight w, dim3 grid, cudaStream_t stream, bool grouped);
-// The wgmma kernel's block shape: 0 = chosen per launch (3 above 64 rows, else 1), or forced (benchmarks, tests) to
-// 1 (256 weight rows x 64 activation rows), 2 (128 x 128) or 3 (256 x 128).
+// FP4 weights (w MXFP4 / NVFP4) in 64-row activation tiles on wgmma (gemv_wgmma.cu), called by gemv_tiled.cu when
+// gemv_wgmma_enabled() and gemv_wgmma_pick_shape() > 0, with its grid (plain, batched, grouped); a.m as for
+// gemv_tiled_launch. Block shapes (weight rows x activation rows): 1 = 256 x 64, 2 = 128 x 128, 3 = 256 x 128.
+cudaError_t gemv_wgmma_launch(const KernelArgs& a, GemvWeight w, int shape, dim3 grid, cudaStream_t stream,
+                              bool grouped);
+// The shape for a launch: forced by wgmma_shape, else 256 x 128 above 64 rows when that grid has a block for ~every
+// SM, else 256 x 64 when that one has, else 0: the mma.sync kernel (its 128-row blocks, two per SM, were faster on
+// such small grids in dsv4_gemm_bench; grid.y x grid.z counts the matrices side by side).
+int gemv_wgmma_pick_shape(const KernelArgs& a, dim3 grid);
+// Benchmarks and tests: 0 = chosen per launch, or 1 / 2 / 3 forced.
 extern int wgmma_shape;
 
 // y[r, :] = act_quant_fp8(x[r, :]) as bf16 for r < rows (act_quant_fp8 in gemv.h).

@@ -367,7 +367,9 @@ cudaError_t launch_any(const KernelArgs& a, dim3 grid, cudaStream_t stream, bool
   if (a.m <= 32) return launch_tokens<F, 4>(a, grid, stream, grouped);
   if constexpr (F == Fmt::MXFP4 || F == Fmt::NVFP4)
     if (gemv_wgmma_enabled())
-      return gemv_wgmma_launch(a, F == Fmt::NVFP4 ? GemvWeight::NVFP4 : GemvWeight::MXFP4, grid, stream, grouped);
+      if (const int shape = gemv_wgmma_pick_shape(a, grid))
+        return gemv_wgmma_launch(a, F == Fmt::NVFP4 ? GemvWeight::NVFP4 : GemvWeight::MXFP4, shape, grid, stream,
+                                 grouped);
   return launch_tokens<F, 8>(a, grid, stream, grouped);
 }
 

@@ -19,6 +19,7 @@
 #include <cstdint>
 
 #include "cuda/dequant.cuh"
+#include "cuda/device.h"
 #include "cuda/gemv_launch.h"
 #include "cuda/gemv_slot.cuh"
 #include "cuda/launch.cuh"
@@ -382,8 +383,7 @@ cudaError_t launch(const KernelArgs& a, dim3 grid, cudaStream_t stream) {
 }
 
 template <bool kNvfp4, bool kGrouped>
-cudaError_t launch_shape(const KernelArgs& a, dim3 grid, cudaStream_t stream) {
-  const int shape = wgmma_shape ? wgmma_shape : a.m > 64 ? 3 : 1;
+cudaError_t launch_shape(const KernelArgs& a, int shape, dim3 grid, cudaStream_t stream) {
   if (shape == 2) return launch<kNvfp4, kGrouped, 1, 128>(a, grid, stream);
   if (shape == 3) return launch<kNvfp4, kGrouped, 2, 128>(a, grid, stream);
   return launch<kNvfp4, kGrouped, 2, 64>(a, grid, stream);
@@ -393,11 +393,25 @@ cudaError_t launch_shape(const KernelArgs& a, dim3 grid, cudaStream_t stream) {
 
 int wgmma_shape = 0;
 
-cudaError_t gemv_wgmma_launch(const KernelArgs& a, GemvWeight w, dim3 grid, cudaStream_t stream, bool grouped) {
+int gemv_wgmma_pick_shape(const KernelArgs& a, dim3 grid) {
+  if (wgmma_shape) return wgmma_shape;
+  const int64_t matrices = int64_t(grid.y) * grid.z, enough = current_sm_count() * 7 / 8;
+  auto blocks = [&](int rows, int tokens) {
+    return int64_t((a.n + rows - 1) / rows) * ((a.m + tokens - 1) / tokens) * matrices;
+  };
+  if (a.m > 64 && blocks(256, 128) >= enough) return 3;
+  if (blocks(256, 64) >= enough) return 1;
+  return 0;
+}
+
+cudaError_t gemv_wgmma_launch(const KernelArgs& a, GemvWeight w, int shape, dim3 grid, cudaStream_t stream,
+                              bool grouped) {
   if (w == GemvWeight::NVFP4)
-    return grouped ? launch_shape<true, true>(a, grid, stream) : launch_shape<true, false>(a, grid, stream);
+    return grouped ? launch_shape<true, true>(a, shape, grid, stream)
+                   : launch_shape<true, false>(a, shape, grid, stream);
   if (w == GemvWeight::MXFP4)
-    return grouped ? launch_shape<false, true>(a, grid, stream) : launch_shape<false, false>(a, grid, stream);
+    return grouped ? launch_shape<false, true>(a, shape, grid, stream)
+                   : launch_shape<false, false>(a, shape, grid, stream);
   return cudaErrorInvalidValue;
 }
 

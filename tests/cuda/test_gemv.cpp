@@ -124,7 +124,7 @@ struct Case {
   GemvAct act = GemvAct::BF16;
   bool bulk = false;  // fp4 weights through the copy engine (set_gemv_bulk)
   int tiled_min = 0;  // > 0: set_gemv_tiled_min_rows(tiled_min): decode-sized m on the tiled kernel (TiledMinScope)
-  bool mma_sync = false;  // fp4 weights in 64-row tiles on the mma.sync kernel instead of wgmma (MmaSyncScope)
+  int wgmma = 0;  // fp4 weights in 64-row tiles: 0 as the engine chooses, kMmaSync, or wgmma shape 1..3 (KernelScope)
 };
 
 // set_gemv_bulk for one test, off again after it (also when an assertion returns early).
@@ -140,16 +140,18 @@ struct TiledMinScope {
   ~TiledMinScope() { set_gemv_tiled_min_rows(kGemvTiledMinRowsDefault); }
 };
 
-// FP4 weights in the tiled kernel's 64-row tiles on mma.sync instead of wgmma for one case (set_gemv_wgmma), the
-// default again after it.
-struct MmaSyncScope {
-  explicit MmaSyncScope(bool on) : on(on) {
-    if (on) set_gemv_wgmma(false);
+// FP4 weights in the tiled kernel's 64-row tiles for one case: the engine's choice (0), the mma.sync kernel
+// (kMmaSync), or the wgmma kernel with block shape 1..3 (detail::wgmma_shape); the defaults again after it.
+constexpr int kMmaSync = -1;
+struct KernelScope {
+  explicit KernelScope(int kernel) {
+    if (kernel == kMmaSync) set_gemv_wgmma(false);
+    if (kernel > 0) detail::wgmma_shape = kernel;
   }
-  ~MmaSyncScope() {
-    if (on) set_gemv_wgmma(kGemvWgmmaDefault);
+  ~KernelScope() {
+    set_gemv_wgmma(kGemvWgmmaDefault);
+    detail::wgmma_shape = 0;
   }
-  bool on;
 };
 
 // The W4A8 kernel on or off for act FP8 at m = 1, whatever the default (kGemvW4a8Default).
@@ -167,7 +169,7 @@ std::string case_name(const Case& c) {
   if (c.act == GemvAct::FP8) s += "_actfp8";
   if (c.bulk) s += "_bulk";
   if (c.tiled_min) s += "_tiledfrom" + std::to_string(c.tiled_min);
-  if (c.mma_sync) s += "_mmasync";
+  if (c.wgmma) s += c.wgmma == kMmaSync ? "_mmasync" : "_wgmma" + std::to_string(c.wgmma);
   return s;
 }
 
@@ -313,7 +315,7 @@ TEST_P(GemvTest, MatchesFp64Reference) {
   }
   const TiledMinScope tiled_min(c.tiled_min);
   if (c.tiled_min) ASSERT_TRUE(detail::gemv_tiled_supported(p)) << "the case must run the tiled kernel";
-  const MmaSyncScope mma_sync(c.mma_sync);
+  const KernelScope kernel(c.wgmma);
   gemv(p);
   DSV4_CUDA_CHECK(cudaDeviceSynchronize());
   const std::vector<double> xq = effective_x(h.x, c.m, c.k, c.act);
@@ -399,10 +401,16 @@ std::vector<Case> all_cases() {
     }
     cases.push_back({f.w, f.s, 130, 301, f.k_wide, GemvOut::BF16, 0});
     cases.push_back({f.w, f.s, 300, 600, 512, GemvOut::F32, 0});
-    if (f.w == GemvWeight::MXFP4 || f.w == GemvWeight::NVFP4)  // the above ran on wgmma: mma.sync too
-      for (int m : {65, 130, 300}) {
-        cases.push_back({f.w, f.s, m, 301, f.k_wide, GemvOut::F32, 0, GemvAct::BF16, false, 0, true});
-        cases.push_back({f.w, f.s, m, 45, f.k_deep, GemvOut::BF16, 0, GemvAct::BF16, false, 0, true});
+    // The same grids are too small for the engine to choose wgmma: its block shapes forced (partial row and token
+    // tiles, several token tiles, a second pass: m = 300 over 128-row tiles; decode batches of 33..64 rows).
+    if (f.w == GemvWeight::MXFP4 || f.w == GemvWeight::NVFP4)
+      for (int shape : {3, 1}) {
+        for (int m : {65, 130, 300}) {
+          cases.push_back({f.w, f.s, m, 301, f.k_wide, GemvOut::F32, 0, GemvAct::BF16, false, 0, shape});
+          cases.push_back({f.w, f.s, m, 45, f.k_deep, GemvOut::BF16, 0, GemvAct::BF16, false, 0, shape});
+        }
+        cases.push_back({f.w, f.s, 33, 301, f.k_wide, GemvOut::F32, 0, GemvAct::BF16, false, 2, shape});
+        cases.push_back({f.w, f.s, 64, 45, f.k_deep, GemvOut::F32, 0, GemvAct::BF16, false, 2, shape});
       }
     // Decode batches on the tiled kernel (set_gemv_tiled_min_rows): its 16- and 32-row activation tiles, partly
     // filled, and the 64-row one at m <= 64; bf16 / fp8 rows leave threads without an activation copy.
@@ -496,7 +504,7 @@ TEST(GemvTiled, WeightTileVariantsAgreeBitForBit) {
                              {GemvWeight::MXFP4, GemvScale::E8M0}, {GemvWeight::NVFP4, GemvScale::E8M0}})
     for (const auto& [m, n, k] : {std::tuple{130, 301, 1056}, {300, 600, 512}, {65, 45, 4128}}) {
       VariantRuns v(w, s, m, n, k, rng);
-      const MmaSyncScope mma_sync(true);  // the variants are of the mma.sync kernel
+      const KernelScope kernel(kMmaSync);  // the variants are of the mma.sync kernel
       for (int tiles : {2, 1}) {
         detail::tiled_weight_tiles = tiles;
         v.run();
@@ -750,7 +758,7 @@ struct GroupedCase {
   GemvAct act = GemvAct::BF16;
   bool bulk = false;   // fp4 weights through the copy engine
   int tiled_min = 0;   // > 0: set_gemv_tiled_min_rows(tiled_min) (decode batches on the tiled kernel)
-  bool mma_sync = false;  // fp4 weights in 64-row tiles on the mma.sync kernel instead of wgmma
+  int wgmma = 0;        // fp4 weights in 64-row tiles: as Case::wgmma
 };
 
 std::string grouped_name(const GroupedCase& c) {
@@ -760,7 +768,8 @@ std::string grouped_name(const GroupedCase& c) {
       std::to_string(c.experts) + "_n" + std::to_string(c.n) + "_k" + std::to_string(c.k) +
       (c.x_row_div == 1 ? "_pairrows" : "_tokenrows") + (c.one_expert ? "_oneexpert" : "") +
       (c.second ? "_second" : "") + (c.act == GemvAct::FP8 ? "_actfp8" : "") + (c.bulk ? "_bulk" : "") +
-      (c.tiled_min ? "_tiledfrom" + std::to_string(c.tiled_min) : "") + (c.mma_sync ? "_mmasync" : "");
+      (c.tiled_min ? "_tiledfrom" + std::to_string(c.tiled_min) : "") +
+      (c.wgmma ? c.wgmma == kMmaSync ? "_mmasync" : "_wgmma" + std::to_string(c.wgmma) : "");
   return s;
 }
 
@@ -831,7 +840,7 @@ TEST_P(GemvGroupedTest, MatchesFp64ReferencePerPair) {
   }
   const TiledMinScope tiled_min(c.tiled_min);
   if (c.tiled_min) ASSERT_TRUE(detail::gemv_tiled_supported(g.base)) << "the case must run the tiled kernel";
-  const MmaSyncScope mma_sync(c.mma_sync);
+  const KernelScope kernel(c.wgmma);
   gemv_grouped(g);
   DSV4_CUDA_CHECK(cudaDeviceSynchronize());
 
@@ -947,12 +956,14 @@ std::vector<GroupedCase> grouped_cases() {
     cases.push_back({w, s, 150, 6, 16, 136, 512, 6, false, true});
     cases.push_back({w, s, 150, 6, 16, 136, 512, 1, false});
     cases.push_back({w, s, 100, 2, 8, 72, 256, 2, true});
-    if (w == GemvWeight::MXFP4 || w == GemvWeight::NVFP4) {  // the three above ran on wgmma: mma.sync too
-      const GemvAct a = GemvAct::BF16;
-      cases.push_back({w, s, 150, 6, 16, 136, 512, 6, false, true, a, false, 0, true});
-      cases.push_back({w, s, 150, 6, 16, 136, 512, 1, false, false, a, false, 0, true});
-      cases.push_back({w, s, 100, 2, 8, 72, 256, 2, true, false, a, false, 0, true});
-    }
+    if (w == GemvWeight::MXFP4 || w == GemvWeight::NVFP4)  // the three above on wgmma (too small to be chosen)
+      for (int shape : {3, 1}) {
+        const GemvAct a = GemvAct::BF16;
+        cases.push_back({w, s, 150, 6, 16, 136, 512, 6, false, true, a, false, 0, shape});
+        cases.push_back({w, s, 150, 6, 16, 136, 512, 1, false, false, a, false, 0, shape});
+        cases.push_back({w, s, 100, 2, 8, 72, 256, 2, true, false, a, false, 0, shape});
+        cases.push_back({w, s, 48, 6, 16, 136, 512, 6, false, true, a, false, 2, shape});  // 33..64 rows a slot
+      }
     // Decode batches on the tiled kernel (set_gemv_tiled_min_rows): slots of a few rows in 16- / 32-row tiles,
     // 40 rows on one expert in 32-row tiles (a second pass)
     if (s == GemvScale::E8M0) {
