@@ -22,6 +22,7 @@
 #include "cuda/device.h"
 #include "cuda/gemv_launch.h"
 #include "cuda/gemv_slot.cuh"
+#include "cuda/gemv_tile_io.cuh"
 #include "cuda/launch.cuh"
 #include "cuda/weight_tiles.h"
 
@@ -134,12 +135,6 @@ __device__ __forceinline__ void wgmma_64xNx16<128>(float (&d)[64], const uint32_
 #endif
 }
 
-__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr(smem)), "l"(gmem), "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
 
 template <bool kNvfp4, bool kGrouped, int kTiles, int kN>
 __global__ void __launch_bounds__(kThreads, 1) gemv_wgmma_kernel(const KernelArgs a) {
@@ -187,17 +182,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_wgmma_kernel(const KernelArg
       for (int h = 0; h < 2; ++h) {
         const int r = row_block0 + local[wt][h];
         const bool ok = c < n_chunks && kk < a.k && r < a.n;
-        uint32_t v = 0;
-        if constexpr (kNvfp4) {
-          const size_t at = tiles ? weight_tiles::offset(size_t(r), size_t(kk / 16), size_t(a.k / 16), 2)
-                                  : size_t(r) * (a.k / 16) + kk / 16;
-          if (ok) v = __ldg(reinterpret_cast<const uint16_t*>(w_scale + at));
-        } else {
-          const size_t at = tiles ? weight_tiles::offset(size_t(r), size_t(kk / 32), size_t(a.k / 32), 1)
-                                  : size_t(r) * (a.k / 32) + kk / 32;
-          if (ok) v = __ldg(w_scale + at);
-        }
-        sc[wt][h] = v;
+        sc[wt][h] = ok ? fp4_piece_scale<kNvfp4>(w_scale, tiles, r, kk, a.k) : 0;
       }
   };
 
@@ -354,18 +339,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_wgmma_kernel(const KernelArg
     for (int i = 0; i < kN / 2; ++i)
       tile[(8 * (i >> 2) + 2 * t + (i & 1)) * kOutStride + local[wt][(i >> 1) & 1]] = acc[wt][i] * rows.y_factor;
   __syncthreads();
-  void* y = kGrouped && blockIdx.z == 1 ? a.y_second : a.y;
-  const int cols = min(kBlockRows, a.n - row_block0);
-  for (int tok = warp; tok < tokens; tok += kThreads / 32) {
-    const int64_t out_row = rows.y_offset + int64_t(pair_of(tok0 + tok)) * a.ldy + row_block0;
-    for (int col = lane; col < cols; col += 32) {
-      const float v = tile[tok * kOutStride + col];
-      if (a.out_bf16)
-        static_cast<__nv_bfloat16*>(y)[out_row + col] = __float2bfloat16_rn(v);
-      else
-        static_cast<float*>(y)[out_row + col] = v;
-    }
-  }
+  store_output_tile<kGrouped, kThreads / 32>(a, rows, tile, kOutStride, tokens, tok0, row_block0, kBlockRows, pair_of);
   __syncthreads();  // the tile is read: a further pass may refill the stages
   }  // row passes
 }

@@ -1,0 +1,60 @@
+// SPDX-License-Identifier: MIT
+// Shared by the two tiled prefill kernels (gemv_tiled.cu on mma.sync, gemv_wgmma.cu on wgmma): the cp.async stage
+// copies, the raw scale bits of an fp4 weight piece in either layout, and the epilogue that stores a block's
+// [token][row] output tile coalesced.
+#pragma once
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "cuda/gemv_launch.h"
+#include "cuda/gemv_slot.cuh"
+#include "cuda/weight_tiles.h"
+
+namespace dsv4::detail {
+
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
+  const uint32_t s = uint32_t(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
+
+// The raw scale bits of the 32-element piece of weight row r at k = kk (NVFP4: its two e4m3 bytes; MXFP4: its e8m0
+// byte), w_scale pointing at the call's first row, in the row-major or the tile layout (weight_tiles.h).
+template <bool kNvfp4>
+__device__ __forceinline__ uint32_t fp4_piece_scale(const uint8_t* w_scale, bool tiles, int r, int kk, int k) {
+  if constexpr (kNvfp4) {
+    const size_t at = tiles ? weight_tiles::offset(size_t(r), size_t(kk / 16), size_t(k / 16), 2)
+                            : size_t(r) * (k / 16) + kk / 16;
+    return __ldg(reinterpret_cast<const uint16_t*>(w_scale + at));
+  } else {
+    const size_t at = tiles ? weight_tiles::offset(size_t(r), size_t(kk / 32), size_t(k / 32), 1)
+                            : size_t(r) * (k / 32) + kk / 32;
+    return __ldg(w_scale + at);
+  }
+}
+
+// y[pair_of(tok0 + tok), row_block0 + col] = tile[tok · out_stride + col] for tok < tokens, col < the block's rows
+// (fp32 or bf16 per a.out_bf16; grouped: the second projection's y for blockIdx.z == 1). Each of the block's kWarps
+// warps stores token rows with consecutive lanes on consecutive columns.
+template <bool kGrouped, int kWarps, class PairOf>
+__device__ __forceinline__ void store_output_tile(const KernelArgs& a, const BlockRows& rows, const float* tile,
+                                                  int out_stride, int tokens, int tok0, int row_block0,
+                                                  int block_rows, PairOf pair_of) {
+  void* y = kGrouped && blockIdx.z == 1 ? a.y_second : a.y;
+  const int cols = min(block_rows, a.n - row_block0);
+  for (int tok = threadIdx.x >> 5; tok < tokens; tok += kWarps) {
+    const int64_t out_row = rows.y_offset + int64_t(pair_of(tok0 + tok)) * a.ldy + row_block0;
+    for (int col = threadIdx.x & 31; col < cols; col += 32) {
+      const float v = tile[tok * out_stride + col];
+      if (a.out_bf16)
+        static_cast<__nv_bfloat16*>(y)[out_row + col] = __float2bfloat16_rn(v);
+      else
+        static_cast<float*>(y)[out_row + col] = v;
+    }
+  }
+}
+
+}  // namespace dsv4::detail
