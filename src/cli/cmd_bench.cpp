@@ -92,7 +92,8 @@ struct BenchArgs {
   // gpu::set_early_weights), gate / nogate
   // (the router gate, router and slots in one launch or three: CudaRunnerOptions::fuse_moe_gate), post / nopost (each
   // mHC post inside the next hc_pre or its own launch: fuse_mhc_post), swiglu / noswiglu (the experts' SwiGLU inside
-  // the grouped w1 + w3 or its own launch: fuse_swiglu), indexorder / scoreorder (the indexer's picks in index order
+  // the grouped w1 + w3 or its own launch: fuse_swiglu), earlyw2 / noearlyw2 (the experts' w2 issues weight loads
+  // before its wait: early_w2_weights), indexorder / scoreorder (the indexer's picks in index order
   // or sorted by score: set_indexer_select_index_order), tiledN (N = 2..65: calls of >= N rows whose grid fills the
   // GPU, decode batches included, on the tiled tensor-core GEMM: set_gemv_tiled_min_rows), split1 / 2 / 4 / 8 (every
   // skinny GEMV at that split_k instead of the heuristic's: set_gemv_forced_split).
@@ -109,7 +110,7 @@ struct StepSwitches {
   bool early = false, early_all = false, late = false;  // gpu::set_early_weights: Gemv (at least), All, Off
   // -1: as built; 0 / 1: off / on (nogate / gate: fuse_moe_gate, nopost / post: fuse_mhc_post, noswiglu / swiglu:
   // fuse_swiglu, scoreorder / indexorder: set_indexer_select_index_order).
-  int gate = -1, post = -1, swiglu = -1, index_order = -1;
+  int gate = -1, post = -1, swiglu = -1, index_order = -1, early_w2 = -1;  // earlyw2 / noearlyw2: early_w2_weights
   int tiled_min = 0;  // tiledN: the tiled tensor-core GEMM from N rows (set_gemv_tiled_min_rows; 0: as built)
   int split = 0;      // splitN: every skinny GEMV launch at split_k N (set_gemv_forced_split; 0: the heuristic)
 };
@@ -141,6 +142,8 @@ StepSwitches parse_switches(const std::string& spec) {
     else if (name == "post") s.post = 1;
     else if (name == "noswiglu") s.swiglu = 0;
     else if (name == "swiglu") s.swiglu = 1;
+    else if (name == "noearlyw2") s.early_w2 = 0;
+    else if (name == "earlyw2") s.early_w2 = 1;
     else if (name == "scoreorder") s.index_order = 0;
     else if (name == "indexorder") s.index_order = 1;
     else if (name.rfind("tiled", 0) == 0 && name.size() > 5 &&
@@ -150,7 +153,7 @@ StepSwitches parse_switches(const std::string& spec) {
       s.split = name[5] - '0';
     else DSV4_FAIL("dsv4 bench: --switches entry '{}' has '{}' (expected default, or bulk, bulkdense, overlap, "
                    "serial, mhc, routing, qnorm, heads16, heads64, hcblock, now4a8, early, earlyall, late, [no]gate, "
-                   "[no]post, [no]swiglu, scoreorder, indexorder, tiledN and split1/2/4/8 joined by '+')",
+                   "[no]post, [no]swiglu, [no]earlyw2, scoreorder, indexorder, tiledN and split1/2/4/8 joined by '+')",
                    spec, name);
     from = to + 1;
   }
@@ -540,6 +543,7 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
     if (s.gate >= 0) o.fuse_moe_gate = s.gate == 1;
     if (s.post >= 0) o.fuse_mhc_post = s.post == 1;
     if (s.swiglu >= 0) o.fuse_swiglu = s.swiglu == 1;
+    if (s.early_w2 >= 0) o.early_w2_weights = s.early_w2 == 1;
     o.fuse_q_norm_rope = o.fuse_q_norm_rope || s.qnorm;
     gpu::set_attention_decode_block_heads(s.attention_heads);
     gpu::set_hc_collapse_cluster(!s.hc_block);
@@ -808,7 +812,8 @@ void add_bench_command(CLI::App& app, Handler& handler) {
                   "kernel: x quantised first, then the bf16 kernel), early / earlyall / late (GEMVs / also linear_f32 "
                   "and hc_pre's mix / nothing load their first weights before waiting for the previous kernel), "
                   "gate / nogate (router gate, router and moe_slots in one launch or three), post / nopost (mHC post "
-                  "inside the next hc_pre or apart), swiglu / noswiglu (the experts' SwiGLU inside the grouped w1 + w3 or apart), indexorder / "
+                  "inside the next hc_pre or apart), swiglu / noswiglu (the experts' SwiGLU inside the grouped w1 + w3 "
+                  "or apart), earlyw2 / noearlyw2 (the experts' w2 loads weights before its wait), indexorder / "
                   "scoreorder (the indexer's picks in index or score order), tiledN (calls of >= N rows, N = 2..65, "
                   "on the tiled tensor-core GEMM where their grid fills the GPU), split1 / 2 / 4 / 8 (every skinny "
                   "GEMV at that split_k), e.g. "

@@ -70,8 +70,10 @@ __global__ void __launch_bounds__(kThreads, kTilesN <= 4 ? 2 : 1) gemv_kernel(co
 
   // Which weights and which rows of x / y: all m rows (plain; batch blockIdx.y of a batched launch), or one
   // slot's routed pairs (grouped).
+  // Grouped launches with settled slots read their slot before waiting (KernelArgs::slots_settled).
+  const bool grouped_early = kGrouped && a.slots_settled;
   BlockRows rows;
-  if (!block_rows<kGrouped>(a, rows)) return;  // an empty slot: the whole block, before any barrier
+  if (!block_rows<kGrouped>(a, rows, !grouped_early)) return;  // an empty slot: the whole block, before any barrier
   const uint8_t* w_base = rows.w + size_t(rows.w_row0) * row_bytes;
   const uint8_t* w_scale = rows.w_scale;
   if constexpr (F == Fmt::MXFP4) w_scale += size_t(rows.w_row0) * (a.k / 32);
@@ -93,9 +95,10 @@ __global__ void __launch_bounds__(kThreads, kTilesN <= 4 ? 2 : 1) gemv_kernel(co
   const uint8_t* s_hi = kTileLayout ? s_lo + kHalfChunk * kScalePiece : s_lo + 8 * scale_row_bytes;
   constexpr size_t kSChunkStride = (kTileLayout ? wt::kRows : 1) * wt::kChunkPieces * kScalePiece;
   auto pair_of = [&](int row) { return kGrouped ? a.row_order[rows.order0 + row] : row; };
-  // x and y belong to the step. Under early_weights a plain / batched block first issues its first round of weight
-  // loads (no kernel writes weights), so that they stream while the previous kernel finishes.
-  gpu::WaitOnce wait{!kGrouped};  // grouped blocks waited in block_rows
+  // x and y belong to the step. Under early_weights a plain / batched block (grouped: with settled slots) first
+  // issues its first round of weight loads (no kernel writes weights), so that they stream while the previous kernel
+  // finishes.
+  gpu::WaitOnce wait{!kGrouped || grouped_early};  // other grouped blocks waited in block_rows
   if (!a.early_weights) wait();
 
   // More rows than the tile holds (a grouped slot above base.m) are covered by further passes over W.
@@ -287,6 +290,7 @@ cudaError_t gemv_grouped_launch(const GemvGroupedParams& g, int split_k, bool* s
   a.slot_offset = g.slots.offset;
   a.row_order = g.slots.row_order;
   a.x_row_div = g.x_row_div;
+  a.slots_settled = g.slots_settled && a.early_weights;
   a.w_second = static_cast<const uint8_t*>(g.second.w);
   a.w_scale_second = static_cast<const uint8_t*>(g.second.w_scale);
   a.scale_2_second = g.base.weight == GemvWeight::NVFP4 ? g.second.scale_2 : nullptr;

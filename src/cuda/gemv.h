@@ -131,6 +131,11 @@ struct GemvGroupedParams {
   const float* scale_2 = nullptr;                       // device [E]
   int max_slots = 0;
   int active_slots_hint = 0;  // slots typically active (decode: the token's pairs), for the split choice; 0 = max_slots
+  // The slots (count, expert, offset, row_order) were final before the previous kernel let this launch start (it
+  // triggered its dependents after its own wait, SwigluParams::trigger_after_wait, and the slots are older than its
+  // predecessor): under gpu::early_gemv_weights the register kernel then reads its slot and issues its first weight
+  // loads before waiting, like plain launches. Other kernels wait first.
+  bool slots_settled = false;
   MoeSlots slots;
   int x_row_div = 1;
   int x_rows = 0;  // rows of base.x; read for act FP8 without the W4A8 kernel (base.act_scratch [x_rows, k])

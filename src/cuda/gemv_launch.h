@@ -28,6 +28,7 @@ struct KernelArgs {
   bool out_bf16;
   bool tiles;                   // w / w_scale in the tile layout (GemvLayout::Tiles, cuda/weight_tiles.h)
   bool early_weights;           // plain / batched: the first round of weight loads before waiting (gpu::set_early_weights)
+  bool slots_settled;           // grouped, register kernel: the slot read and the first weight loads before waiting
   // batched launches (gemv_batched): blockIdx.y is the batch, which takes the next n weight rows
   int64_t x_batch_stride, y_batch_stride;
   // grouped launches (gemv_grouped): blockIdx.y is the slot, blockIdx.z the projection (0 base, 1 second)

@@ -50,11 +50,12 @@ struct BlockRows {
 // Plain launches: all m rows. Batched (blockIdx.y = batch): that batch's next n weight rows, x rows and y offset.
 // Grouped: waits for the previous kernel (the slots are its output), then the slot's expert and pairs; false when the
 // slot holds no expert this step, and then the whole block must return (before any barrier).
+// wait_first = false (grouped, KernelArgs::slots_settled): the caller waits later, before its first load of x.
 template <bool kGrouped>
-__device__ __forceinline__ bool block_rows(const KernelArgs& a, BlockRows& b) {
+__device__ __forceinline__ bool block_rows(const KernelArgs& a, BlockRows& b, bool wait_first = true) {
   b = {a.w, a.w_scale, reinterpret_cast<const __nv_bfloat16*>(a.x), a.y_factor, a.m, 0, a.w_row0, 0};
   if constexpr (kGrouped) {
-    gpu::dependent_wait();
+    if (wait_first) gpu::dependent_wait();
     GroupedSlot slot;
     if (!grouped_slot(a, slot)) return false;
     b.w = slot.w;

@@ -335,6 +335,9 @@ struct SwigluParams {
   int rows = 0, inter = 0;
   float limit = 0.0f;
   uint16_t* h = nullptr;
+  // Let the next kernel start only after this one's wait for the previous kernel: the next one may then read before
+  // its own wait anything written two launches back (GemvGroupedParams::slots_settled).
+  bool trigger_after_wait = false;
 };
 void swiglu(const SwigluParams& p, cudaStream_t stream);
 

@@ -429,7 +429,9 @@ __global__ void __launch_bounds__(32) router_kernel(RouterParams p) {
 }
 
 __global__ void swiglu_kernel(SwigluParams p) {
-  gpu::dependent_enter();
+  if (!p.trigger_after_wait) gpu::allow_dependents();
+  gpu::dependent_wait();
+  if (p.trigger_after_wait) gpu::allow_dependents();
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= int64_t(p.rows) * p.inter) return;
   const int r = int(i / p.inter), j = int(i % p.inter);

@@ -230,6 +230,7 @@ class CudaRunner final : public SequenceRunner {
       s.options_.fuse_moe_gate = o.fuse_moe_gate;
       s.options_.fuse_mhc_post = o.fuse_mhc_post;
       s.options_.fuse_swiglu = o.fuse_swiglu;
+      s.options_.early_w2_weights = o.early_w2_weights;
       s.options_.overlap_branches = o.overlap_branches;
       s.options_.fuse_q_norm_rope = o.fuse_q_norm_rope;
       if (o.overlap_branches) {
@@ -443,7 +444,8 @@ class CudaRunner final : public SequenceRunner {
   // x_rows: the rows of x (for the activation quantisation outside the W4A8 kernel).
   void linear_grouped(const char* site, const DeviceExperts& w, const void* x, int x_row_div, int x_rows, void* y,
                       int max_rows, int active_slots, GemvOut out, const DeviceExperts* second = nullptr,
-                      void* y_second = nullptr, const gpu::SwigluParams* swiglu = nullptr) {
+                      void* y_second = nullptr, const gpu::SwigluParams* swiglu = nullptr,
+                      bool slots_settled = false) {
     GemvGroupedParams g;
     g.base.m = max_rows;
     g.base.n = w.n;
@@ -465,6 +467,7 @@ class CudaRunner final : public SequenceRunner {
     g.slots = slots_;
     g.x_row_div = x_row_div;
     g.x_rows = x_rows;
+    g.slots_settled = slots_settled;
     g.base = quantised(g.base);  // the routed and shared experts are FP8/FP4 linears of the reference
     if (second) {
       DSV4_CHECK(second->format == w.format && second->fp8_scale == w.fp8_scale && second->layout == w.layout &&
@@ -1894,10 +1897,12 @@ void CudaRunner::ffn_block(int l, int n) {
   } else {
     linear_grouped("ffn: grouped gemv w1 + w3", d.w1, normed_bf16_.data(), pairs, n, expert_gate_.data(), n,
                    n * pairs, GemvOut::F32, &d.w3, expert_up_.data());
+    sw.trigger_after_wait = options_.early_w2_weights;  // the slots are then final when w2 starts
     gpu::swiglu(sw, cur_);
     launched("ffn: swiglu");
   }
-  linear_grouped("ffn: grouped gemv w2", d.w2, h_.data(), 1, n * pairs, y_pairs_.data(), n, n * pairs, GemvOut::F32);
+  linear_grouped("ffn: grouped gemv w2", d.w2, h_.data(), 1, n * pairs, y_pairs_.data(), n, n * pairs, GemvOut::F32,
+                 nullptr, nullptr, nullptr, !options_.fuse_swiglu && options_.early_w2_weights);
 
   if (shared && !side) shared_expert();
   if (side) join_side();
@@ -2115,6 +2120,7 @@ std::unique_ptr<SequenceRunner> make_cuda_runner(const Model& model, int max_con
                                  {"DSV4_FUSED_GATE", &options.fuse_moe_gate},
                                  {"DSV4_FUSED_POST", &options.fuse_mhc_post},
                                  {"DSV4_FUSED_SWIGLU", &options.fuse_swiglu},
+                                 {"DSV4_EARLY_W2", &options.early_w2_weights},
                                  {"DSV4_OVERLAP", &options.overlap_branches},
                                  {"DSV4_FUSED_QNORM", &options.fuse_q_norm_rope},
                                  {"DSV4_GROUP_SHARED", &options.group_shared_expert},

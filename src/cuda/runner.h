@@ -83,6 +83,11 @@ struct CudaRunnerOptions {
   // decode; the same bits. Off: measured 1.8 % slower at batch 1 and 8 / 13 % at 8 / 32 on the H100 (one block per
   // slot computes the slot's pairs alone; docs/perf.md sixteenth round); DSV4_FUSED_SWIGLU=1 / 0 sets it.
   bool fuse_swiglu = false;
+  // The routed experts' w2 launch reads its slots and issues its first weight loads before it waits for the SwiGLU
+  // (GemvGroupedParams::slots_settled; the SwiGLU lets it start only after its own wait, when moe_slots is long
+  // done); the same bits. Register kernel only (decode batches below the tiled kernel's rows). Not with fuse_swiglu.
+  // DSV4_EARLY_W2=1 / 0 sets it.
+  bool early_w2_weights = true;
   // Independent chains on a second stream (parallel branches of the captured graph), same arithmetic and results:
   // hc_pre's post + comb (the Sinkhorn) beside each sublayer (hc_pre then runs as two launches: 2 per layer more);
   // in attention blocks with compressors, the compressors, their entry finishing and the indexer's weights_proj
@@ -192,7 +197,7 @@ bool cuda_runner_draws_on_device(const SequenceRunner& runner);
 void cuda_runner_set_draw_on_device(SequenceRunner& runner, bool on);
 // The options the runner holds (after the environment's overrides), and a change of the ones it reads at every
 // step: draw_on_device, fuse_mhc_mix, fuse_moe_routing, fuse_moe_gate, fuse_mhc_post, fuse_swiglu,
-// overlap_branches and fuse_q_norm_rope (the others of
+// early_w2_weights, overlap_branches and fuse_q_norm_rope (the others of
 // `switches` are ignored). Drops the captured decode graphs. For A/B timing in one process (dsv4 bench --switches).
 CudaRunnerOptions cuda_runner_options(const SequenceRunner& runner);
 void cuda_runner_set_step_switches(SequenceRunner& runner, const CudaRunnerOptions& switches);

@@ -1263,24 +1263,27 @@ TEST(CudaModel, EarlyWeightLoadsChangeNoBits) {
   const Model model(c, synthetic_weights(c, 7), kF32);
   const auto [prompt, fed] = random_prompt_and_fed(V, n, steps, 44);
   for (const bool tiles : {true, false}) {
-    auto run = [&](gpu::EarlyWeights early) {
+    auto run = [&](gpu::EarlyWeights early, bool early_w2 = true) {
       gpu::set_early_weights(early);
       CudaRunnerOptions o;
       o.synthetic_format = GemvWeight::NVFP4;
       o.sequences = B;
       o.prefill_chunk = 64;
       o.fp4_tiles = tiles;
+      o.early_w2_weights = early_w2;  // the experts' w2 before its wait too (needs early weights)
       std::unique_ptr<SequenceRunner> r = make_cuda_runner(model, n + 2 * steps + 2, o);
       DecodeRun out = prefill_and_decode(*r, prompt, fed, B);
       gpu::set_early_weights(gpu::kEarlyWeightsDefault);
       return out;
     };
     const DecodeRun late = run(gpu::EarlyWeights::Off), early = run(gpu::EarlyWeights::All),
-                    again = run(gpu::EarlyWeights::All), gemv = run(gpu::EarlyWeights::Gemv);
+                    again = run(gpu::EarlyWeights::All), gemv = run(gpu::EarlyWeights::Gemv),
+                    no_w2 = run(gpu::EarlyWeights::All, false);
     ASSERT_FALSE(late.logits.empty());
     EXPECT_TRUE(late.logits == early.logits) << "tiles " << tiles << ": early weight loads changed the logits";
     EXPECT_TRUE(early.logits == again.logits) << "tiles " << tiles << ": early weight loads not reproducible";
     EXPECT_TRUE(late.logits == gemv.logits) << "tiles " << tiles << ": early GEMV weight loads changed the logits";
+    EXPECT_TRUE(late.logits == no_w2.logits) << "tiles " << tiles << ": early weights without the w2's changed them";
   }
 }
 
