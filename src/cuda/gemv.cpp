@@ -310,6 +310,10 @@ void gemv_batched(const GemvBatchedParams& b) {
   DSV4_CUDA_CHECK(detail::gemv_batched_launch(b, split));
 }
 
+bool gemv_grouped_reads_slots_early(const GemvGroupedParams& g) {
+  return detail::grouped_kernel(g) == detail::GroupedKernel::Register;
+}
+
 int gemv_grouped(const GemvGroupedParams& g) {
   if (!check_gemv_params(g.base, "gemv_grouped") || g.max_slots == 0) return 0;
   DSV4_CHECK(g.max_slots > 0 && g.max_slots <= 65535, "gemv_grouped: max_slots = {} is outside [0, 65535]",

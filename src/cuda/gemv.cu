@@ -296,9 +296,12 @@ cudaError_t gemv_grouped_launch(const GemvGroupedParams& g, int split_k, bool* s
   a.scale_2_second = g.base.weight == GemvWeight::NVFP4 ? g.second.scale_2 : nullptr;
   a.y_second = g.second.y;
   const dim3 grid(1, g.max_slots, g.second.w ? 2 : 1);
-  if (gemv_tiled_supported(g.base, gemv_grouped_matrices(g))) return gemv_tiled_launch(a, g.base, grid, true);
-  if (gemv_w4a8_supported(g.base)) return gemv_w4a8_launch(a, g.base, grid, true);
-  if (gemv_bulk_grouped_supported(g)) return gemv_bulk_launch(a, g.base, grid, true);
+  switch (grouped_kernel(g)) {
+    case GroupedKernel::Tiled: return gemv_tiled_launch(a, g.base, grid, true);
+    case GroupedKernel::W4a8: return gemv_w4a8_launch(a, g.base, grid, true);
+    case GroupedKernel::Bulk: return gemv_bulk_launch(a, g.base, grid, true);
+    case GroupedKernel::Register: break;
+  }
   if (g.swiglu.h) {
     a.swiglu_h = g.swiglu.h;
     a.swiglu_weights = g.swiglu.weights;
@@ -307,6 +310,13 @@ cudaError_t gemv_grouped_launch(const GemvGroupedParams& g, int split_k, bool* s
     *swiglu_done = true;
   }
   return launch<true>(g.base, a, grid);
+}
+
+GroupedKernel grouped_kernel(const GemvGroupedParams& g) {
+  if (gemv_tiled_supported(g.base, gemv_grouped_matrices(g))) return GroupedKernel::Tiled;
+  if (gemv_w4a8_supported(g.base)) return GroupedKernel::W4a8;
+  if (gemv_bulk_grouped_supported(g)) return GroupedKernel::Bulk;
+  return GroupedKernel::Register;
 }
 
 cudaError_t moe_slots_launch(const MoeSlotsParams& p) {

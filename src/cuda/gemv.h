@@ -134,7 +134,7 @@ struct GemvGroupedParams {
   // The slots (count, expert, offset, row_order) were final before the previous kernel let this launch start (it
   // triggered its dependents after its own wait, SwigluParams::trigger_after_wait, and the slots are older than its
   // predecessor): under gpu::early_gemv_weights the register kernel then reads its slot and issues its first weight
-  // loads before waiting, like plain launches. Other kernels wait first.
+  // loads before waiting, like plain launches. Other kernels wait first (gemv_grouped_reads_slots_early).
   bool slots_settled = false;
   MoeSlots slots;
   int x_row_div = 1;
@@ -155,6 +155,8 @@ struct GemvGroupedParams {
 };
 // Returns the kernels it launched (1, or 2 with a swiglu launch after).
 int gemv_grouped(const GemvGroupedParams& p);
+// Whether gemv_grouped(p) runs the register kernel, the one that honours slots_settled (p otherwise valid).
+bool gemv_grouped_reads_slots_early(const GemvGroupedParams& p);
 
 // Builds the slot arrays of gemv_grouped from the router's picks ids [n, k] (expert ids in [0, experts)):
 // pairs sorted by expert, ascending, stable; one slot per expert with at least one pair.

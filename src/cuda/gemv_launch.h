@@ -53,6 +53,9 @@ cudaError_t gemv_launch(const GemvParams& p, int split_k);
 cudaError_t gemv_batched_launch(const GemvBatchedParams& p, int split_k);
 // *swiglu_done: whether the kernel it chose computed p.swiglu (the register kernel), when p.swiglu.h is set.
 cudaError_t gemv_grouped_launch(const GemvGroupedParams& p, int split_k, bool* swiglu_done);
+// The kernel gemv_grouped_launch runs for validated params.
+enum class GroupedKernel { Tiled, W4a8, Bulk, Register };
+GroupedKernel grouped_kernel(const GemvGroupedParams& g);
 cudaError_t moe_slots_launch(const MoeSlotsParams& p);
 cudaError_t moe_route_and_slots_launch(const gpu::RouterParams& router, const MoeSlotsParams& slots);
 // moe_gate.cu: validated params.

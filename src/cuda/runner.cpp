@@ -439,13 +439,10 @@ class CudaRunner final : public SequenceRunner {
     }
   }
   // y[pair, :] = x[pair / x_row_div, :] · W_eᵀ for the routed pairs of the moe_slots arrays.
-  // second / y_second: another projection of the same x and routing in the same launch (w3 next to w1).
   // active_slots: at most this many experts hold pairs (the chunk's pairs), for the kernel's split choice.
   // x_rows: the rows of x (for the activation quantisation outside the W4A8 kernel).
-  void linear_grouped(const char* site, const DeviceExperts& w, const void* x, int x_row_div, int x_rows, void* y,
-                      int max_rows, int active_slots, GemvOut out, const DeviceExperts* second = nullptr,
-                      void* y_second = nullptr, const gpu::SwigluParams* swiglu = nullptr,
-                      bool slots_settled = false) {
+  GemvGroupedParams grouped_params(const DeviceExperts& w, const void* x, int x_row_div, int x_rows, void* y,
+                                   int max_rows, int active_slots, GemvOut out) const {
     GemvGroupedParams g;
     g.base.m = max_rows;
     g.base.n = w.n;
@@ -467,8 +464,15 @@ class CudaRunner final : public SequenceRunner {
     g.slots = slots_;
     g.x_row_div = x_row_div;
     g.x_rows = x_rows;
-    g.slots_settled = slots_settled;
     g.base = quantised(g.base);  // the routed and shared experts are FP8/FP4 linears of the reference
+    return g;
+  }
+  // grouped_params' launch; second / y_second: another projection of the same x and routing in the same launch (w3
+  // next to w1), optionally with the SwiGLU of both after it.
+  void linear_grouped(const char* site, const DeviceExperts& w, const void* x, int x_row_div, int x_rows, void* y,
+                      int max_rows, int active_slots, GemvOut out, const DeviceExperts* second = nullptr,
+                      void* y_second = nullptr, const gpu::SwigluParams* swiglu = nullptr) {
+    GemvGroupedParams g = grouped_params(w, x, x_row_div, x_rows, y, max_rows, active_slots, out);
     if (second) {
       DSV4_CHECK(second->format == w.format && second->fp8_scale == w.fp8_scale && second->layout == w.layout &&
                      second->n == w.n &&
@@ -1891,18 +1895,22 @@ void CudaRunner::ffn_block(int l, int n) {
   sw.inter = c.moe_inter;
   sw.limit = c.swiglu_limit;
   sw.h = h_.as<uint16_t>();
+  GemvGroupedParams w2 = grouped_params(d.w2, h_.data(), 1, n * pairs, y_pairs_.data(), n, n * pairs, GemvOut::F32);
   if (options_.fuse_swiglu) {  // inside the grouped launch where its kernel can (decode), else right after it
     linear_grouped("ffn: grouped gemv w1 + w3 + swiglu", d.w1, normed_bf16_.data(), pairs, n, expert_gate_.data(), n,
                    n * pairs, GemvOut::F32, &d.w3, expert_up_.data(), &sw);
   } else {
     linear_grouped("ffn: grouped gemv w1 + w3", d.w1, normed_bf16_.data(), pairs, n, expert_gate_.data(), n,
                    n * pairs, GemvOut::F32, &d.w3, expert_up_.data());
-    sw.trigger_after_wait = options_.early_w2_weights;  // the slots are then final when w2 starts
+    // early_w2_weights: the SwiGLU lets w2 start only after its own wait, so the slots are final when w2 reads
+    // them; only where w2 runs the register kernel (the others wait first, and the later start alone cost 5 % at
+    // batch 32 on the tiled kernel, docs/perf.md seventeenth round).
+    w2.slots_settled = options_.early_w2_weights && gemv_grouped_reads_slots_early(w2);
+    sw.trigger_after_wait = w2.slots_settled;
     gpu::swiglu(sw, cur_);
     launched("ffn: swiglu");
   }
-  linear_grouped("ffn: grouped gemv w2", d.w2, h_.data(), 1, n * pairs, y_pairs_.data(), n, n * pairs, GemvOut::F32,
-                 nullptr, nullptr, nullptr, !options_.fuse_swiglu && options_.early_w2_weights);
+  launched("ffn: grouped gemv w2", gemv_grouped(w2));
 
   if (shared && !side) shared_expert();
   if (side) join_side();
