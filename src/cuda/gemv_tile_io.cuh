@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: MIT
-// Shared by the two tiled prefill kernels (gemv_tiled.cu on mma.sync, gemv_wgmma.cu on wgmma): the cp.async stage
-// copies, the raw scale bits of an fp4 weight piece in either layout, and the epilogue that stores a block's
-// [token][row] output tile coalesced.
+// For the two tiled prefill kernels (gemv_tiled.cu on mma.sync, gemv_wgmma.cu on wgmma): the cp.async stage copies,
+// the raw scale bits of an fp4 weight piece in either layout, and the epilogue that stores a block's [token][row]
+// output tile coalesced (gemv_tiled.cu writes the last two out: see there).
 #pragma once
 #include <cuda_bf16.h>
 

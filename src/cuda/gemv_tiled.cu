@@ -152,8 +152,14 @@ __global__ void __launch_bounds__(kThreads, kWeightTiles == 1 ? 2 : 1) gemv_tile
         uint32_t v = 0;
         if constexpr (F == Fmt::FP8) {  // [ceil(n/128), ceil(k/128)] e8m0, one per 128 x 128 block
           if (ok) v = __ldg(w_scale + size_t((rows.w_row0 + r) / 128) * size_t((a.k + 127) / 128) + size_t(kk / 128));
-        } else if constexpr (F == Fmt::MXFP4 || F == Fmt::NVFP4) {
-          if (ok) v = fp4_piece_scale<F == Fmt::NVFP4>(w_scale, tiles, r, kk, a.k);
+        } else if constexpr (F == Fmt::MXFP4) {  // fp4_piece_scale, written out (see store_output_tile below)
+          const size_t at = tiles ? weight_tiles::offset(size_t(r), size_t(kk / 32), size_t(a.k / 32), 1)
+                                  : size_t(r) * (a.k / 32) + kk / 32;
+          if (ok) v = __ldg(w_scale + at);
+        } else if constexpr (F == Fmt::NVFP4) {
+          const size_t at = tiles ? weight_tiles::offset(size_t(r), size_t(kk / 16), size_t(a.k / 16), 2)
+                                  : size_t(r) * (a.k / 16) + kk / 16;
+          if (ok) v = __ldg(reinterpret_cast<const uint16_t*>(w_scale + at));
         }
         sc[wt][h] = v;
       }
@@ -304,7 +310,20 @@ __global__ void __launch_bounds__(kThreads, kWeightTiles == 1 ? 2 : 1) gemv_tile
       for (int e = 0; e < 4; ++e)
         tile[(j * 8 + 2 * t + (e & 1)) * S::kOutStride + local[wt][e >> 1]] = acc[wt][j][e] * rows.y_factor;
   __syncthreads();
-  store_output_tile<kGrouped, kWarps>(a, rows, tile, S::kOutStride, tokens, tok0, row_block0, kBlockRows, pair_of);
+  // store_output_tile (gemv_tile_io.cuh), written out: through the helpers ptxas allocated this kernel's registers
+  // differently (every variant; BF16 prefill 0.5 % slower on the H100, docs/perf.md seventeenth round).
+  void* y = kGrouped && blockIdx.z == 1 ? a.y_second : a.y;
+  const int cols = min(kBlockRows, a.n - row_block0);
+  for (int tok = warp; tok < tokens; tok += kWarps) {
+    const int64_t out_row = rows.y_offset + int64_t(pair_of(tok0 + tok)) * a.ldy + row_block0;
+    for (int col = lane; col < cols; col += 32) {
+      const float v = tile[tok * S::kOutStride + col];
+      if (a.out_bf16)
+        static_cast<__nv_bfloat16*>(y)[out_row + col] = __float2bfloat16_rn(v);
+      else
+        static_cast<float*>(y)[out_row + col] = v;
+    }
+  }
   __syncthreads();  // the tile is read: a further pass may refill the stages
   }  // row passes
 }
