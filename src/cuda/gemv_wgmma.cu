@@ -1,13 +1,17 @@
 // SPDX-License-Identifier: MIT
 // The tiled kernel's 64-row activation tiles for fp4 weights on Hopper's warpgroup MMA (wgmma), chosen by
-// gemv_tiled.cu when gemv_wgmma_enabled() (contract in gemv.h, arguments in gemv_launch.h).
+// gemv_tiled.cu when gemv_wgmma_enabled() and gemv_wgmma_pick_shape() (contract in gemv.h, arguments in
+// gemv_launch.h).
 // Why: the mma.sync kernel decodes each weight tile in registers and issues 16 mma.sync per 16 k per warp; at one
 // block of 8 warps per SM it is latency-bound (tensor pipe ~40 %, docs/perf.md sixth round) and every warp reads
-// the whole activation tile from shared memory (8x the tile per stage). Here a block still computes 256 weight rows
-// x 64 activation rows, and each warp still decodes its two 16-row weight tiles from the checkpoint bytes exactly
-// like the mma.sync kernel (same pieces, same k permutation), but the decoded words go to wgmma as the A operand in
-// registers (a warpgroup's four warps hold one 64-row tile) and the activation tile is read by the tensor cores
-// from shared memory once per 64-row tile, asynchronously: the decode of the next k16 pair overlaps the MMAs.
+// the whole activation tile from shared memory (8x the tile per stage). Here a block of two warpgroups computes 256
+// (or 128) weight rows x 128 (or 64) activation rows (WgmmaShape), and each warp still decodes its 16-row weight
+// tiles from the checkpoint bytes exactly like the mma.sync kernel (same pieces, same k permutation), but the
+// decoded words go to wgmma as the A operand in registers (a warpgroup's four warps hold one 64-row tile) and the
+// activation tile is read by the tensor cores from shared memory once per 64-row tile, asynchronously: the decode
+// of the next k16 pair overlaps the MMAs. Measured (H100, docs/perf.md seventeenth round): 256 x 128 reaches ~0.48
+// of the 790 TFLOP/s peak on large grids against mma.sync's ~0.33; the warps, which also stage the activations,
+// leave the tensor pipe idle ~70 % of the time (a producer warpgroup would take that work off them).
 //
 // k order: a wgmma k16 step takes k pairs t and t + 4 from quad thread t, while a thread's 16-byte weight piece
 // holds 32 consecutive k. So the activation tile is stored with k permuted to match: step s of a 128-k chunk pairs
@@ -134,7 +138,6 @@ __device__ __forceinline__ void wgmma_64xNx16<128>(float (&d)[64], const uint32_
   __trap();  // the host launches this kernel on sm_90 only
 #endif
 }
-
 
 template <bool kNvfp4, bool kGrouped, int kTiles, int kN>
 __global__ void __launch_bounds__(kThreads, 1) gemv_wgmma_kernel(const KernelArgs a) {
