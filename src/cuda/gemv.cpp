@@ -119,14 +119,7 @@ int wgmma_mode = -1;  // set_gemv_wgmma; -1 = not yet read from the environment
 void set_gemv_wgmma(bool on) { wgmma_mode = on ? 1 : 0; }
 
 bool gemv_wgmma_enabled() {
-  if (wgmma_mode < 0) {
-    wgmma_mode = env_switch("DSV4_GEMV_WGMMA").value_or(kGemvWgmmaDefault) ? 1 : 0;
-    const char* shape = std::getenv("DSV4_GEMV_WGMMA_SHAPE");  // benchmarks: detail::wgmma_shape
-    if (shape && *shape) {
-      detail::wgmma_shape = std::clamp(std::atoi(shape), 0, 3);
-      spdlog::info("gemv: the wgmma kernel's block shape forced to {} (DSV4_GEMV_WGMMA_SHAPE)", detail::wgmma_shape);
-    }
-  }
+  if (wgmma_mode < 0) wgmma_mode = env_switch("DSV4_GEMV_WGMMA").value_or(kGemvWgmmaDefault) ? 1 : 0;
   if (wgmma_mode == 0) return false;
   if (current_cc_major() == 9) return true;
   static bool logged = false;
@@ -137,6 +130,22 @@ bool gemv_wgmma_enabled() {
   }
   return false;
 }
+
+namespace detail {
+
+int wgmma_shape = -1;
+
+int wgmma_forced_shape() {
+  if (wgmma_shape < 0) {
+    const char* shape = std::getenv("DSV4_GEMV_WGMMA_SHAPE");
+    wgmma_shape = shape && *shape ? std::clamp(std::atoi(shape), 0, 3) : 0;
+    if (wgmma_shape)
+      spdlog::info("gemv: the wgmma kernel's block shape forced to {} (DSV4_GEMV_WGMMA_SHAPE)", wgmma_shape);
+  }
+  return wgmma_shape;
+}
+
+}  // namespace detail
 
 bool gemv_w4a8_enabled() {
   if (w4a8_mode < 0) w4a8_mode = env_switch("DSV4_GEMV_W4A8").value_or(kGemvW4a8Default) ? 1 : 0;

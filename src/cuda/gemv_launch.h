@@ -106,8 +106,10 @@ cudaError_t gemv_wgmma_launch(const KernelArgs& a, GemvWeight w, int shape, dim3
 // SM, else 256 x 64 when that one has, else 0: the mma.sync kernel (its 128-row blocks, two per SM, were faster on
 // such small grids in dsv4_gemm_bench; grid.y x grid.z counts the matrices side by side).
 int gemv_wgmma_pick_shape(const KernelArgs& a, dim3 grid);
-// Benchmarks and tests: 0 = chosen per launch, or 1 / 2 / 3 forced.
+// Benchmarks and tests: 0 = chosen per launch, or 1 / 2 / 3 forced; -1 (the start) = not yet read from
+// DSV4_GEMV_WGMMA_SHAPE, which wgmma_forced_shape() reads at its first call.
 extern int wgmma_shape;
+int wgmma_forced_shape();
 
 // y[r, :] = act_quant_fp8(x[r, :]) as bf16 for r < rows (act_quant_fp8 in gemv.h).
 cudaError_t act_quant_launch(const uint16_t* x, uint16_t* y, int rows, int k, cudaStream_t stream);

@@ -368,10 +368,8 @@ cudaError_t launch_shape(const KernelArgs& a, int shape, dim3 grid, cudaStream_t
 
 }  // namespace
 
-int wgmma_shape = 0;
-
 int gemv_wgmma_pick_shape(const KernelArgs& a, dim3 grid) {
-  if (wgmma_shape) return wgmma_shape;
+  if (const int forced = wgmma_forced_shape()) return forced;
   const int64_t matrices = int64_t(grid.y) * grid.z, enough = current_sm_count() * 7 / 8;
   auto blocks = [&](int rows, int tokens) {
     return int64_t((a.n + rows - 1) / rows) * ((a.m + tokens - 1) / tokens) * matrices;
