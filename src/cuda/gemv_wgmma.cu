@@ -225,9 +225,10 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_wgmma_kernel(const KernelArg
       x_dst[q][j] = uint32_t(half * S::kXHalfBytes + tok * 128 + ((chunk ^ (tok & 7)) << 4));
     }
 
-  const bool early = !kGrouped && a.early_weights;
-  if (!kGrouped && !early) gpu::dependent_wait();
-  bool first_pass = true;
+  // x belongs to the step: plain / batched blocks wait before it (under early_weights after issuing the first
+  // weight stages), grouped ones waited in block_rows.
+  gpu::WaitOnce wait{!kGrouped};
+  if (!a.early_weights) wait();
   for (int tok0 = tok_first; tok0 < rows.m_rows; tok0 += token_blocks * kN) {
   const int tokens = min(kN, rows.m_rows - tok0);
   const __nv_bfloat16* x_row[kXGroups];
@@ -271,8 +272,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_wgmma_kernel(const KernelArg
   load_scales(0, sc_cur);
 #pragma unroll
   for (int s = 0; s < kWStages - 1; ++s) copy_w(s);
-  if (early && first_pass) gpu::dependent_wait();  // the weights' first stages were issued before the wait
-  first_pass = false;
+  wait();
   load_x(0);
   store_x(0);
   load_x(1);
