@@ -466,16 +466,18 @@ INSTANTIATE_TEST_SUITE_P(AllFormats, GemvTest, ::testing::ValuesIn(all_cases()),
                          [](const ::testing::TestParamInfo<Case>& info) { return case_name(info.param); });
 
 // ---------------------------------------------------------------------------------------------------------
-// One plain gemv problem on the device, run under several settings; outputs() gives each run's y (fp32).
+// One plain gemv problem on the device (c's weights, shape, split and activations; fp32 y), run under several
+// settings; outputs holds each run's y.
 struct VariantRuns {
-  VariantRuns(GemvWeight w, GemvScale s, int m, int n, int k, std::mt19937_64& rng)
-      : h(make_problem(Case{w, s, m, n, k, GemvOut::F32, 0}, rng)), x(h.x.size() * 2), dw(h.w.size()),
-        ds(std::max<size_t>(h.scale.size(), 16)), y(size_t(m) * n * 4) {
+  VariantRuns(const Case& c, std::mt19937_64& rng)
+      : h(make_problem(c, rng)), x(h.x.size() * 2), dw(h.w.size()), ds(std::max<size_t>(h.scale.size(), 16)),
+        y(size_t(c.m) * c.n * 4) {
     x.upload(h.x.data(), h.x.size() * 2);
     dw.upload(h.w.data(), h.w.size());
     if (!h.scale.empty()) ds.upload(h.scale.data(), h.scale.size());
-    p.m = m, p.n = n, p.k = k, p.x = x.data(), p.w = dw.data(), p.w_scale = ds.data(), p.w_scale_2 = h.scale_2;
-    p.y = y.data(), p.weight = w, p.fp8_scale = s;
+    p.m = c.m, p.n = c.n, p.k = c.k, p.x = x.data(), p.w = dw.data(), p.w_scale = ds.data();
+    p.w_scale_2 = h.scale_2, p.y = y.data(), p.weight = c.weight, p.fp8_scale = c.fp8_scale;
+    p.split_k = c.split_k, p.act = c.act;
   }
   void run() {
     y.fill_bytes(0xff);
@@ -503,7 +505,7 @@ TEST(GemvTiled, WeightTileVariantsAgreeBitForBit) {
   for (const auto& [w, s] : {std::pair{GemvWeight::BF16, GemvScale::E8M0}, {GemvWeight::FP8_BLOCK, GemvScale::E8M0},
                              {GemvWeight::MXFP4, GemvScale::E8M0}, {GemvWeight::NVFP4, GemvScale::E8M0}})
     for (const auto& [m, n, k] : {std::tuple{130, 301, 1056}, {300, 600, 512}, {65, 45, 4128}}) {
-      VariantRuns v(w, s, m, n, k, rng);
+      VariantRuns v(Case{w, s, m, n, k, GemvOut::F32, 0}, rng);
       const KernelScope kernel(kMmaSync);  // the variants are of the mma.sync kernel
       for (int tiles : {2, 1}) {
         detail::tiled_weight_tiles = tiles;
@@ -522,7 +524,7 @@ TEST(GemvWgmma, BlockShapesAgreeBitForBit) {
   std::mt19937_64 rng(78);
   for (const GemvWeight w : {GemvWeight::MXFP4, GemvWeight::NVFP4})
     for (const auto& [m, n, k] : {std::tuple{130, 301, 1056}, {300, 600, 512}, {65, 45, 4128}, {33, 520, 256}}) {
-      VariantRuns v(w, GemvScale::E8M0, m, n, k, rng);
+      VariantRuns v(Case{w, GemvScale::E8M0, m, n, k, GemvOut::F32, 0}, rng);
       const TiledMinScope tiled_min(m <= kGemvMaxM ? 2 : 0);
       for (int shape : {1, 2, 3}) {
         detail::wgmma_shape = shape;
@@ -542,54 +544,26 @@ TEST(GemvBulk, MatchesRegisterKernelBitForBitAtSplit1) {
   for (const auto& [w, s] : {std::pair{GemvWeight::MXFP4, GemvScale::E8M0}, {GemvWeight::NVFP4, GemvScale::E8M0},
                              {GemvWeight::FP8_BLOCK, GemvScale::E8M0}, {GemvWeight::FP8_BLOCK, GemvScale::F32}})
     for (const auto& [m, n, k] : {std::tuple{1, 301, 2048}, {8, 64, 4096}, {29, 301, 512}, {64, 45, 1536}}) {
-      const Case c{w, s, m, n, k, GemvOut::F32, 1};
-      const HostProblem h = make_problem(c, rng);
-      DeviceBuffer x(h.x.size() * 2), dw(h.w.size()), ds(h.scale.size()), y(size_t(m) * n * 4);
-      x.upload(h.x.data(), h.x.size() * 2);
-      dw.upload(h.w.data(), h.w.size());
-      ds.upload(h.scale.data(), h.scale.size());
-      GemvParams p;
-      p.m = m, p.n = n, p.k = k, p.x = x.data(), p.w = dw.data(), p.w_scale = ds.data(), p.w_scale_2 = h.scale_2;
-      p.y = y.data(), p.weight = w, p.fp8_scale = s, p.split_k = 1;
-      std::vector<std::vector<float>> got;
+      VariantRuns v(Case{w, s, m, n, k, GemvOut::F32, 1}, rng);
       for (const bool on : {false, true}) {
         const BulkScope bulk(on);
-        ASSERT_EQ(detail::gemv_bulk_supported(p), on);
-        y.fill_bytes(0xff);
-        gemv(p);
-        DSV4_CUDA_CHECK(cudaDeviceSynchronize());
-        got.emplace_back(size_t(m) * n);
-        y.download(got.back().data(), got.back().size() * 4);
+        ASSERT_EQ(detail::gemv_bulk_supported(v.p), on);
+        v.run();
       }
-      EXPECT_EQ(0, std::memcmp(got[0].data(), got[1].data(), got[0].size() * 4))
-          << gemv_weight_name(w) << " m " << m << " n " << n << " k " << k;
+      EXPECT_TRUE(v.all_equal()) << gemv_weight_name(w) << " m " << m << " n " << n << " k " << k;
     }
   // The W4A8 kernel (act fp8, m = 1) and its copy-engine variant, likewise.
   const W4a8Scope w4a8(true);
   for (const GemvWeight w : {GemvWeight::MXFP4, GemvWeight::NVFP4})
     for (const auto& [n, k] : {std::pair{301, 2048}, {64, 4096}, {45, 512}}) {
-      const Case c{w, GemvScale::E8M0, 1, n, k, GemvOut::F32, 1, GemvAct::FP8};
-      const HostProblem h = make_problem(c, rng);
-      DeviceBuffer x(h.x.size() * 2), dw(h.w.size()), ds(h.scale.size()), y(size_t(n) * 4);
-      x.upload(h.x.data(), h.x.size() * 2);
-      dw.upload(h.w.data(), h.w.size());
-      ds.upload(h.scale.data(), h.scale.size());
-      GemvParams p;
-      p.m = 1, p.n = n, p.k = k, p.x = x.data(), p.w = dw.data(), p.w_scale = ds.data(), p.w_scale_2 = h.scale_2;
-      p.y = y.data(), p.weight = w, p.split_k = 1, p.act = GemvAct::FP8;
-      std::vector<std::vector<float>> got;
+      VariantRuns v(Case{w, GemvScale::E8M0, 1, n, k, GemvOut::F32, 1, GemvAct::FP8}, rng);
       for (const bool on : {false, true}) {
         const BulkScope bulk(on);
-        ASSERT_TRUE(gemv_uses_w4a8(p));
-        ASSERT_EQ(detail::gemv_w4a8_bulk_supported(p), on);
-        y.fill_bytes(0xff);
-        gemv(p);
-        DSV4_CUDA_CHECK(cudaDeviceSynchronize());
-        got.emplace_back(size_t(n));
-        y.download(got.back().data(), got.back().size() * 4);
+        ASSERT_TRUE(gemv_uses_w4a8(v.p));
+        ASSERT_EQ(detail::gemv_w4a8_bulk_supported(v.p), on);
+        v.run();
       }
-      EXPECT_EQ(0, std::memcmp(got[0].data(), got[1].data(), got[0].size() * 4))
-          << "w4a8 " << gemv_weight_name(w) << " n " << n << " k " << k;
+      EXPECT_TRUE(v.all_equal()) << "w4a8 " << gemv_weight_name(w) << " n " << n << " k " << k;
     }
 }
 
