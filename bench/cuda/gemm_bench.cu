@@ -107,11 +107,13 @@ int main() try {
   cudaStream_t s;
   check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
 
-  // wgmma: the fp4 wgmma kernel's block shapes (weight rows x activation rows), the engine's choice first.
-  std::printf("%-10s %-18s %6s %10s %9s %7s %12s | %-10s %9s %7s | %-12s %9s | %-10s %9s %7s | %-9s %-9s %-9s\n",
+  // wgmma: the fp4 wgmma kernel's block shapes (weight rows x activation rows; ws: warp-specialised), the engine's
+  // choice first.
+  std::printf("%-10s %-18s %6s %10s %9s %7s %12s | %-10s %9s %7s | %-12s %9s | %-10s %9s %7s | %-9s %-9s %-9s %-9s "
+              "%-9s\n",
               "format", "shape", "m", "time (us)", "TFLOP/s", "of peak", "decode (us)", "tiled (us)", "TFLOP/s",
               "of peak", "tiled 1 (us)", "TFLOP/s", "wgmma (us)", "TFLOP/s", "of peak", "256x64", "128x128",
-              "256x128");
+              "256x128", "ws256x128", "ws256x64");
   for (const Format& f : formats) {
     // Valid codes: bf16 in +-[0.5, 1), e4m3 without NaN, any e2m1; scales 2^0 (e8m0 127) / e4m3 1.0 (0x38).
     fill(w, 3, f.w == GemvWeight::BF16 ? 0x807F807Fu : f.w == GemvWeight::FP8_BLOCK ? 0xBFBFBFBFu : ~0u,
@@ -150,14 +152,15 @@ int main() try {
           return t_shape;
         };
         const double t_wgmma = time_wgmma(0), t_shape1 = time_wgmma(1), t_shape2 = time_wgmma(2);
-        const double t_shape3 = time_wgmma(3);
+        const double t_shape3 = time_wgmma(3), t_shape4 = time_wgmma(4), t_shape5 = time_wgmma(5);
         const double wgmma_tflops = fp4 ? 2.0 * m * sh.n * sh.k / t_wgmma * 1e-12 : 0.0;
         std::printf("%-10s %-18s %6d %10.1f %9.1f %6.1f%% %12.1f | %10.1f %9.1f %6.1f%% | %12.1f %9.1f | %10.1f %9.1f "
-                    "%6.1f%% | %9.1f %9.1f %9.1f\n",
+                    "%6.1f%% | %9.1f %9.1f %9.1f %9.1f %9.1f\n",
                     f.name, sh.name, m, t * 1e6, tflops, 100.0 * tflops / kPeakTflops, t_decode * 1e6,
                     t_tiled * 1e6, tiled_tflops, 100.0 * tiled_tflops / kPeakTflops, t_tiled1 * 1e6,
                     2.0 * m * sh.n * sh.k / t_tiled1 * 1e-12, t_wgmma * 1e6, wgmma_tflops,
-                    100.0 * wgmma_tflops / kPeakTflops, t_shape1 * 1e6, t_shape2 * 1e6, t_shape3 * 1e6);
+                    100.0 * wgmma_tflops / kPeakTflops, t_shape1 * 1e6, t_shape2 * 1e6, t_shape3 * 1e6, t_shape4 * 1e6,
+                    t_shape5 * 1e6);
       }
     }
   }

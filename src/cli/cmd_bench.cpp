@@ -96,8 +96,9 @@ struct BenchArgs {
   // before its wait: early_w2_weights), indexorder / scoreorder (the indexer's picks in index order
   // or sorted by score: set_indexer_select_index_order), tiledN (N = 2..65: calls of >= N rows whose grid fills the
   // GPU, decode batches included, on the tiled tensor-core GEMM: set_gemv_tiled_min_rows), split1 / 2 / 4 / 8 (every
-  // skinny GEMV at that split_k instead of the heuristic's: set_gemv_forced_split).
-  // Prefill and --profile use the first.
+  // skinny GEMV at that split_k instead of the heuristic's: set_gemv_forced_split), ws / nows (the fp4 prefill GEMMs'
+  // wgmma kernel in its warp-specialised form or not: set_gemv_wgmma_ws).
+  // Prefill is timed with each set too; --profile uses the first.
   std::vector<std::string> switches = {"default"};
 };
 
@@ -113,6 +114,7 @@ struct StepSwitches {
   int gate = -1, post = -1, swiglu = -1, index_order = -1, early_w2 = -1;  // earlyw2 / noearlyw2: early_w2_weights
   int tiled_min = 0;  // tiledN: the tiled tensor-core GEMM from N rows (set_gemv_tiled_min_rows; 0: as built)
   int split = 0;      // splitN: every skinny GEMV launch at split_k N (set_gemv_forced_split; 0: the heuristic)
+  int wgmma_ws = -1;  // ws / nows: set_gemv_wgmma_ws (-1: as built)
 };
 
 StepSwitches parse_switches(const std::string& spec) {
@@ -146,6 +148,8 @@ StepSwitches parse_switches(const std::string& spec) {
     else if (name == "earlyw2") s.early_w2 = 1;
     else if (name == "scoreorder") s.index_order = 0;
     else if (name == "indexorder") s.index_order = 1;
+    else if (name == "ws") s.wgmma_ws = 1;
+    else if (name == "nows") s.wgmma_ws = 0;
     else if (name.rfind("tiled", 0) == 0 && name.size() > 5 &&
              name.find_first_not_of("0123456789", 5) == std::string::npos)
       s.tiled_min = std::stoi(name.substr(5));
@@ -153,7 +157,7 @@ StepSwitches parse_switches(const std::string& spec) {
       s.split = name[5] - '0';
     else DSV4_FAIL("dsv4 bench: --switches entry '{}' has '{}' (expected default, or bulk, bulkdense, overlap, "
                    "serial, mhc, routing, qnorm, heads16, heads64, hcblock, now4a8, early, earlyall, late, [no]gate, "
-                   "[no]post, [no]swiglu, [no]earlyw2, scoreorder, indexorder, tiledN and split1/2/4/8 joined by '+')",
+                   "[no]post, [no]swiglu, [no]earlyw2, scoreorder, indexorder, tiledN, split1/2/4/8 and [no]ws joined by '+')",
                    spec, name);
     from = to + 1;
   }
@@ -534,6 +538,7 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
   const gpu::EarlyWeights built_early = gpu::early_weights();
   const bool built_index_order = gpu::indexer_select_index_order();
   const int built_tiled_min = gemv_tiled_min_rows(), built_tiled_blocks = gemv_tiled_min_blocks_per_sm();
+  const bool built_wgmma_ws = gemv_wgmma_ws_enabled();
   auto use_switches = [&](const std::string& spec) {
     const StepSwitches s = parse_switches(spec);
     CudaRunnerOptions o = built_options;
@@ -551,6 +556,7 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
     set_gemv_w4a8(built_w4a8 && !s.no_w4a8);
     set_gemv_tiled_min_rows(s.tiled_min ? s.tiled_min : built_tiled_min, built_tiled_blocks);
     set_gemv_forced_split(s.split);
+    set_gemv_wgmma_ws(s.wgmma_ws >= 0 ? s.wgmma_ws == 1 : built_wgmma_ws);
     gpu::set_early_weights(s.late ? gpu::EarlyWeights::Off
                            : s.early_all ? gpu::EarlyWeights::All
                            : s.early && built_early == gpu::EarlyWeights::Off ? gpu::EarlyWeights::Gemv
@@ -569,25 +575,30 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
   fmt::print("  {:>7} {:>9} {:>10} {:>13} {:>9} {:>15} {:>9}\n", "tokens", "seconds", "tok/s", "compute bound",
              "fraction", "weight-stream", "fraction");
   json prefill = json::array();
-  for (int len : a.prefill) {
-    runner->reset();
-    runner->forward(random_tokens(rng, std::min(len, 512), c.vocab_size), true);  // warm-up
-    runner->reset();
-    const std::vector<int32_t> prompt = random_tokens(rng, len, c.vocab_size);
-    start = std::chrono::steady_clock::now();
-    runner->forward(prompt, true);
-    const double seconds = seconds_since(start);
-    const double tok_s = len / seconds;
-    const PrefillBounds b = prefill_bounds(c, f, len, chunk, bandwidth);
-    fmt::print("  {:>7} {:>9.3f} {:>10.0f} {:>13.0f} {:>9.3f} {:>15.0f} {:>9.3f}\n", len, seconds, tok_s,
-               b.compute_tok_s, tok_s / b.compute_tok_s, b.streaming_tok_s, tok_s / b.streaming_tok_s);
-    prefill.push_back({{"tokens", len}, {"seconds", seconds}, {"tok_s", tok_s},
-                       {"flops_per_token", b.flops_per_token}, {"compute_bound_tok_s", b.compute_tok_s},
-                       {"fraction_of_compute_bound", tok_s / b.compute_tok_s},
-                       {"weight_bytes_per_chunk", b.weight_bytes_per_chunk},
-                       {"weight_streaming_bound_tok_s", b.streaming_tok_s},
-                       {"fraction_of_weight_streaming_bound", tok_s / b.streaming_tok_s}});
+  for (const std::string& switches : a.switches) {
+    use_switches(switches);
+    if (a.switches.size() > 1) fmt::print("  [switches {}]\n", switches);
+    for (int len : a.prefill) {
+      runner->reset();
+      runner->forward(random_tokens(rng, std::min(len, 512), c.vocab_size), true);  // warm-up
+      runner->reset();
+      const std::vector<int32_t> prompt = random_tokens(rng, len, c.vocab_size);
+      start = std::chrono::steady_clock::now();
+      runner->forward(prompt, true);
+      const double seconds = seconds_since(start);
+      const double tok_s = len / seconds;
+      const PrefillBounds b = prefill_bounds(c, f, len, chunk, bandwidth);
+      fmt::print("  {:>7} {:>9.3f} {:>10.0f} {:>13.0f} {:>9.3f} {:>15.0f} {:>9.3f}\n", len, seconds, tok_s,
+                 b.compute_tok_s, tok_s / b.compute_tok_s, b.streaming_tok_s, tok_s / b.streaming_tok_s);
+      prefill.push_back({{"tokens", len}, {"switches", switches}, {"seconds", seconds}, {"tok_s", tok_s},
+                         {"flops_per_token", b.flops_per_token}, {"compute_bound_tok_s", b.compute_tok_s},
+                         {"fraction_of_compute_bound", tok_s / b.compute_tok_s},
+                         {"weight_bytes_per_chunk", b.weight_bytes_per_chunk},
+                         {"weight_streaming_bound_tok_s", b.streaming_tok_s},
+                         {"fraction_of_weight_streaming_bound", tok_s / b.streaming_tok_s}});
+    }
   }
+  use_switches(a.switches.front());
   report["prefill"] = prefill;
   if (a.profile_prefill > 0) {
     runner->reset();
@@ -803,7 +814,8 @@ void add_bench_command(CLI::App& app, Handler& handler) {
                   "none,host,device")
       ->delimiter(',')->capture_default_str()->check(CLI::IsMember({"none", "host", "device"}));
   cmd->add_option("--switches", args->switches,
-                  "Decode also timed with each set of step switches: default (as built), or names joined by '+': "
+                  "Decode (and prefill) also timed with each set of step switches: default (as built), or names "
+                  "joined by '+': "
                   "bulk (fp4 / fp8 GEMVs through the copy engine), bulkdense (the same but not for the grouped "
                   "experts), overlap (the attention state side on a second "
                   "stream; serial: off), mhc (hc_post with the next mix), routing (router + slots in one launch), qnorm (q norm + "
@@ -816,7 +828,8 @@ void add_bench_command(CLI::App& app, Handler& handler) {
                   "or apart), earlyw2 / noearlyw2 (the experts' w2 loads weights before its wait), indexorder / "
                   "scoreorder (the indexer's picks in index or score order), tiledN (calls of >= N rows, N = 2..65, "
                   "on the tiled tensor-core GEMM where their grid fills the GPU), split1 / 2 / 4 / 8 (every skinny "
-                  "GEMV at that split_k), e.g. "
+                  "GEMV at that split_k), ws / nows (the fp4 prefill GEMMs' wgmma kernel warp-specialised or not; "
+                  "prefill is timed with each set as well), e.g. "
                   "default,bulk,overlap,mhc+routing+qnorm,bulk+overlap+mhc+routing+qnorm,heads64")
       ->delimiter(',')->capture_default_str();
   cmd->add_flag("--mtp", args->mtp,

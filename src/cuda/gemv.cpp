@@ -131,6 +131,20 @@ bool gemv_wgmma_enabled() {
   return false;
 }
 
+int wgmma_ws_mode = -1;  // set_gemv_wgmma_ws; -1 = not yet read from the environment
+
+void set_gemv_wgmma_ws(bool on) { wgmma_ws_mode = on ? 1 : 0; }
+
+bool gemv_wgmma_ws_enabled() {
+  if (wgmma_ws_mode < 0) {
+    wgmma_ws_mode = env_switch("DSV4_GEMV_WGMMA_WS").value_or(kGemvWgmmaWsDefault) ? 1 : 0;
+    if (wgmma_ws_mode != int(kGemvWgmmaWsDefault))
+      spdlog::info("gemv: the wgmma kernel's warp-specialised form {} (DSV4_GEMV_WGMMA_WS)",
+                   wgmma_ws_mode ? "on" : "off");
+  }
+  return wgmma_ws_mode == 1;
+}
+
 namespace detail {
 
 int wgmma_shape = -1;
@@ -138,7 +152,7 @@ int wgmma_shape = -1;
 int wgmma_forced_shape() {
   if (wgmma_shape < 0) {
     const char* shape = std::getenv("DSV4_GEMV_WGMMA_SHAPE");
-    wgmma_shape = shape && *shape ? std::clamp(std::atoi(shape), 0, 3) : 0;
+    wgmma_shape = shape && *shape ? std::clamp(std::atoi(shape), 0, 5) : 0;
     if (wgmma_shape)
       spdlog::info("gemv: the wgmma kernel's block shape forced to {} (DSV4_GEMV_WGMMA_SHAPE)", wgmma_shape);
   }

@@ -235,6 +235,12 @@ int gemv_tiled_min_blocks_per_sm();
 constexpr bool kGemvWgmmaDefault = true;
 void set_gemv_wgmma(bool on);
 bool gemv_wgmma_enabled();
+// The wgmma kernel's warp-specialised form (a producer warpgroup stages weights and activations for two consumer
+// warpgroups that only decode and multiply; same bits) in place of the plain one, for the shapes the engine picks.
+// Process-wide; DSV4_GEMV_WGMMA_WS=0/1 in the environment sets it at the first call.
+constexpr bool kGemvWgmmaWsDefault = false;
+void set_gemv_wgmma_ws(bool on);
+bool gemv_wgmma_ws_enabled();
 
 // Tests: every skinny launch (gemv, gemv_batched, gemv_grouped) whose params leave split_k at 0 takes `split` (a power
 // of two up to kGemvWarps) instead of gemv_default_split_k; 0 restores the heuristic. Process-wide. Model-level tests

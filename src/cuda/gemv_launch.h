@@ -99,14 +99,16 @@ cudaError_t gemv_tiled_launch(const KernelArgs& a, const GemvParams& p, dim3 gri
 
 // FP4 weights (w MXFP4 / NVFP4) in 64-row activation tiles on wgmma (gemv_wgmma.cu), called by gemv_tiled.cu when
 // gemv_wgmma_enabled() and gemv_wgmma_pick_shape() > 0, with its grid (plain, batched, grouped); a.m as for
-// gemv_tiled_launch. Block shapes (weight rows x activation rows): 1 = 256 x 64, 2 = 128 x 128, 3 = 256 x 128.
+// gemv_tiled_launch. Block shapes (weight rows x activation rows): 1 = 256 x 64, 2 = 128 x 128, 3 = 256 x 128;
+// warp-specialised (a producer warpgroup beside the two that multiply): 4 = 256 x 128, 5 = 256 x 64.
 cudaError_t gemv_wgmma_launch(const KernelArgs& a, GemvWeight w, int shape, dim3 grid, cudaStream_t stream,
                               bool grouped);
 // The shape for a launch: forced by wgmma_shape, else 256 x 128 above 64 rows when that grid has a block for ~every
 // SM, else 256 x 64 when that one has, else 0: the mma.sync kernel (its 128-row blocks, two per SM, were faster on
-// such small grids in dsv4_gemm_bench; grid.y x grid.z counts the matrices side by side).
+// such small grids in dsv4_gemm_bench; grid.y x grid.z counts the matrices side by side). Under
+// gemv_wgmma_ws_enabled() the warp-specialised form of the same block shape (4 for 3, 5 for 1).
 int gemv_wgmma_pick_shape(const KernelArgs& a, dim3 grid);
-// Benchmarks and tests: 0 = chosen per launch, or 1 / 2 / 3 forced; -1 (the start) = not yet read from
+// Benchmarks and tests: 0 = chosen per launch, or 1..5 forced; -1 (the start) = not yet read from
 // DSV4_GEMV_WGMMA_SHAPE, which wgmma_forced_shape() reads at its first call.
 extern int wgmma_shape;
 int wgmma_forced_shape();

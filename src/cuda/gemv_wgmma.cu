@@ -85,6 +85,40 @@ __device__ __forceinline__ void fence_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 #endif
 }
+// mbarriers in shared memory (the warp-specialised kernel's stage hand-offs). wait() spins on try_wait of the given
+// phase parity; a fresh barrier counts its phase "before the first" (parity 1) as complete.
+__device__ __forceinline__ void mbar_init(uint64_t* bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+// An arrive once every cp.async this thread issued so far has landed (counted in the barrier's expected arrivals).
+__device__ __forceinline__ void mbar_arrive_on_copies(uint64_t* bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n.reg .pred done;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n}\n" ::"r"(smem_addr(bar)),
+      "r"(parity)
+      : "memory");
+}
+// Moves registers between warpgroups (every warp of the warpgroup executes it).
+template <int kRegs>
+__device__ __forceinline__ void regs_release() {
+#ifdef DSV4_WGMMA
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kRegs));
+#endif
+}
+template <int kRegs>
+__device__ __forceinline__ void regs_claim() {
+#ifdef DSV4_WGMMA
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kRegs));
+#endif
+}
 // Keeps the compiler from moving reads of the accumulators above a wgmma_wait.
 template <int R>
 __device__ __forceinline__ void fence_accumulators(float (&d)[R]) {
@@ -137,6 +171,52 @@ __device__ __forceinline__ void wgmma_64xNx16<128>(float (&d)[64], const uint32_
 #else
   __trap();  // the host launches this kernel on sm_90 only
 #endif
+}
+
+// One 128-k chunk of a warpgroup's kTiles 64-row tiles: this thread's raw weight pieces from the stage ws (row
+// local[wt][h], piece t), decoded with the scale bits sc one word (two k16 steps) at a time, then the wgmma steps
+// against the activation stage at x_base; at most two commit groups in flight. after_first_step runs once the
+// first step's wait returned, i.e. when every MMA of the previous chunk has completed.
+template <bool kNvfp4, int kTiles, int kN, class AfterFirstStep>
+__device__ __forceinline__ void mma_chunk(float (&acc)[kTiles][kN / 2], const uint4* ws, const int (&local)[kTiles][2],
+                                          int t, const uint32_t (&sc)[kTiles][2], uint32_t x_base,
+                                          AfterFirstStep after_first_step) {
+  constexpr int kXHalfBytes = kN * 128;
+  uint4 raw[kTiles][2];
+  uint32_t f[kTiles][2][2];
+#pragma unroll
+  for (int wt = 0; wt < kTiles; ++wt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      raw[wt][h] = ws[local[wt][h] * 4 + t];
+      if constexpr (kNvfp4) dq::nvfp4_factor_pair(sc[wt][h], f[wt][h][0], f[wt][h][1]);
+      else f[wt][h][0] = f[wt][h][1] = dq::mxfp4_factor(sc[wt][h]);
+    }
+#pragma unroll
+  for (int cc = 0; cc < 4; ++cc) {  // word cc of each piece: k steps 2cc and 2cc + 1
+    uint32_t wa[kTiles][2][4];
+#pragma unroll
+    for (int wt = 0; wt < kTiles; ++wt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint32_t word[4] = {raw[wt][h].x, raw[wt][h].y, raw[wt][h].z, raw[wt][h].w};
+        dq::e2m1x8_to_bf16x2(word[cc], f[wt][h][cc >> 1], wa[wt][h]);
+      }
+    wgmma_fence();
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int s = 2 * cc + u;  // k16 step: its 64-k half, then 32 bytes per step within the 128-byte rows
+      const uint64_t b = sw128_desc(x_base + (s >> 2) * kXHalfBytes + (s & 3) * 32);
+#pragma unroll
+      for (int wt = 0; wt < kTiles; ++wt) {
+        const uint32_t frag[4] = {wa[wt][0][2 * u], wa[wt][1][2 * u], wa[wt][0][2 * u + 1], wa[wt][1][2 * u + 1]};
+        wgmma_64xNx16<kN>(acc[wt], frag, b);
+      }
+    }
+    wgmma_commit();
+    wgmma_wait<1>();  // the previous step's MMAs: their registers may be reused
+    if (cc == 0) after_first_step();
+  }
 }
 
 template <bool kNvfp4, bool kGrouped, int kTiles, int kN>
@@ -286,42 +366,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_wgmma_kernel(const KernelArg
     copy_w(c + kWStages - 1);
     store_x(c + 1);  // the stage of chunk c - 2
     load_x(c + 2);
-    const uint4* ws = w_stage(c);
-    uint4 raw[kTiles][2];
-    uint32_t f[kTiles][2][2];
-#pragma unroll
-    for (int wt = 0; wt < kTiles; ++wt)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        raw[wt][h] = ws[local[wt][h] * 4 + t];
-        if constexpr (kNvfp4) dq::nvfp4_factor_pair(sc_cur[wt][h], f[wt][h][0], f[wt][h][1]);
-        else f[wt][h][0] = f[wt][h][1] = dq::mxfp4_factor(sc_cur[wt][h]);
-      }
-    const uint32_t x_base = smem_addr(x_stage(c));
-#pragma unroll
-    for (int cc = 0; cc < 4; ++cc) {  // word cc of each piece: k steps 2cc and 2cc + 1
-      uint32_t wa[kTiles][2][4];
-#pragma unroll
-      for (int wt = 0; wt < kTiles; ++wt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const uint32_t word[4] = {raw[wt][h].x, raw[wt][h].y, raw[wt][h].z, raw[wt][h].w};
-          dq::e2m1x8_to_bf16x2(word[cc], f[wt][h][cc >> 1], wa[wt][h]);
-        }
-      wgmma_fence();
-#pragma unroll
-      for (int u = 0; u < 2; ++u) {
-        const int s = 2 * cc + u;  // k16 step: its 64-k half, then 32 bytes per step within the 128-byte rows
-        const uint64_t b = sw128_desc(x_base + (s >> 2) * S::kXHalfBytes + (s & 3) * 32);
-#pragma unroll
-        for (int wt = 0; wt < kTiles; ++wt) {
-          const uint32_t frag[4] = {wa[wt][0][2 * u], wa[wt][1][2 * u], wa[wt][0][2 * u + 1], wa[wt][1][2 * u + 1]};
-          wgmma_64xNx16<kN>(acc[wt], frag, b);
-        }
-      }
-      wgmma_commit();
-      wgmma_wait<1>();  // the previous step's MMAs: their registers may be reused
-    }
+    mma_chunk<kNvfp4, kTiles, kN>(acc, w_stage(c), local, t, sc_cur, smem_addr(x_stage(c)), [] {});
 #pragma unroll
     for (int wt = 0; wt < kTiles; ++wt)
 #pragma unroll
@@ -347,6 +392,201 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_wgmma_kernel(const KernelArg
   }  // row passes
 }
 
+// The warp-specialised form (block shapes 4 = 256 x 128 and 5 = 256 x 64): warpgroups 0 and 1 only decode and
+// multiply (mma_chunk, as above), warpgroup 2 only moves bytes: the raw weight pieces by cp.async and the activation
+// tile through its registers into the permuted, swizzled layout, into a ring of stages handed over by mbarriers
+// (full: the producer's copies and stores have landed; empty: every consumer warp's MMAs on the stage completed).
+// setmaxnreg gives the producer's registers to the consumers. Same MMAs in the same order as above: same bits.
+constexpr int kWsThreads = 384;
+constexpr int kProducerRegs = 112, kConsumerRegs = 200;  // 128 · 112 + 256 · 200 = the SM's 65536 (the consumers spill below 200, the producer below ~104)
+static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 65536);
+
+template <int kTiles, int kN>
+struct WsShape {
+  using S = WgmmaShape<kTiles, kN>;
+  static constexpr int kStageBytes = S::kXStageBytes + S::kWStageBytes;
+  static constexpr int kStages = 200 * 1024 / kStageBytes < 6 ? 200 * 1024 / kStageBytes : 6;
+  static constexpr size_t kBarrierOffset = size_t(kStages) * kStageBytes;
+  static constexpr size_t kSmemBytes = 1024 + kBarrierOffset + 2 * kStages * sizeof(uint64_t);
+  static_assert(size_t(kN) * S::kOutStride * 4 <= kBarrierOffset, "the output tile reuses the stages");
+  static_assert(S::kXStageBytes % 1024 == 0 && kStageBytes % 1024 == 0, "swizzle atoms stay 1024-byte aligned");
+};
+
+__device__ __forceinline__ void named_barrier(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+template <bool kNvfp4, bool kGrouped, int kTiles, int kN>
+__global__ void __launch_bounds__(kWsThreads, 1) gemv_wgmma_ws_kernel(const KernelArgs a) {
+  using S = WgmmaShape<kTiles, kN>;
+  using W = WsShape<kTiles, kN>;
+  constexpr int kStages = W::kStages, kBlockRows = S::kBlockRows, kOutStride = S::kOutStride;
+  constexpr int kPassBarrier = 1, kConsumerBarrier = 2;  // named barriers (0 is __syncthreads)
+  gpu::allow_dependents();
+  extern __shared__ __align__(16) uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + ((1024 - smem_addr(smem_raw) % 1024) % 1024);
+  auto x_stage = [&](int s) { return smem + s * W::kStageBytes; };
+  auto w_stage = [&](int s) { return reinterpret_cast<uint4*>(smem + s * W::kStageBytes + S::kXStageBytes); };
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + W::kBarrierOffset);
+  uint64_t* empty = full + kStages;
+
+  const int token_blocks = int(gridDim.x) / ((a.n + kBlockRows - 1) / kBlockRows);
+  const int tok_first = int(blockIdx.x) % token_blocks * kN;
+  const int row_block0 = int(blockIdx.x) / token_blocks * kBlockRows;
+  const size_t row_bytes = size_t(a.k) / 2;
+  const int n_chunks = (a.k + kChunkK - 1) / kChunkK;
+  const int pass_tokens = token_blocks * kN;
+
+  BlockRows rows;
+  if (!block_rows<kGrouped>(a, rows)) return;  // an empty slot: the whole block, before any barrier
+  auto pair_of = [&](int row) { return kGrouped ? a.row_order[rows.order0 + row] : row; };
+  if (threadIdx.x == 0)
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(full + s, 2 * 128);  // each producer thread: its copies (noinc), then its activation stores
+      mbar_init(empty + s, 8);       // lane 0 of each consumer warp
+    }
+  __syncthreads();
+  // x belongs to the step: the producer waits before loading it (under early_weights after issuing the first
+  // weight stages), the consumers before their first store; grouped blocks waited in block_rows.
+  gpu::WaitOnce wait{!kGrouped};
+
+  if (threadIdx.x >= 256) {  // the producer warpgroup
+    regs_release<kProducerRegs>();
+    const int pt = int(threadIdx.x) - 256;
+    // Raw weight pieces: unit pt + 128 i of a stage is row pt / 4 + 32 i of the block, piece pt % 4 (the layout
+    // mma_chunk reads); rows 32 apart are 32 rows of bytes apart in both layouts (two whole 16-row tiles).
+    constexpr int kWCopies = kBlockRows * 4 / 128;
+    const int piece = pt & 3, r0 = row_block0 + (pt >> 2);
+    const uint8_t* w_src0 = rows.w + size_t(rows.w_row0) * row_bytes +
+                            (a.tiles ? weight_tiles::offset(size_t(r0), size_t(piece) * 16, row_bytes, 16)
+                                     : size_t(r0) * row_bytes + piece * 16);
+    const size_t w_chunk_stride = a.tiles ? 16 * 64 : 64;
+    auto copy_w = [&](int c, int s) {
+      uint4* ws = w_stage(s);
+      const bool k_ok = c * kChunkK + piece * 32 < a.k;
+#pragma unroll
+      for (int i = 0; i < kWCopies; ++i) {
+        const bool valid = k_ok && r0 + 32 * i < a.n;
+        cp_async_16(ws + pt + 128 * i, valid ? w_src0 + size_t(i) * 32 * row_bytes + size_t(c) * w_chunk_stride : a.w,
+                    valid);
+      }
+      mbar_arrive_on_copies(full + s);
+    };
+    // Activations, group q: token x_tok + 32q of the tile, 16-byte units x_r + 4i (i = 0..3) of its chunk row,
+    // stored as permuted units 4·x_r + j holding word j of each (see the top of the file).
+    constexpr int kXq = kN / 32;
+    const int x_tok = pt >> 2, x_r = pt & 3;
+    uint32_t x_dst[4];  // offsets of the permuted units of group 0; group q is 32 token rows further
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int unit = 4 * x_r + j, half = unit >> 3, chunk = unit & 7;
+      x_dst[j] = uint32_t(half * S::kXHalfBytes + x_tok * 128 + ((chunk ^ (x_tok & 7)) << 4));
+    }
+    if (!a.early_weights) wait();
+    if (tok_first < rows.m_rows)
+      for (int c = 0; c < n_chunks && c < kStages; ++c) copy_w(c, c);  // the stages start empty
+    for (int tok0 = tok_first, chunk0 = 0; tok0 < rows.m_rows; tok0 += pass_tokens, chunk0 += n_chunks) {
+      const int tokens = min(kN, rows.m_rows - tok0);
+      const __nv_bfloat16* x_row[kXq];
+#pragma unroll
+      for (int q = 0; q < kXq; ++q) {
+        const int tok = x_tok + 32 * q;
+        x_row[q] = tok < tokens ? rows.x + size_t(kGrouped ? pair_of(tok0 + tok) / a.x_row_div : tok0 + tok) * a.k
+                                : nullptr;
+      }
+      for (int c = 0; c < n_chunks; ++c) {
+        const int g = chunk0 + c, s = g % kStages;
+        wait();
+        uint4 xr[kXq][4];  // plain loads (x is the previous kernel's output); zeros past k and past the rows
+#pragma unroll
+        for (int q = 0; q < kXq; ++q)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int kk = c * kChunkK + (x_r + 4 * i) * 8;
+            xr[q][i] = x_row[q] && kk < a.k ? __ldcg(reinterpret_cast<const uint4*>(x_row[q] + kk))
+                                            : make_uint4(0, 0, 0, 0);
+          }
+        if (g >= kStages) {
+          mbar_wait(empty + s, ((g / kStages) & 1) ^ 1);
+          copy_w(c, s);
+        }
+        uint8_t* xs = x_stage(s);
+#pragma unroll
+        for (int q = 0; q < kXq; ++q) {
+          const uint4(&v)[4] = xr[q];
+          const uint4 u[4] = {make_uint4(v[0].x, v[1].x, v[2].x, v[3].x), make_uint4(v[0].y, v[1].y, v[2].y, v[3].y),
+                              make_uint4(v[0].z, v[1].z, v[2].z, v[3].z), make_uint4(v[0].w, v[1].w, v[2].w, v[3].w)};
+#pragma unroll
+          for (int j = 0; j < 4; ++j) *reinterpret_cast<uint4*>(xs + x_dst[j] + q * 32 * 128) = u[j];
+        }
+        fence_async_shared();
+        mbar_arrive(full + s);
+      }
+      if (tok0 + pass_tokens < rows.m_rows) named_barrier(kPassBarrier, kWsThreads);  // the tile is stored
+    }
+    cp_async_wait<0>();  // a block without tokens leaves its first weight stages unread
+    return;
+  }
+
+  regs_claim<kConsumerRegs>();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g8 = lane >> 2, t = lane & 3, wg = warp >> 2, wq = warp & 3;
+  const uint8_t* w_scale = rows.w_scale + size_t(rows.w_row0) * (kNvfp4 ? a.k / 16 : a.k / 32);
+  int local[kTiles][2];  // as in gemv_wgmma_kernel
+#pragma unroll
+  for (int wt = 0; wt < kTiles; ++wt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) local[wt][h] = (wg * kTiles + wt) * 64 + wq * 16 + g8 + 8 * h;
+  auto load_scales = [&](int c, uint32_t sc[kTiles][2]) {
+    const int kk = c * kChunkK + t * 32;
+#pragma unroll
+    for (int wt = 0; wt < kTiles; ++wt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = row_block0 + local[wt][h];
+        const bool ok = c < n_chunks && kk < a.k && r < a.n;
+        sc[wt][h] = ok ? fp4_piece_scale<kNvfp4>(w_scale, a.tiles, r, kk, a.k) : 0;
+      }
+  };
+  for (int tok0 = tok_first, chunk0 = 0; tok0 < rows.m_rows; tok0 += pass_tokens, chunk0 += n_chunks) {
+    const int tokens = min(kN, rows.m_rows - tok0);
+    float acc[kTiles][kN / 2];
+#pragma unroll
+    for (int wt = 0; wt < kTiles; ++wt)
+#pragma unroll
+      for (int i = 0; i < kN / 2; ++i) acc[wt][i] = 0.0f;
+    uint32_t sc_cur[kTiles][2], sc_next[kTiles][2];
+    load_scales(0, sc_cur);
+    for (int c = 0; c < n_chunks; ++c) {
+      const int g = chunk0 + c, s = g % kStages;
+      load_scales(c + 1, sc_next);
+      mbar_wait(full + s, (g / kStages) & 1);
+      mma_chunk<kNvfp4, kTiles, kN>(acc, w_stage(s), local, t, sc_cur, smem_addr(x_stage(s)), [&] {
+        if (c > 0 && lane == 0) mbar_arrive(empty + (g - 1) % kStages);  // chunk c - 1's MMAs have completed
+      });
+#pragma unroll
+      for (int wt = 0; wt < kTiles; ++wt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) sc_cur[wt][h] = sc_next[wt][h];
+    }
+    wgmma_wait<0>();
+#pragma unroll
+    for (int wt = 0; wt < kTiles; ++wt) fence_accumulators(acc[wt]);
+    if (lane == 0) mbar_arrive(empty + (chunk0 + n_chunks - 1) % kStages);
+    named_barrier(kConsumerBarrier, 256);  // every stage of the pass read: the output tile reuses them
+    float* tile = reinterpret_cast<float*>(smem);
+#pragma unroll
+    for (int wt = 0; wt < kTiles; ++wt)
+#pragma unroll
+      for (int i = 0; i < kN / 2; ++i)
+        tile[(8 * (i >> 2) + 2 * t + (i & 1)) * kOutStride + local[wt][(i >> 1) & 1]] = acc[wt][i] * rows.y_factor;
+    named_barrier(kConsumerBarrier, 256);
+    wait();
+    store_output_tile<kGrouped, 8>(a, rows, tile, kOutStride, tokens, tok0, row_block0, kBlockRows, pair_of);
+    if (tok0 + pass_tokens < rows.m_rows) named_barrier(kPassBarrier, kWsThreads);  // the producer may refill
+  }
+}
+
 template <bool kNvfp4, bool kGrouped, int kTiles, int kN>
 cudaError_t launch(const KernelArgs& a, dim3 grid, cudaStream_t stream) {
   using S = WgmmaShape<kTiles, kN>;
@@ -359,8 +599,22 @@ cudaError_t launch(const KernelArgs& a, dim3 grid, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+template <bool kNvfp4, bool kGrouped, int kTiles, int kN>
+cudaError_t launch_ws(const KernelArgs& a, dim3 grid, cudaStream_t stream) {
+  using W = WsShape<kTiles, kN>;
+  constexpr auto kKernel = gemv_wgmma_ws_kernel<kNvfp4, kGrouped, kTiles, kN>;
+  const int token_blocks = (a.m + kN - 1) / kN;
+  grid.x = unsigned((a.n + W::S::kBlockRows - 1) / W::S::kBlockRows * token_blocks);
+  const cudaError_t configured = gpu::allow_dynamic_smem<kKernel>(int(W::kSmemBytes));
+  if (configured != cudaSuccess) return configured;
+  gpu::launch(kKernel, grid, kWsThreads, W::kSmemBytes, stream, a);
+  return cudaGetLastError();
+}
+
 template <bool kNvfp4, bool kGrouped>
 cudaError_t launch_shape(const KernelArgs& a, int shape, dim3 grid, cudaStream_t stream) {
+  if (shape == 4) return launch_ws<kNvfp4, kGrouped, 2, 128>(a, grid, stream);
+  if (shape == 5) return launch_ws<kNvfp4, kGrouped, 2, 64>(a, grid, stream);
   if (shape == 2) return launch<kNvfp4, kGrouped, 1, 128>(a, grid, stream);
   if (shape == 3) return launch<kNvfp4, kGrouped, 2, 128>(a, grid, stream);
   return launch<kNvfp4, kGrouped, 2, 64>(a, grid, stream);
@@ -374,8 +628,9 @@ int gemv_wgmma_pick_shape(const KernelArgs& a, dim3 grid) {
   auto blocks = [&](int rows, int tokens) {
     return int64_t((a.n + rows - 1) / rows) * ((a.m + tokens - 1) / tokens) * matrices;
   };
-  if (a.m > 64 && blocks(256, 128) >= enough) return 3;
-  if (blocks(256, 64) >= enough) return 1;
+  const bool ws = gemv_wgmma_ws_enabled();
+  if (a.m > 64 && blocks(256, 128) >= enough) return ws ? 4 : 3;
+  if (blocks(256, 64) >= enough) return ws ? 5 : 1;
   return 0;
 }
 

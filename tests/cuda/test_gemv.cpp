@@ -124,7 +124,7 @@ struct Case {
   GemvAct act = GemvAct::BF16;
   bool bulk = false;  // fp4 weights through the copy engine (set_gemv_bulk)
   int tiled_min = 0;  // > 0: set_gemv_tiled_min_rows(tiled_min): decode-sized m on the tiled kernel (TiledMinScope)
-  int wgmma = 0;  // fp4 weights in 64-row tiles: 0 as the engine chooses, kMmaSync, or wgmma shape 1..3 (KernelScope)
+  int wgmma = 0;  // fp4 weights in 64-row tiles: 0 as the engine chooses, kMmaSync, or wgmma shape 1..5 (KernelScope)
 };
 
 // set_gemv_bulk for one test, off again after it (also when an assertion returns early).
@@ -141,7 +141,7 @@ struct TiledMinScope {
 };
 
 // FP4 weights in the tiled kernel's 64-row tiles for one case: the engine's choice (0), the mma.sync kernel
-// (kMmaSync), or the wgmma kernel with block shape 1..3 (detail::wgmma_shape); the defaults again after it.
+// (kMmaSync), or the wgmma kernel with block shape 1..5 (detail::wgmma_shape); the defaults again after it.
 constexpr int kMmaSync = -1;
 struct KernelScope {
   explicit KernelScope(int kernel) {
@@ -404,7 +404,7 @@ std::vector<Case> all_cases() {
     // The same grids are too small for the engine to choose wgmma: its block shapes forced (partial row and token
     // tiles, several token tiles, a second pass: m = 300 over 128-row tiles; decode batches of 33..64 rows).
     if (f.w == GemvWeight::MXFP4 || f.w == GemvWeight::NVFP4)
-      for (int shape : {3, 1}) {
+      for (int shape : {3, 1, 4, 5}) {
         for (int m : {65, 130, 300}) {
           cases.push_back({f.w, f.s, m, 301, f.k_wide, GemvOut::F32, 0, GemvAct::BF16, false, 0, shape});
           cases.push_back({f.w, f.s, m, 45, f.k_deep, GemvOut::BF16, 0, GemvAct::BF16, false, 0, shape});
@@ -516,8 +516,9 @@ TEST(GemvTiled, WeightTileVariantsAgreeBitForBit) {
     }
 }
 
-// The wgmma kernel's block shapes (256 x 64, 128 x 128, 256 x 128) run the same wgmma k16 steps in the same order
-// for every output, so they agree bit for bit (the default shape is checked against fp64 above).
+// The wgmma kernel's block shapes (256 x 64, 128 x 128, 256 x 128; warp-specialised 256 x 128 and 256 x 64) run the
+// same wgmma k16 steps in the same order for every output, so they agree bit for bit (the default shape is checked
+// against fp64 above).
 TEST(GemvWgmma, BlockShapesAgreeBitForBit) {
   DSV4_REQUIRE_CUDA();
   if (!gemv_wgmma_enabled()) GTEST_SKIP() << "no wgmma on this device";
@@ -526,7 +527,7 @@ TEST(GemvWgmma, BlockShapesAgreeBitForBit) {
     for (const auto& [m, n, k] : {std::tuple{130, 301, 1056}, {300, 600, 512}, {65, 45, 4128}, {33, 520, 256}}) {
       VariantRuns v(Case{w, GemvScale::E8M0, m, n, k, GemvOut::F32, 0}, rng);
       const TiledMinScope tiled_min(m <= kGemvMaxM ? 2 : 0);
-      for (int shape : {1, 2, 3}) {
+      for (int shape : {1, 2, 3, 4, 5}) {
         detail::wgmma_shape = shape;
         v.run();
       }
@@ -931,7 +932,7 @@ std::vector<GroupedCase> grouped_cases() {
     cases.push_back({w, s, 150, 6, 16, 136, 512, 1, false});
     cases.push_back({w, s, 100, 2, 8, 72, 256, 2, true});
     if (w == GemvWeight::MXFP4 || w == GemvWeight::NVFP4)  // the three above on wgmma (too small to be chosen)
-      for (int shape : {3, 1}) {
+      for (int shape : {3, 1, 4, 5}) {
         const GemvAct a = GemvAct::BF16;
         cases.push_back({w, s, 150, 6, 16, 136, 512, 6, false, true, a, false, 0, shape});
         cases.push_back({w, s, 150, 6, 16, 136, 512, 1, false, false, a, false, 0, shape});
