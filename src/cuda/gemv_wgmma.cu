@@ -398,8 +398,10 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_wgmma_kernel(const KernelArg
 // (full: the producer's copies and stores have landed; empty: every consumer warp's MMAs on the stage completed).
 // setmaxnreg gives the producer's registers to the consumers. Same MMAs in the same order as above: same bits.
 constexpr int kWsThreads = 384;
-constexpr int kProducerRegs = 112, kConsumerRegs = 200;  // 128 · 112 + 256 · 200 = the SM's 65536 (the consumers spill below 200, the producer below ~104)
-static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= 65536);
+// setmaxnreg moves registers within the block's allocation (384 x 168 at launch): 128 · 104 + 256 · 200 = 64512.
+// The consumers spill below 200.
+constexpr int kProducerRegs = 104, kConsumerRegs = 200;
+static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= kWsThreads * 168);
 
 template <int kTiles, int kN>
 struct WsShape {
@@ -475,6 +477,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) gemv_wgmma_ws_kernel(const Kern
     // Activations, group q: token x_tok + 32q of the tile, 16-byte units x_r + 4i (i = 0..3) of its chunk row,
     // stored as permuted units 4·x_r + j holding word j of each (see the top of the file).
     constexpr int kXq = kN / 32;
+    constexpr int kXRounds = kXq > 2 ? 2 : 1;  // at most 8 16-byte loads in flight: the producer's 104 registers
     const int x_tok = pt >> 2, x_r = pt & 3;
     uint32_t x_dst[4];  // offsets of the permuted units of group 0; group q is 32 token rows further
 #pragma unroll
@@ -497,27 +500,31 @@ __global__ void __launch_bounds__(kWsThreads, 1) gemv_wgmma_ws_kernel(const Kern
       for (int c = 0; c < n_chunks; ++c) {
         const int g = chunk0 + c, s = g % kStages;
         wait();
-        uint4 xr[kXq][4];  // plain loads (x is the previous kernel's output); zeros past k and past the rows
-#pragma unroll
-        for (int q = 0; q < kXq; ++q)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int kk = c * kChunkK + (x_r + 4 * i) * 8;
-            xr[q][i] = x_row[q] && kk < a.k ? __ldcg(reinterpret_cast<const uint4*>(x_row[q] + kk))
-                                            : make_uint4(0, 0, 0, 0);
-          }
-        if (g >= kStages) {
-          mbar_wait(empty + s, ((g / kStages) & 1) ^ 1);
-          copy_w(c, s);
-        }
         uint8_t* xs = x_stage(s);
 #pragma unroll
-        for (int q = 0; q < kXq; ++q) {
-          const uint4(&v)[4] = xr[q];
-          const uint4 u[4] = {make_uint4(v[0].x, v[1].x, v[2].x, v[3].x), make_uint4(v[0].y, v[1].y, v[2].y, v[3].y),
-                              make_uint4(v[0].z, v[1].z, v[2].z, v[3].z), make_uint4(v[0].w, v[1].w, v[2].w, v[3].w)};
+        for (int round = 0; round < kXRounds; ++round) {
+          uint4 xr[kXq / kXRounds][4];  // plain loads (x is the previous kernel's output); zeros past k and the rows
 #pragma unroll
-          for (int j = 0; j < 4; ++j) *reinterpret_cast<uint4*>(xs + x_dst[j] + q * 32 * 128) = u[j];
+          for (int qq = 0; qq < kXq / kXRounds; ++qq)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              const int q = round * (kXq / kXRounds) + qq, kk = c * kChunkK + (x_r + 4 * i) * 8;
+              xr[qq][i] = x_row[q] && kk < a.k ? __ldcg(reinterpret_cast<const uint4*>(x_row[q] + kk))
+                                               : make_uint4(0, 0, 0, 0);
+            }
+          if (round == 0 && g >= kStages) {
+            mbar_wait(empty + s, ((g / kStages) & 1) ^ 1);
+            copy_w(c, s);
+          }
+#pragma unroll
+          for (int qq = 0; qq < kXq / kXRounds; ++qq) {
+            const int q = round * (kXq / kXRounds) + qq;
+            const uint4(&v)[4] = xr[qq];
+            const uint4 u[4] = {make_uint4(v[0].x, v[1].x, v[2].x, v[3].x), make_uint4(v[0].y, v[1].y, v[2].y, v[3].y),
+                                make_uint4(v[0].z, v[1].z, v[2].z, v[3].z), make_uint4(v[0].w, v[1].w, v[2].w, v[3].w)};
+#pragma unroll
+            for (int j = 0; j < 4; ++j) *reinterpret_cast<uint4*>(xs + x_dst[j] + q * 32 * 128) = u[j];
+          }
         }
         fence_async_shared();
         mbar_arrive(full + s);
