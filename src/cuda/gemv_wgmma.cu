@@ -486,8 +486,9 @@ __global__ void __launch_bounds__(kWsThreads, 1) gemv_wgmma_ws_kernel(const Kern
       x_dst[j] = uint32_t(half * S::kXHalfBytes + x_tok * 128 + ((chunk ^ (x_tok & 7)) << 4));
     }
     if (!a.early_weights) wait();
-    if (tok_first < rows.m_rows)
-      for (int c = 0; c < n_chunks && c < kStages; ++c) copy_w(c, c);  // the stages start empty
+    // The first pass's first weight stages (the stages start empty); a block without tokens issues none.
+    const int prefetched = tok_first < rows.m_rows ? min(n_chunks, kStages) : 0;
+    for (int c = 0; c < prefetched; ++c) copy_w(c, c);
     for (int tok0 = tok_first, chunk0 = 0; tok0 < rows.m_rows; tok0 += pass_tokens, chunk0 += n_chunks) {
       const int tokens = min(kN, rows.m_rows - tok0);
       const __nv_bfloat16* x_row[kXq];
@@ -512,9 +513,9 @@ __global__ void __launch_bounds__(kWsThreads, 1) gemv_wgmma_ws_kernel(const Kern
               xr[qq][i] = x_row[q] && kk < a.k ? __ldcg(reinterpret_cast<const uint4*>(x_row[q] + kk))
                                                : make_uint4(0, 0, 0, 0);
             }
-          if (round == 0 && g >= kStages) {
-            mbar_wait(empty + s, ((g / kStages) & 1) ^ 1);
-            copy_w(c, s);
+          if (round == 0) {
+            if (g >= kStages) mbar_wait(empty + s, ((g / kStages) & 1) ^ 1);  // the stage's last chunk consumed
+            if (g >= prefetched) copy_w(c, s);  // a later pass may start on stages never used when k is short
           }
 #pragma unroll
           for (int qq = 0; qq < kXq / kXRounds; ++qq) {
@@ -531,7 +532,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) gemv_wgmma_ws_kernel(const Kern
       }
       if (tok0 + pass_tokens < rows.m_rows) named_barrier(kPassBarrier, kWsThreads);  // the tile is stored
     }
-    cp_async_wait<0>();  // a block without tokens leaves its first weight stages unread
+    cp_async_wait<0>();  // no copy outlives its thread
     return;
   }
 
