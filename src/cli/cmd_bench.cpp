@@ -97,7 +97,8 @@ struct BenchArgs {
   // or sorted by score: set_indexer_select_index_order), tiledN (N = 2..65: calls of >= N rows whose grid fills the
   // GPU, decode batches included, on the tiled tensor-core GEMM: set_gemv_tiled_min_rows), split1 / 2 / 4 / 8 (every
   // skinny GEMV at that split_k instead of the heuristic's: set_gemv_forced_split), ws / nows (the fp4 prefill GEMMs'
-  // wgmma kernel in its warp-specialised form or not: set_gemv_wgmma_ws).
+  // wgmma kernel in its warp-specialised form or not: set_gemv_wgmma_ws), cublasdense (every prefill-sized dense
+  // linear through the weight decode + cuBLASLt, none on the wgmma kernel: set_gemv_over_gemm(false)).
   // Prefill is timed with each set too; --profile uses the first.
   std::vector<std::string> switches = {"default"};
 };
@@ -115,6 +116,7 @@ struct StepSwitches {
   int tiled_min = 0;  // tiledN: the tiled tensor-core GEMM from N rows (set_gemv_tiled_min_rows; 0: as built)
   int split = 0;      // splitN: every skinny GEMV launch at split_k N (set_gemv_forced_split; 0: the heuristic)
   int wgmma_ws = -1;  // ws / nows: set_gemv_wgmma_ws (-1: as built)
+  bool cublas_dense = false;  // cublasdense: set_gemv_over_gemm(false)
 };
 
 StepSwitches parse_switches(const std::string& spec) {
@@ -150,6 +152,7 @@ StepSwitches parse_switches(const std::string& spec) {
     else if (name == "indexorder") s.index_order = 1;
     else if (name == "ws") s.wgmma_ws = 1;
     else if (name == "nows") s.wgmma_ws = 0;
+    else if (name == "cublasdense") s.cublas_dense = true;
     else if (name.rfind("tiled", 0) == 0 && name.size() > 5 &&
              name.find_first_not_of("0123456789", 5) == std::string::npos)
       s.tiled_min = std::stoi(name.substr(5));
@@ -157,7 +160,7 @@ StepSwitches parse_switches(const std::string& spec) {
       s.split = name[5] - '0';
     else DSV4_FAIL("dsv4 bench: --switches entry '{}' has '{}' (expected default, or bulk, bulkdense, overlap, "
                    "serial, mhc, routing, qnorm, heads16, heads64, hcblock, now4a8, early, earlyall, late, [no]gate, "
-                   "[no]post, [no]swiglu, [no]earlyw2, scoreorder, indexorder, tiledN, split1/2/4/8 and [no]ws joined by '+')",
+                   "[no]post, [no]swiglu, [no]earlyw2, scoreorder, indexorder, tiledN, split1/2/4/8, [no]ws and cublasdense joined by '+')",
                    spec, name);
     from = to + 1;
   }
@@ -557,6 +560,7 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
     set_gemv_tiled_min_rows(s.tiled_min ? s.tiled_min : built_tiled_min, built_tiled_blocks);
     set_gemv_forced_split(s.split);
     set_gemv_wgmma_ws(s.wgmma_ws >= 0 ? s.wgmma_ws == 1 : built_wgmma_ws);
+    set_gemv_over_gemm(!s.cublas_dense);
     gpu::set_early_weights(s.late ? gpu::EarlyWeights::Off
                            : s.early_all ? gpu::EarlyWeights::All
                            : s.early && built_early == gpu::EarlyWeights::Off ? gpu::EarlyWeights::Gemv
@@ -828,8 +832,9 @@ void add_bench_command(CLI::App& app, Handler& handler) {
                   "or apart), earlyw2 / noearlyw2 (the experts' w2 loads weights before its wait), indexorder / "
                   "scoreorder (the indexer's picks in index or score order), tiledN (calls of >= N rows, N = 2..65, "
                   "on the tiled tensor-core GEMM where their grid fills the GPU), split1 / 2 / 4 / 8 (every skinny "
-                  "GEMV at that split_k), ws / nows (the fp4 prefill GEMMs' wgmma kernel warp-specialised or not; "
-                  "prefill is timed with each set as well), e.g. "
+                  "GEMV at that split_k), ws / nows (the fp4 prefill GEMMs' wgmma kernel warp-specialised or not), "
+                  "cublasdense (prefill's dense fp4 linears all through cuBLASLt); prefill is timed with each set as "
+                  "well, e.g. "
                   "default,bulk,overlap,mhc+routing+qnorm,bulk+overlap+mhc+routing+qnorm,heads64")
       ->delimiter(',')->capture_default_str();
   cmd->add_flag("--mtp", args->mtp,

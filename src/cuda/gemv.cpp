@@ -145,6 +145,18 @@ bool gemv_wgmma_ws_enabled() {
   return wgmma_ws_mode == 1;
 }
 
+bool gemv_over_gemm = true;  // set_gemv_over_gemm
+
+void set_gemv_over_gemm(bool on) { gemv_over_gemm = on; }
+
+bool gemv_beats_decode_and_gemm(const GemvParams& p) {
+  if (!gemv_over_gemm) return false;
+  const bool fp4 = p.weight == GemvWeight::NVFP4 || p.weight == GemvWeight::MXFP4;
+  if (!fp4 || p.act != GemvAct::BF16 || p.m <= kGemvMaxM || p.m >= 1024) return false;
+  if (!gemv_wgmma_enabled() || !gemv_wgmma_ws_enabled()) return false;
+  return detail::gemv_wgmma_rule_shape(p.m, p.n, 1) != 0;
+}
+
 namespace detail {
 
 int wgmma_shape = -1;

@@ -238,9 +238,16 @@ bool gemv_wgmma_enabled();
 // The wgmma kernel's warp-specialised form (a producer warpgroup stages weights and activations for two consumer
 // warpgroups that only decode and multiply; same bits) in place of the plain one, for the shapes the engine picks.
 // Process-wide; DSV4_GEMV_WGMMA_WS=0/1 in the environment sets it at the first call.
-constexpr bool kGemvWgmmaWsDefault = false;
+constexpr bool kGemvWgmmaWsDefault = true;
 void set_gemv_wgmma_ws(bool on);
 bool gemv_wgmma_ws_enabled();
+// Whether gemv(p) should run a prefill-sized dense linear instead of decoding its fp4 weights for cuBLASLt: fp4
+// weights, bf16 activations, 64 < m < 1024 rows, and a grid that gives the warp-specialised wgmma kernel a block
+// for ~every SM. dsv4_gemm_bench at m = 512 (H100): 32768 x 1024 85.5 µs against 108.7 (cuBLASLt + the decode),
+// 4096 x 8192 90.2 against 100.5; smaller grids (1024 x 4096) and m >= 1024 stay faster on cuBLASLt.
+// set_gemv_over_gemm(false) (bench switch cublasdense) sends them all to cuBLASLt again (process-wide).
+bool gemv_beats_decode_and_gemm(const GemvParams& p);
+void set_gemv_over_gemm(bool on);
 
 // Tests: every skinny launch (gemv, gemv_batched, gemv_grouped) whose params leave split_k at 0 takes `split` (a power
 // of two up to kGemvWarps) instead of gemv_default_split_k; 0 restores the heuristic. Process-wide. Model-level tests

@@ -108,6 +108,8 @@ cudaError_t gemv_wgmma_launch(const KernelArgs& a, GemvWeight w, int shape, dim3
 // such small grids in dsv4_gemm_bench; grid.y x grid.z counts the matrices side by side). Under
 // gemv_wgmma_ws_enabled() the warp-specialised form of the same block shape (4 for 3, 5 for 1).
 int gemv_wgmma_pick_shape(const KernelArgs& a, dim3 grid);
+// The same rule for m activation rows, n weight rows and `matrices` side by side, without a forced shape.
+int gemv_wgmma_rule_shape(int64_t m, int64_t n, int64_t matrices);
 // Benchmarks and tests: 0 = chosen per launch, or 1..5 forced; -1 (the start) = not yet read from
 // DSV4_GEMV_WGMMA_SHAPE, which wgmma_forced_shape() reads at its first call.
 extern int wgmma_shape;

@@ -630,16 +630,18 @@ cudaError_t launch_shape(const KernelArgs& a, int shape, dim3 grid, cudaStream_t
 
 }  // namespace
 
-int gemv_wgmma_pick_shape(const KernelArgs& a, dim3 grid) {
-  if (const int forced = wgmma_forced_shape()) return forced;
-  const int64_t matrices = int64_t(grid.y) * grid.z, enough = current_sm_count() * 7 / 8;
-  auto blocks = [&](int rows, int tokens) {
-    return int64_t((a.n + rows - 1) / rows) * ((a.m + tokens - 1) / tokens) * matrices;
-  };
+int gemv_wgmma_rule_shape(int64_t m, int64_t n, int64_t matrices) {
+  const int64_t enough = current_sm_count() * 7 / 8;
+  auto blocks = [&](int rows, int tokens) { return (n + rows - 1) / rows * ((m + tokens - 1) / tokens) * matrices; };
   const bool ws = gemv_wgmma_ws_enabled();
-  if (a.m > 64 && blocks(256, 128) >= enough) return ws ? 4 : 3;
+  if (m > 64 && blocks(256, 128) >= enough) return ws ? 4 : 3;
   if (blocks(256, 64) >= enough) return ws ? 5 : 1;
   return 0;
+}
+
+int gemv_wgmma_pick_shape(const KernelArgs& a, dim3 grid) {
+  if (const int forced = wgmma_forced_shape()) return forced;
+  return gemv_wgmma_rule_shape(a.m, a.n, int64_t(grid.y) * grid.z);
 }
 
 cudaError_t gemv_wgmma_launch(const KernelArgs& a, GemvWeight w, int shape, dim3 grid, cudaStream_t stream,

@@ -407,12 +407,12 @@ class CudaRunner final : public SequenceRunner {
   }
   // A dense linear layer: prefill chunks of kGemmMinRows rows or more through cuBLASLt (the weight decoded into
   // the context's bf16 scratch first; measured faster than the tiled gemv from there on, docs/perf.md), else
-  // gemv. Quantised activations and row ranges stay on gemv.
+  // gemv. Quantised activations, row ranges and the fp4 weights that gemv_beats_decode_and_gemm stay on gemv.
   void dense(const GemvParams& p) {
     const int64_t ldy = p.ldy ? p.ldy : p.n, out_bytes = p.out == GemvOut::BF16 ? 2 : 4;
     auto aligned16 = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
-    if (!gemm_ || p.m < kGemmMinRows || p.act != GemvAct::BF16 || p.w_row0 != 0 || !aligned16(p.x) ||
-        !aligned16(p.y) || ldy * out_bytes % 16 != 0) {
+    if (!gemm_ || p.m < kGemmMinRows || gemv_beats_decode_and_gemm(p) || p.act != GemvAct::BF16 || p.w_row0 != 0 ||
+        !aligned16(p.x) || !aligned16(p.y) || ldy * out_bytes % 16 != 0) {
       gemv(p);
       return;
     }

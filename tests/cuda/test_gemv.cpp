@@ -536,6 +536,35 @@ TEST(GemvWgmma, BlockShapesAgreeBitForBit) {
     }
 }
 
+// Which prefill-sized dense linears skip the weight decode + cuBLASLt for the wgmma kernel: fp4 weights, bf16
+// activations, 64 < m < 1024, and a grid with a block for ~every SM (the runner's dense()).
+TEST(GemvWgmma, DenseLinearsThatBeatCublas) {
+  DSV4_REQUIRE_CUDA();
+  if (!gemv_wgmma_enabled()) GTEST_SKIP() << "no wgmma on this device";
+  auto params = [](GemvWeight w, int m, int n, int k) {
+    GemvParams p;
+    p.weight = w, p.m = m, p.n = n, p.k = k;
+    return p;
+  };
+  const bool small_gpu = current_sm_count() * 7 / 8 <= 32;  // 1024 rows x 512 tokens: 32 blocks of 256 x 64
+  EXPECT_TRUE(gemv_beats_decode_and_gemm(params(GemvWeight::NVFP4, 512, 32768, 1024)));
+  EXPECT_TRUE(gemv_beats_decode_and_gemm(params(GemvWeight::MXFP4, 512, 32768, 1024)));
+  EXPECT_EQ(gemv_beats_decode_and_gemm(params(GemvWeight::NVFP4, 512, 1024, 4096)), small_gpu);
+  EXPECT_FALSE(gemv_beats_decode_and_gemm(params(GemvWeight::NVFP4, 1024, 32768, 1024)));  // cuBLASLt from 1024
+  EXPECT_FALSE(gemv_beats_decode_and_gemm(params(GemvWeight::NVFP4, 64, 32768, 1024)));    // the skinny kernel
+  EXPECT_FALSE(gemv_beats_decode_and_gemm(params(GemvWeight::BF16, 512, 32768, 1024)));
+  EXPECT_FALSE(gemv_beats_decode_and_gemm(params(GemvWeight::FP8_BLOCK, 512, 32768, 1024)));
+  GemvParams fp8_act = params(GemvWeight::NVFP4, 512, 32768, 1024);
+  fp8_act.act = GemvAct::FP8;
+  EXPECT_FALSE(gemv_beats_decode_and_gemm(fp8_act));
+  set_gemv_wgmma_ws(false);
+  EXPECT_FALSE(gemv_beats_decode_and_gemm(params(GemvWeight::NVFP4, 512, 32768, 1024)));
+  set_gemv_wgmma_ws(kGemvWgmmaWsDefault);
+  set_gemv_over_gemm(false);
+  EXPECT_FALSE(gemv_beats_decode_and_gemm(params(GemvWeight::NVFP4, 512, 32768, 1024)));
+  set_gemv_over_gemm(true);
+}
+
 // At split_k 1 the copy-engine kernel walks k in the register kernel's order (one warp per tile, chunks in order,
 // the same mma sequence), so the two agree bit for bit; with more warps per tile only the split-k partition differs
 // (checked against fp64 above).
