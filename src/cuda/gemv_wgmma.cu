@@ -393,20 +393,24 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_wgmma_kernel(const KernelArg
 }
 
 // The warp-specialised form (block shapes 4 = 256 x 128 and 5 = 256 x 64): warpgroups 0 and 1 only decode and
-// multiply (mma_chunk, as above), warpgroup 2 only moves bytes: the raw weight pieces by cp.async and the activation
-// tile through its registers into the permuted, swizzled layout, into a ring of stages handed over by mbarriers
-// (full: the producer's copies and stores have landed; empty: every consumer warp's MMAs on the stage completed).
-// setmaxnreg gives the producer's registers to the consumers. Same MMAs in the same order as above: same bits.
+// multiply (mma_chunk, as above), warpgroup 2 only moves bytes: the raw weight pieces and their scales by cp.async
+// and the activation tile through its registers into the permuted, swizzled layout, into a ring of stages handed
+// over by mbarriers (full: the producer's copies and stores have landed; empty: every consumer warp's MMAs on the
+// stage completed). Same MMAs in the same order as above: same bits.
 constexpr int kWsThreads = 384;
-// setmaxnreg moves registers within the block's allocation (384 x 168 at launch): 128 · 104 + 256 · 200 = 64512.
-// The consumers spill below 200.
-constexpr int kProducerRegs = 104, kConsumerRegs = 200;
+// setmaxnreg moves registers within the block's allocation (384 x 168 at launch): 128 · 152 + 256 · 176 = 64512.
+// Measured by ptxas's spills (a consumer needs ~176 with its scales from shared memory; the producer, with the
+// row-major layout's scale loads and 16 activation loads in flight, ~150).
+constexpr int kProducerRegs = 152, kConsumerRegs = 176;
 static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= kWsThreads * 168);
 
 template <int kTiles, int kN>
 struct WsShape {
   using S = WgmmaShape<kTiles, kN>;
-  static constexpr int kStageBytes = S::kXStageBytes + S::kWStageBytes;
+  // A stage: the activation tile, the raw weight pieces, then their scales ([row][piece]: NVFP4's pair of e4m3 or
+  // MXFP4's e8m0 byte; room for two bytes either way).
+  static constexpr int kScaleStageBytes = S::kBlockRows * 4 * 2;
+  static constexpr int kStageBytes = S::kXStageBytes + S::kWStageBytes + kScaleStageBytes;
   static constexpr int kStages = 200 * 1024 / kStageBytes < 6 ? 200 * 1024 / kStageBytes : 6;
   static constexpr size_t kBarrierOffset = size_t(kStages) * kStageBytes;
   static constexpr size_t kSmemBytes = 1024 + kBarrierOffset + 2 * kStages * sizeof(uint64_t);
@@ -429,6 +433,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) gemv_wgmma_ws_kernel(const Kern
   uint8_t* smem = smem_raw + ((1024 - smem_addr(smem_raw) % 1024) % 1024);
   auto x_stage = [&](int s) { return smem + s * W::kStageBytes; };
   auto w_stage = [&](int s) { return reinterpret_cast<uint4*>(smem + s * W::kStageBytes + S::kXStageBytes); };
+  auto scale_stage = [&](int s) { return smem + s * W::kStageBytes + S::kXStageBytes + S::kWStageBytes; };
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + W::kBarrierOffset);
   uint64_t* empty = full + kStages;
 
@@ -463,6 +468,18 @@ __global__ void __launch_bounds__(kWsThreads, 1) gemv_wgmma_ws_kernel(const Kern
                             (a.tiles ? weight_tiles::offset(size_t(r0), size_t(piece) * 16, row_bytes, 16)
                                      : size_t(r0) * row_bytes + piece * 16);
     const size_t w_chunk_stride = a.tiles ? 16 * 64 : 64;
+    // Scales: in the tile layout a chunk's scales of a 16-row tile are 16 x 4 pieces, contiguous and in the
+    // stage's [row][piece] order (128 bytes for NVFP4, 64 for MXFP4: copied whole, 16 bytes per thread); the
+    // row-major layout's pieces are loaded one by one (its rows need not be 16-byte aligned).
+    constexpr int kScaleBytes = kNvfp4 ? 2 : 1, kScaleUnitsPerTile = 4 * kScaleBytes;
+    constexpr int kScaleUnits = kBlockRows / 16 * kScaleUnitsPerTile;
+    static_assert(kScaleUnits <= 128, "one 16-byte scale copy per producer thread at most");
+    const size_t scale_row_bytes = size_t(a.k) / (kNvfp4 ? 16 : 32);
+    const uint8_t* w_scale = rows.w_scale + size_t(rows.w_row0) * scale_row_bytes;
+    const int scale_tile = pt / kScaleUnitsPerTile;
+    const bool scale_ok = pt < kScaleUnits && row_block0 + 16 * scale_tile < a.n;
+    const uint8_t* scale_src =
+        w_scale + size_t(row_block0 / 16 + scale_tile) * 16 * scale_row_bytes + (pt % kScaleUnitsPerTile) * 16;
     auto copy_w = [&](int c, int s) {
       uint4* ws = w_stage(s);
       const bool k_ok = c * kChunkK + piece * 32 < a.k;
@@ -472,12 +489,24 @@ __global__ void __launch_bounds__(kWsThreads, 1) gemv_wgmma_ws_kernel(const Kern
         cp_async_16(ws + pt + 128 * i, valid ? w_src0 + size_t(i) * 32 * row_bytes + size_t(c) * w_chunk_stride : a.w,
                     valid);
       }
+      uint8_t* ss = scale_stage(s);
+      if (a.tiles) {  // k is a multiple of the 128-k chunk in the tile layout
+        if (pt < kScaleUnits)
+          cp_async_16(ss + pt * 16, scale_ok ? scale_src + size_t(c) * 16 * kScaleUnitsPerTile : a.w, scale_ok);
+      } else {
+#pragma unroll
+        for (int i = 0; i < kBlockRows * 4 / 128; ++i) {
+          const int idx = pt + 128 * i, r = row_block0 + idx / 4, kk = c * kChunkK + (idx % 4) * 32;
+          const uint32_t v = r < a.n && kk < a.k ? fp4_piece_scale<kNvfp4>(w_scale, false, r, kk, a.k) : 0;
+          if constexpr (kNvfp4) reinterpret_cast<uint16_t*>(ss)[idx] = uint16_t(v);
+          else ss[idx] = uint8_t(v);
+        }
+      }
       mbar_arrive_on_copies(full + s);
     };
     // Activations, group q: token x_tok + 32q of the tile, 16-byte units x_r + 4i (i = 0..3) of its chunk row,
     // stored as permuted units 4·x_r + j holding word j of each (see the top of the file).
     constexpr int kXq = kN / 32;
-    constexpr int kXRounds = kXq > 2 ? 2 : 1;  // at most 8 16-byte loads in flight: the producer's 104 registers
     const int x_tok = pt >> 2, x_r = pt & 3;
     uint32_t x_dst[4];  // offsets of the permuted units of group 0; group q is 32 token rows further
 #pragma unroll
@@ -501,31 +530,25 @@ __global__ void __launch_bounds__(kWsThreads, 1) gemv_wgmma_ws_kernel(const Kern
       for (int c = 0; c < n_chunks; ++c) {
         const int g = chunk0 + c, s = g % kStages;
         wait();
+        uint4 xr[kXq][4];  // plain loads (x is the previous kernel's output); zeros past k and past the rows
+#pragma unroll
+        for (int q = 0; q < kXq; ++q)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int kk = c * kChunkK + (x_r + 4 * i) * 8;
+            xr[q][i] = x_row[q] && kk < a.k ? __ldcg(reinterpret_cast<const uint4*>(x_row[q] + kk))
+                                            : make_uint4(0, 0, 0, 0);
+          }
+        if (g >= kStages) mbar_wait(empty + s, ((g / kStages) & 1) ^ 1);  // the stage's last chunk consumed
+        if (g >= prefetched) copy_w(c, s);  // a later pass may start on stages never used when k is short
         uint8_t* xs = x_stage(s);
 #pragma unroll
-        for (int round = 0; round < kXRounds; ++round) {
-          uint4 xr[kXq / kXRounds][4];  // plain loads (x is the previous kernel's output); zeros past k and the rows
+        for (int q = 0; q < kXq; ++q) {
+          const uint4(&v)[4] = xr[q];
+          const uint4 u[4] = {make_uint4(v[0].x, v[1].x, v[2].x, v[3].x), make_uint4(v[0].y, v[1].y, v[2].y, v[3].y),
+                              make_uint4(v[0].z, v[1].z, v[2].z, v[3].z), make_uint4(v[0].w, v[1].w, v[2].w, v[3].w)};
 #pragma unroll
-          for (int qq = 0; qq < kXq / kXRounds; ++qq)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              const int q = round * (kXq / kXRounds) + qq, kk = c * kChunkK + (x_r + 4 * i) * 8;
-              xr[qq][i] = x_row[q] && kk < a.k ? __ldcg(reinterpret_cast<const uint4*>(x_row[q] + kk))
-                                               : make_uint4(0, 0, 0, 0);
-            }
-          if (round == 0) {
-            if (g >= kStages) mbar_wait(empty + s, ((g / kStages) & 1) ^ 1);  // the stage's last chunk consumed
-            if (g >= prefetched) copy_w(c, s);  // a later pass may start on stages never used when k is short
-          }
-#pragma unroll
-          for (int qq = 0; qq < kXq / kXRounds; ++qq) {
-            const int q = round * (kXq / kXRounds) + qq;
-            const uint4(&v)[4] = xr[qq];
-            const uint4 u[4] = {make_uint4(v[0].x, v[1].x, v[2].x, v[3].x), make_uint4(v[0].y, v[1].y, v[2].y, v[3].y),
-                                make_uint4(v[0].z, v[1].z, v[2].z, v[3].z), make_uint4(v[0].w, v[1].w, v[2].w, v[3].w)};
-#pragma unroll
-            for (int j = 0; j < 4; ++j) *reinterpret_cast<uint4*>(xs + x_dst[j] + q * 32 * 128) = u[j];
-          }
+          for (int j = 0; j < 4; ++j) *reinterpret_cast<uint4*>(xs + x_dst[j] + q * 32 * 128) = u[j];
         }
         fence_async_shared();
         mbar_arrive(full + s);
@@ -539,23 +562,11 @@ __global__ void __launch_bounds__(kWsThreads, 1) gemv_wgmma_ws_kernel(const Kern
   regs_claim<kConsumerRegs>();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g8 = lane >> 2, t = lane & 3, wg = warp >> 2, wq = warp & 3;
-  const uint8_t* w_scale = rows.w_scale + size_t(rows.w_row0) * (kNvfp4 ? a.k / 16 : a.k / 32);
   int local[kTiles][2];  // as in gemv_wgmma_kernel
 #pragma unroll
   for (int wt = 0; wt < kTiles; ++wt)
 #pragma unroll
     for (int h = 0; h < 2; ++h) local[wt][h] = (wg * kTiles + wt) * 64 + wq * 16 + g8 + 8 * h;
-  auto load_scales = [&](int c, uint32_t sc[kTiles][2]) {
-    const int kk = c * kChunkK + t * 32;
-#pragma unroll
-    for (int wt = 0; wt < kTiles; ++wt)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int r = row_block0 + local[wt][h];
-        const bool ok = c < n_chunks && kk < a.k && r < a.n;
-        sc[wt][h] = ok ? fp4_piece_scale<kNvfp4>(w_scale, a.tiles, r, kk, a.k) : 0;
-      }
-  };
   for (int tok0 = tok_first, chunk0 = 0; tok0 < rows.m_rows; tok0 += pass_tokens, chunk0 += n_chunks) {
     const int tokens = min(kN, rows.m_rows - tok0);
     float acc[kTiles][kN / 2];
@@ -563,19 +574,22 @@ __global__ void __launch_bounds__(kWsThreads, 1) gemv_wgmma_ws_kernel(const Kern
     for (int wt = 0; wt < kTiles; ++wt)
 #pragma unroll
       for (int i = 0; i < kN / 2; ++i) acc[wt][i] = 0.0f;
-    uint32_t sc_cur[kTiles][2], sc_next[kTiles][2];
-    load_scales(0, sc_cur);
     for (int c = 0; c < n_chunks; ++c) {
       const int g = chunk0 + c, s = g % kStages;
-      load_scales(c + 1, sc_next);
       mbar_wait(full + s, (g / kStages) & 1);
-      mma_chunk<kNvfp4, kTiles, kN>(acc, w_stage(s), local, t, sc_cur, smem_addr(x_stage(s)), [&] {
-        if (c > 0 && lane == 0) mbar_arrive(empty + (g - 1) % kStages);  // chunk c - 1's MMAs have completed
-      });
+      const uint8_t* ss = scale_stage(s);
+      uint32_t sc[kTiles][2];  // this thread's pieces' raw scale bits
 #pragma unroll
       for (int wt = 0; wt < kTiles; ++wt)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) sc_cur[wt][h] = sc_next[wt][h];
+        for (int h = 0; h < 2; ++h) {
+          const int idx = local[wt][h] * 4 + t;
+          if constexpr (kNvfp4) sc[wt][h] = reinterpret_cast<const uint16_t*>(ss)[idx];
+          else sc[wt][h] = ss[idx];
+        }
+      mma_chunk<kNvfp4, kTiles, kN>(acc, w_stage(s), local, t, sc, smem_addr(x_stage(s)), [&] {
+        if (c > 0 && lane == 0) mbar_arrive(empty + (g - 1) % kStages);  // chunk c - 1's MMAs have completed
+      });
     }
     wgmma_wait<0>();
 #pragma unroll
