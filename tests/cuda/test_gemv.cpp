@@ -1089,9 +1089,60 @@ TEST(MoeSlots, SharedExpertPairs) {
       ASSERT_LT(i, k);
       EXPECT_EQ(ids[t * k + i], h_se[s]);
     }
+  for (int s = 0; s < n_slots; ++s)  // each slot's pairs in ascending order (a stable sort)
+    for (int r = h_so[s] + 1; r < h_so[s + 1]; ++r) EXPECT_LT(h_order[r - 1], h_order[r]) << "slot " << s;
   for (int t = 0; t < n; ++t)
     for (int i = 0; i <= k; ++i)
       EXPECT_EQ(h_pw[t * per_token + i], i == k ? 1.0f : weights[t * k + i]) << "token " << t << " pair " << i;
+}
+
+// moe_slots against a host counting sort: prefill-sized chunks (several warps' worth of tokens per expert), tokens
+// that repeat an expert among their picks, experts with no pair, with and without the shared expert.
+TEST(MoeSlots, MatchesHostCountingSort) {
+  DSV4_REQUIRE_CUDA();
+  std::mt19937_64 rng(17);
+  for (const auto& [n, k, routed, shared] :
+       {std::tuple{512, 6, 32, true}, {576, 6, 256, true}, {100, 8, 5, false}, {1, 6, 16, true}, {70, 2, 3, false}}) {
+    const int experts = routed + (shared ? 1 : 0), per_token = k + (shared ? 1 : 0), pairs = n * per_token;
+    std::vector<int32_t> ids(size_t(n) * k);
+    std::uniform_int_distribution<int> pick(0, routed - 1);
+    for (int32_t& id : ids) id = pick(rng);  // repeats within a token allowed
+    std::vector<float> weights(ids.size(), 0.5f);
+    DeviceBuffer dids(ids.size() * 4), dw(weights.size() * 4), dpw(size_t(pairs) * 4), count(4),
+        se(size_t(experts) * 4), so(size_t(experts + 1) * 4), order(size_t(pairs) * 4);
+    dids.upload(ids.data(), ids.size() * 4);
+    dw.upload(weights.data(), weights.size() * 4);
+    MoeSlotsParams sp;
+    sp.ids = dids.as<int32_t>(), sp.n = n, sp.k = k, sp.experts = experts, sp.shared_expert = shared ? routed : -1;
+    sp.weights = dw.as<float>(), sp.pair_weights = dpw.as<float>();
+    sp.slots = {count.as<int32_t>(), se.as<int32_t>(), so.as<int32_t>(), order.as<int32_t>()};
+    moe_slots(sp);
+    DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+    // Host: experts ascending, each expert's pairs in ascending pair order.
+    std::vector<std::vector<int32_t>> by_expert(static_cast<size_t>(experts));
+    for (int i = 0; i < pairs; ++i) {
+      const int t = i / per_token, j = i % per_token;
+      by_expert[size_t(j == k ? routed : ids[size_t(t) * k + j])].push_back(i);
+    }
+    std::vector<int32_t> want_expert, want_offset{0}, want_order;
+    for (int e = 0; e < experts; ++e)
+      if (!by_expert[size_t(e)].empty()) {
+        want_expert.push_back(e);
+        want_order.insert(want_order.end(), by_expert[size_t(e)].begin(), by_expert[size_t(e)].end());
+        want_offset.push_back(int32_t(want_order.size()));
+      }
+    int32_t n_slots = 0;
+    count.download(&n_slots, 4);
+    ASSERT_EQ(n_slots, int32_t(want_expert.size())) << "n " << n << " experts " << experts;
+    std::vector<int32_t> got_expert(static_cast<size_t>(n_slots)), got_offset(static_cast<size_t>(n_slots) + 1),
+        got_order(static_cast<size_t>(pairs));
+    se.download(got_expert.data(), got_expert.size() * 4);
+    so.download(got_offset.data(), got_offset.size() * 4);
+    order.download(got_order.data(), got_order.size() * 4);
+    EXPECT_EQ(got_expert, want_expert) << "n " << n << " experts " << experts;
+    EXPECT_EQ(got_offset, want_offset) << "n " << n << " experts " << experts;
+    EXPECT_EQ(got_order, want_order) << "n " << n << " experts " << experts;
+  }
 }
 
 // Batched launches (the grouped output projection): batch b multiplies its own x rows by the next n rows of the
