@@ -173,6 +173,15 @@ __device__ __forceinline__ void wgmma_64xNx16<128>(float (&d)[64], const uint32_
 #endif
 }
 
+// Four 16-byte units of a token's chunk row (units x_r + 4i) into the stage as their 4 x 4 word transpose: permuted
+// unit 4·x_r + j holds word j of each (see the top of the file), at the stage offsets dst[j].
+__device__ __forceinline__ void store_permuted(uint8_t* stage, const uint4 (&v)[4], const uint32_t (&dst)[4]) {
+  const uint4 u[4] = {make_uint4(v[0].x, v[1].x, v[2].x, v[3].x), make_uint4(v[0].y, v[1].y, v[2].y, v[3].y),
+                      make_uint4(v[0].z, v[1].z, v[2].z, v[3].z), make_uint4(v[0].w, v[1].w, v[2].w, v[3].w)};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) *reinterpret_cast<uint4*>(stage + dst[j]) = u[j];
+}
+
 // One 128-k chunk of a warpgroup's kTiles 64-row tiles: this thread's raw weight pieces from the stage ws (row
 // local[wt][h], piece t), decoded with the scale bits sc one word (two k16 steps) at a time, then the wgmma steps
 // against the activation stage at x_base; at most two commit groups in flight. after_first_step runs once the
@@ -332,13 +341,7 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_wgmma_kernel(const KernelArg
   auto store_x = [&](int c) {
     uint8_t* xs = x_stage(c);
 #pragma unroll
-    for (int q = 0; q < kXGroups; ++q) {
-      const uint4(&v)[4] = xr[q];
-      const uint4 u[4] = {make_uint4(v[0].x, v[1].x, v[2].x, v[3].x), make_uint4(v[0].y, v[1].y, v[2].y, v[3].y),
-                          make_uint4(v[0].z, v[1].z, v[2].z, v[3].z), make_uint4(v[0].w, v[1].w, v[2].w, v[3].w)};
-#pragma unroll
-      for (int j = 0; j < 4; ++j) *reinterpret_cast<uint4*>(xs + x_dst[q][j]) = u[j];
-    }
+    for (int q = 0; q < kXGroups; ++q) store_permuted(xs, xr[q], x_dst[q]);
     fence_async_shared();
   };
 
@@ -543,13 +546,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) gemv_wgmma_ws_kernel(const Kern
         if (g >= prefetched) copy_w(c, s);  // a later pass may start on stages never used when k is short
         uint8_t* xs = x_stage(s);
 #pragma unroll
-        for (int q = 0; q < kXq; ++q) {
-          const uint4(&v)[4] = xr[q];
-          const uint4 u[4] = {make_uint4(v[0].x, v[1].x, v[2].x, v[3].x), make_uint4(v[0].y, v[1].y, v[2].y, v[3].y),
-                              make_uint4(v[0].z, v[1].z, v[2].z, v[3].z), make_uint4(v[0].w, v[1].w, v[2].w, v[3].w)};
-#pragma unroll
-          for (int j = 0; j < 4; ++j) *reinterpret_cast<uint4*>(xs + x_dst[j] + q * 32 * 128) = u[j];
-        }
+        for (int q = 0; q < kXq; ++q) store_permuted(xs + q * 32 * 128, xr[q], x_dst);
         fence_async_shared();
         mbar_arrive(full + s);
       }
