@@ -160,7 +160,8 @@ StepSwitches parse_switches(const std::string& spec) {
       s.split = name[5] - '0';
     else DSV4_FAIL("dsv4 bench: --switches entry '{}' has '{}' (expected default, or bulk, bulkdense, overlap, "
                    "serial, mhc, routing, qnorm, heads16, heads64, hcblock, now4a8, early, earlyall, late, [no]gate, "
-                   "[no]post, [no]swiglu, [no]earlyw2, scoreorder, indexorder, tiledN, split1/2/4/8, [no]ws and cublasdense joined by '+')",
+                   "[no]post, [no]swiglu, [no]earlyw2, scoreorder, indexorder, tiledN, split1/2/4/8, [no]ws and "
+                   "cublasdense joined by '+')",
                    spec, name);
     from = to + 1;
   }

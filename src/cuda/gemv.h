@@ -243,8 +243,8 @@ void set_gemv_wgmma_ws(bool on);
 bool gemv_wgmma_ws_enabled();
 // Whether gemv(p) should run a prefill-sized dense linear instead of decoding its fp4 weights for cuBLASLt: fp4
 // weights, bf16 activations, 64 < m < 1024 rows, and a grid that gives the warp-specialised wgmma kernel a block
-// for ~every SM. dsv4_gemm_bench at m = 512 (H100): 32768 x 1024 85.5 µs against 108.7 (cuBLASLt + the decode),
-// 4096 x 8192 90.2 against 100.5; smaller grids (1024 x 4096) and m >= 1024 stay faster on cuBLASLt.
+// for ~every SM. dsv4_gemm_bench at m = 512 (H100): 32768 x 1024 91.7 µs against 108.9 (cuBLASLt + the decode),
+// 4096 x 8192 86.2 against 101.5; smaller grids (1024 x 4096) and m >= 1024 stay faster on cuBLASLt.
 // set_gemv_over_gemm(false) (bench switch cublasdense) sends them all to cuBLASLt again (process-wide).
 bool gemv_beats_decode_and_gemm(const GemvParams& p);
 void set_gemv_over_gemm(bool on);
