@@ -13,7 +13,7 @@
 // of the 790 TFLOP/s peak on large grids against mma.sync's ~0.33; the warps, which also stage the activations,
 // leave the tensor pipe idle ~70 % of the time. So the default is the warp-specialised form further down (block
 // shapes 4 and 5): a third warpgroup stages weights, scales and activations through an mbarrier ring and the two
-// others only decode and multiply (0.51-0.67 of peak on large grids, docs/perf.md eighteenth round); the plain
+// others only decode and multiply (0.51-0.68 of peak on large grids, docs/perf.md eighteenth round); the plain
 // form stays for DSV4_GEMV_WGMMA_WS=0.
 //
 // k order: a wgmma k16 step takes k pairs t and t + 4 from quad thread t, while a thread's 16-byte weight piece
