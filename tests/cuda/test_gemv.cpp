@@ -1161,34 +1161,40 @@ TEST(GemvBatched, GroupsIntoTokenMajorOutput) {
       x.upload(h.x.data(), h.x.size() * 2);
       dw.upload(h.w.data(), h.w.size());
       if (!h.scale.empty()) ds.upload(h.scale.data(), h.scale.size());
-      y.fill_bytes(0xff);
-      GemvBatchedParams b;
-      b.base.m = m, b.base.n = n, b.base.k = k, b.base.x = x.data(), b.base.w = dw.data(), b.base.w_scale = ds.data();
-      b.base.w_scale_2 = h.scale_2, b.base.ldy = ldy, b.base.y = y.data();
-      b.base.weight = w, b.base.fp8_scale = s;
-      b.batch = batch, b.x_batch_stride = int64_t(m) * k, b.y_batch_stride = n;
-      gemv_batched(b);
-      DSV4_CUDA_CHECK(cudaDeviceSynchronize());
-      std::vector<float> got(size_t(m) * ldy);
-      y.download(got.data(), got.size() * 4);
-      int bad = 0;
-      for (int mi = 0; mi < m; ++mi) {
-        EXPECT_TRUE(std::isnan(got[size_t(mi) * ldy + ldy - 1])) << "padding column written";
-        for (int col = 0; col < batch * n; ++col) {
-          const int g = col / n, r = col;  // batch g, weight row g·n + (col % n) = col
-          double ref = 0, absum = 0;
-          for (int ki = 0; ki < k; ++ki) {
-            const double t = double(bf16_to_f32(h.x[(size_t(g) * m + mi) * k + ki])) * h.w_deq[size_t(r) * k + ki];
-            ref += t;
-            absum += std::fabs(t);
+      // fp4 at m = 100 also on each wgmma block shape (the grid is too small for the engine to choose one; the
+      // prefill's grouped output projection wo_a runs batched on the warp-specialised one).
+      const bool fp4 = w == GemvWeight::MXFP4 || w == GemvWeight::NVFP4;
+      for (const int kernel : fp4 && m == 100 ? std::vector<int>{0, 1, 3, 4, 5} : std::vector<int>{0}) {
+        const KernelScope scope(kernel);
+        y.fill_bytes(0xff);
+        GemvBatchedParams b;
+        b.base.m = m, b.base.n = n, b.base.k = k, b.base.x = x.data(), b.base.w = dw.data();
+        b.base.w_scale = ds.data(), b.base.w_scale_2 = h.scale_2, b.base.ldy = ldy, b.base.y = y.data();
+        b.base.weight = w, b.base.fp8_scale = s;
+        b.batch = batch, b.x_batch_stride = int64_t(m) * k, b.y_batch_stride = n;
+        gemv_batched(b);
+        DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+        std::vector<float> got(size_t(m) * ldy);
+        y.download(got.data(), got.size() * 4);
+        int bad = 0;
+        for (int mi = 0; mi < m; ++mi) {
+          EXPECT_TRUE(std::isnan(got[size_t(mi) * ldy + ldy - 1])) << "padding column written";
+          for (int col = 0; col < batch * n; ++col) {
+            const int g = col / n, r = col;  // batch g, weight row g·n + (col % n) = col
+            double ref = 0, absum = 0;
+            for (int ki = 0; ki < k; ++ki) {
+              const double t = double(bf16_to_f32(h.x[(size_t(g) * m + mi) * k + ki])) * h.w_deq[size_t(r) * k + ki];
+              ref += t;
+              absum += std::fabs(t);
+            }
+            const float v = got[size_t(mi) * ldy + col];
+            if (!(std::fabs(double(v) - ref) <= 1e-5 * absum) && ++bad <= 5)
+              ADD_FAILURE() << gemv_weight_name(w) << " m " << m << " kernel " << kernel << " y[" << mi << ", " << col
+                            << "] = " << v << ", reference " << ref;
           }
-          const float v = got[size_t(mi) * ldy + col];
-          if (!(std::fabs(double(v) - ref) <= 1e-5 * absum) && ++bad <= 5)
-            ADD_FAILURE() << gemv_weight_name(w) << " m " << m << " y[" << mi << ", " << col << "] = " << v
-                          << ", reference " << ref;
         }
+        EXPECT_EQ(bad, 0) << gemv_weight_name(w) << " m " << m << " kernel " << kernel;
       }
-      EXPECT_EQ(bad, 0) << gemv_weight_name(w) << " m " << m;
     }
 }
 
