@@ -644,6 +644,57 @@ TEST(GemvTiles, OffsetsArePermutations) {
   EXPECT_EQ(weight_tiles::offset(11, 64 + 16, 2048, 16), size_t(1024 + 512 + 13 * 16));
 }
 
+// Grouped with a second projection (the experts' w1 + w3): `tokens` x 6 picks of 9 experts, n x k weights per
+// expert in both layouts; under each of `kernels` (KernelScope) the tile layout gives the row-major bits.
+void expect_grouped_tiles_match_rows(GemvWeight w, int tokens, int n, int k, const std::vector<int>& kernels,
+                                     std::mt19937_64& rng) {
+  const int E = 9, picks = 6, pairs = tokens * picks;
+  const size_t ws = size_t(gemv_weight_bytes(w, n, k)), ss = size_t(gemv_scale_bytes(w, n, k));
+  DeviceBuffer x(size_t(tokens) * k * 2), dw(2 * E * ws), ds(2 * E * ss), tw(2 * E * ws), ts(2 * E * ss),
+      s2(2 * E * 4), ids(pairs * 4), y(2 * size_t(pairs) * n * 4), count(4), slot_expert(E * 4),
+      slot_offset((E + 1) * 4), order(pairs * 4);
+  std::vector<float> scale_2;
+  for (int e = 0; e < 2 * E; ++e) {
+    const HostProblem h = make_problem({w, GemvScale::E8M0, e == 0 ? tokens : 1, n, k, GemvOut::F32, 0}, rng);
+    if (e == 0) x.upload(h.x.data(), h.x.size() * 2);
+    const TiledCopy t = to_tiles(h, w, n, k);
+    dw.upload(h.w.data(), ws, e * ws), ds.upload(h.scale.data(), ss, e * ss);
+    tw.upload(t.w.data(), ws, e * ws), ts.upload(t.scale.data(), ss, e * ss);
+    scale_2.push_back(h.scale_2);
+  }
+  s2.upload(scale_2.data(), scale_2.size() * 4);
+  std::vector<int32_t> h_ids(pairs);
+  for (int i = 0; i < pairs; ++i) h_ids[size_t(i)] = (i * 5 + i / picks) % E;
+  ids.upload(h_ids.data(), h_ids.size() * 4);
+  MoeSlotsParams sp;
+  sp.ids = ids.as<int32_t>(), sp.n = tokens, sp.k = picks, sp.experts = E;
+  sp.slots = {count.as<int32_t>(), slot_expert.as<int32_t>(), slot_offset.as<int32_t>(), order.as<int32_t>()};
+  moe_slots(sp);
+  for (const int kernel : kernels) {
+    const KernelScope scope(kernel);
+    std::vector<std::vector<float>> got;
+    for (const bool tiled : {false, true}) {
+      GemvGroupedParams g;
+      g.base.m = tokens, g.base.n = n, g.base.k = k, g.base.x = x.data(), g.base.y = y.data(), g.base.weight = w;
+      g.base.w = tiled ? tw.data() : dw.data(), g.base.w_scale = tiled ? ts.data() : ds.data();
+      g.base.layout = tiled ? GemvLayout::Tiles : GemvLayout::Rows;
+      g.w_expert_stride = ws, g.scale_expert_stride = ss, g.scale_2 = s2.as<float>(), g.max_slots = E;
+      g.slots = sp.slots, g.x_row_div = picks;
+      g.second.w = (tiled ? tw.as<char>() : dw.as<char>()) + E * ws;
+      g.second.w_scale = (tiled ? ts.as<char>() : ds.as<char>()) + E * ss;
+      g.second.scale_2 = s2.as<float>() + E, g.second.y = y.as<float>() + size_t(pairs) * n;
+      y.fill_bytes(0xff);
+      gemv_grouped(g);
+      DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+      got.emplace_back(2 * size_t(pairs) * n);
+      y.download(got.back().data(), got.back().size() * 4);
+    }
+    ASSERT_TRUE(std::all_of(got[0].begin(), got[0].end(), [](float v) { return std::isfinite(v); }));
+    EXPECT_EQ(0, std::memcmp(got[0].data(), got[1].data(), got[0].size() * 4))
+        << "grouped " << gemv_weight_name(w) << " tokens " << tokens << " kernel " << kernel;
+  }
+}
+
 TEST(GemvTiles, SameBitsAsRowMajor) {
   DSV4_REQUIRE_CUDA();
   std::mt19937_64 rng(123);
@@ -664,21 +715,27 @@ TEST(GemvTiles, SameBitsAsRowMajor) {
         const HostProblem h = make_problem(c, rng);
         const BothLayouts d(h, to_tiles(h, w, n, k));
         DeviceBuffer y(size_t(m) * n * 4);
-        GemvParams p;
-        p.m = m, p.n = n, p.k = k, p.x = d.x.data(), p.w = d.rows_w.data(), p.w_scale = d.rows_scale.data();
-        p.w_scale_2 = h.scale_2, p.y = y.data(), p.weight = w, p.split_k = split;
-        const std::vector<float> rows = run(p, y, size_t(m) * n);
-        GemvParams q = p;
-        q.w = d.tiles_w.data(), q.w_scale = d.tiles_scale.data(), q.layout = GemvLayout::Tiles;
-        const std::vector<float> tiles = run(q, y, size_t(m) * n);
-        ASSERT_TRUE(std::all_of(rows.begin(), rows.end(), [](float v) { return std::isfinite(v); }));
-        EXPECT_EQ(0, std::memcmp(rows.data(), tiles.data(), rows.size() * 4))
-            << case_name(c);
-        // A 16-row-aligned slice of the tiled matrix (w_row0) is the same rows.
-        if (n >= 32) {
-          q.w_row0 = 16, q.n = n - 16, p.w_row0 = 16, p.n = n - 16;
-          const std::vector<float> a = run(p, y, size_t(m) * (n - 16)), b = run(q, y, size_t(m) * (n - 16));
-          EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * 4)) << case_name(c) << " w_row0 16";
+        // m > 64: also each wgmma block shape forced (these grids are too small for the engine's rule, and the
+        // engine's prefill runs those kernels on tiles).
+        const bool shapes = m > kGemvMaxM && split == 0;
+        for (const int kernel : shapes ? std::vector<int>{0, 1, 3, 4, 5} : std::vector<int>{0}) {
+          const KernelScope scope(kernel);
+          GemvParams p;
+          p.m = m, p.n = n, p.k = k, p.x = d.x.data(), p.w = d.rows_w.data(), p.w_scale = d.rows_scale.data();
+          p.w_scale_2 = h.scale_2, p.y = y.data(), p.weight = w, p.split_k = split;
+          const std::vector<float> rows = run(p, y, size_t(m) * n);
+          GemvParams q = p;
+          q.w = d.tiles_w.data(), q.w_scale = d.tiles_scale.data(), q.layout = GemvLayout::Tiles;
+          const std::vector<float> tiles = run(q, y, size_t(m) * n);
+          ASSERT_TRUE(std::all_of(rows.begin(), rows.end(), [](float v) { return std::isfinite(v); }));
+          EXPECT_EQ(0, std::memcmp(rows.data(), tiles.data(), rows.size() * 4)) << case_name(c) << " kernel " << kernel;
+          // A 16-row-aligned slice of the tiled matrix (w_row0) is the same rows.
+          if (n >= 32) {
+            q.w_row0 = 16, q.n = n - 16, p.w_row0 = 16, p.n = n - 16;
+            const std::vector<float> a = run(p, y, size_t(m) * (n - 16)), b = run(q, y, size_t(m) * (n - 16));
+            EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * 4))
+                << case_name(c) << " kernel " << kernel << " w_row0 16";
+          }
         }
       }
   // Batched (wo_a's form): each batch's n rows start a tile.
@@ -704,131 +761,12 @@ TEST(GemvTiles, SameBitsAsRowMajor) {
     }
     EXPECT_EQ(0, std::memcmp(got[0].data(), got[1].data(), got[0].size() * 4)) << "batched " << gemv_weight_name(w);
   }
-  // Grouped with a second projection (the experts' w1 + w3): 3 tokens x 6 picks of 9 experts.
-  for (const GemvWeight w : {GemvWeight::MXFP4, GemvWeight::NVFP4}) {
-    const int E = 9, tokens = 3, picks = 6, pairs = tokens * picks, n = 64, k = 2048;
-    const size_t ws = size_t(gemv_weight_bytes(w, n, k)), ss = size_t(gemv_scale_bytes(w, n, k));
-    DeviceBuffer x(size_t(tokens) * k * 2), dw(2 * E * ws), ds(2 * E * ss), tw(2 * E * ws), ts(2 * E * ss),
-        s2(2 * E * 4), ids(pairs * 4), y(2 * size_t(pairs) * n * 4), count(4), slot_expert(E * 4),
-        slot_offset((E + 1) * 4), order(pairs * 4);
-    std::vector<float> scale_2;
-    for (int e = 0; e < 2 * E; ++e) {
-      const HostProblem h = make_problem({w, GemvScale::E8M0, e == 0 ? tokens : 1, n, k, GemvOut::F32, 0}, rng);
-      if (e == 0) x.upload(h.x.data(), h.x.size() * 2);
-      const TiledCopy t = to_tiles(h, w, n, k);
-      dw.upload(h.w.data(), ws, e * ws), ds.upload(h.scale.data(), ss, e * ss);
-      tw.upload(t.w.data(), ws, e * ws), ts.upload(t.scale.data(), ss, e * ss);
-      scale_2.push_back(h.scale_2);
-    }
-    s2.upload(scale_2.data(), scale_2.size() * 4);
-    std::vector<int32_t> h_ids(pairs);
-    for (int i = 0; i < pairs; ++i) h_ids[size_t(i)] = (i * 5 + i / picks) % E;
-    ids.upload(h_ids.data(), h_ids.size() * 4);
-    MoeSlotsParams sp;
-    sp.ids = ids.as<int32_t>(), sp.n = tokens, sp.k = picks, sp.experts = E;
-    sp.slots = {count.as<int32_t>(), slot_expert.as<int32_t>(), slot_offset.as<int32_t>(), order.as<int32_t>()};
-    moe_slots(sp);
-    std::vector<std::vector<float>> got;
-    for (const bool tiled : {false, true}) {
-      GemvGroupedParams g;
-      g.base.m = tokens, g.base.n = n, g.base.k = k, g.base.x = x.data(), g.base.y = y.data(), g.base.weight = w;
-      g.base.w = tiled ? tw.data() : dw.data(), g.base.w_scale = tiled ? ts.data() : ds.data();
-      g.base.layout = tiled ? GemvLayout::Tiles : GemvLayout::Rows;
-      g.w_expert_stride = ws, g.scale_expert_stride = ss, g.scale_2 = s2.as<float>(), g.max_slots = E;
-      g.slots = sp.slots, g.x_row_div = picks;
-      g.second.w = (tiled ? tw.as<char>() : dw.as<char>()) + E * ws;
-      g.second.w_scale = (tiled ? ts.as<char>() : ds.as<char>()) + E * ss;
-      g.second.scale_2 = s2.as<float>() + E, g.second.y = y.as<float>() + size_t(pairs) * n;
-      y.fill_bytes(0xff);
-      gemv_grouped(g);
-      DSV4_CUDA_CHECK(cudaDeviceSynchronize());
-      got.emplace_back(2 * size_t(pairs) * n);
-      y.download(got.back().data(), got.back().size() * 4);
-    }
-    ASSERT_TRUE(std::all_of(got[0].begin(), got[0].end(), [](float v) { return std::isfinite(v); }));
-    EXPECT_EQ(0, std::memcmp(got[0].data(), got[1].data(), got[0].size() * 4)) << "grouped " << gemv_weight_name(w);
-  }
-}
-
-// The tile layout through the wgmma kernels, each block shape forced (the test grids are too small for the engine's
-// rule; the engine's prefill runs them on tiles): the same bits as the row-major layout, plain and grouped with a
-// second projection (the experts' w1 + w3, 40 tokens: up to 80 rows a slot).
-TEST(GemvWgmma, TileLayoutSameBitsAsRowMajor) {
-  DSV4_REQUIRE_CUDA();
-  if (!gemv_wgmma_enabled()) GTEST_SKIP() << "no wgmma on this device";
-  std::mt19937_64 rng(321);
-  auto download = [](const DeviceBuffer& y, size_t count) {
-    DSV4_CUDA_CHECK(cudaDeviceSynchronize());
-    std::vector<float> out(count);
-    y.download(out.data(), count * 4);
-    return out;
-  };
-  for (const GemvWeight w : {GemvWeight::MXFP4, GemvWeight::NVFP4}) {
-    for (const auto& [m, n, k] : {std::tuple{100, 272, 1024}, {300, 528, 640}}) {
-      const Case c{w, GemvScale::E8M0, m, n, k, GemvOut::F32, 0};
-      const HostProblem h = make_problem(c, rng);
-      const BothLayouts d(h, to_tiles(h, w, n, k));
-      DeviceBuffer y(size_t(m) * n * 4);
-      for (const int shape : {1, 3, 4, 5}) {
-        const KernelScope scope(shape);
-        GemvParams p;
-        p.m = m, p.n = n, p.k = k, p.x = d.x.data(), p.w = d.rows_w.data(), p.w_scale = d.rows_scale.data();
-        p.w_scale_2 = h.scale_2, p.y = y.data(), p.weight = w;
-        y.fill_bytes(0xff);
-        gemv(p);
-        const std::vector<float> rows = download(y, size_t(m) * n);
-        p.w = d.tiles_w.data(), p.w_scale = d.tiles_scale.data(), p.layout = GemvLayout::Tiles;
-        y.fill_bytes(0xff);
-        gemv(p);
-        const std::vector<float> tiles = download(y, size_t(m) * n);
-        ASSERT_TRUE(std::all_of(rows.begin(), rows.end(), [](float v) { return std::isfinite(v); }));
-        EXPECT_EQ(0, std::memcmp(rows.data(), tiles.data(), rows.size() * 4)) << case_name(c) << " shape " << shape;
-      }
-    }
-    const int E = 9, tokens = 40, picks = 6, pairs = tokens * picks, n = 272, k = 1024;
-    const size_t ws = size_t(gemv_weight_bytes(w, n, k)), ss = size_t(gemv_scale_bytes(w, n, k));
-    DeviceBuffer x(size_t(tokens) * k * 2), dw(2 * E * ws), ds(2 * E * ss), tw(2 * E * ws), ts(2 * E * ss),
-        s2(2 * E * 4), ids(pairs * 4), y(2 * size_t(pairs) * n * 4), count(4), slot_expert(E * 4),
-        slot_offset((E + 1) * 4), order(pairs * 4);
-    std::vector<float> scale_2;
-    for (int e = 0; e < 2 * E; ++e) {
-      const HostProblem h = make_problem({w, GemvScale::E8M0, e == 0 ? tokens : 1, n, k, GemvOut::F32, 0}, rng);
-      if (e == 0) x.upload(h.x.data(), h.x.size() * 2);
-      const TiledCopy t = to_tiles(h, w, n, k);
-      dw.upload(h.w.data(), ws, e * ws), ds.upload(h.scale.data(), ss, e * ss);
-      tw.upload(t.w.data(), ws, e * ws), ts.upload(t.scale.data(), ss, e * ss);
-      scale_2.push_back(h.scale_2);
-    }
-    s2.upload(scale_2.data(), scale_2.size() * 4);
-    std::vector<int32_t> h_ids(pairs);
-    for (int i = 0; i < pairs; ++i) h_ids[size_t(i)] = (i % picks + i / picks % 3) % E;  // experts 0..7
-    ids.upload(h_ids.data(), h_ids.size() * 4);
-    MoeSlotsParams sp;
-    sp.ids = ids.as<int32_t>(), sp.n = tokens, sp.k = picks, sp.experts = E;
-    sp.slots = {count.as<int32_t>(), slot_expert.as<int32_t>(), slot_offset.as<int32_t>(), order.as<int32_t>()};
-    moe_slots(sp);
-    for (const int shape : {1, 3, 4, 5}) {
-      const KernelScope scope(shape);
-      std::vector<std::vector<float>> got;
-      for (const bool tiled : {false, true}) {
-        GemvGroupedParams g;
-        g.base.m = 2 * tokens, g.base.n = n, g.base.k = k, g.base.x = x.data(), g.base.y = y.data();
-        g.base.weight = w, g.base.w = tiled ? tw.data() : dw.data(), g.base.w_scale = tiled ? ts.data() : ds.data();
-        g.base.layout = tiled ? GemvLayout::Tiles : GemvLayout::Rows;
-        g.w_expert_stride = ws, g.scale_expert_stride = ss, g.scale_2 = s2.as<float>(), g.max_slots = E;
-        g.slots = sp.slots, g.x_row_div = picks;
-        g.second.w = (tiled ? tw.as<char>() : dw.as<char>()) + E * ws;
-        g.second.w_scale = (tiled ? ts.as<char>() : ds.as<char>()) + E * ss;
-        g.second.scale_2 = s2.as<float>() + E, g.second.y = y.as<float>() + size_t(pairs) * n;
-        y.fill_bytes(0xff);
-        gemv_grouped(g);
-        got.push_back(download(y, 2 * size_t(pairs) * n));
-      }
-      ASSERT_TRUE(std::all_of(got[0].begin(), got[0].end(), [](float v) { return std::isfinite(v); }));
-      EXPECT_EQ(0, std::memcmp(got[0].data(), got[1].data(), got[0].size() * 4))
-          << "grouped " << gemv_weight_name(w) << " shape " << shape;
-    }
-  }
+  // Grouped with a second projection (the experts' w1 + w3): 3 tokens x 6 picks of 9 experts; then 40 tokens (~27
+  // rows a slot, partial 256-row blocks) on the wgmma kernels, each block shape forced.
+  for (const GemvWeight w : {GemvWeight::MXFP4, GemvWeight::NVFP4})
+    expect_grouped_tiles_match_rows(w, 3, 64, 2048, {0}, rng);
+  for (const GemvWeight w : {GemvWeight::MXFP4, GemvWeight::NVFP4})
+    expect_grouped_tiles_match_rows(w, 40, 272, 1024, {1, 3, 4, 5}, rng);
 }
 
 // Grouped (MoE) gemv and its slot builder, against the same fp64 reference per routed pair.
