@@ -609,37 +609,39 @@ __global__ void __launch_bounds__(kWsThreads, 1) gemv_wgmma_ws_kernel(const Kern
   }
 }
 
-template <bool kNvfp4, bool kGrouped, int kTiles, int kN>
+// One launch of either form: blocks of kBlockRows weight rows x kN activation rows cover the call (grid.y / z as
+// the caller set them).
+template <auto kKernel, int kBlockRows, int kN, int kBlockThreads, size_t kSmemBytes>
 cudaError_t launch(const KernelArgs& a, dim3 grid, cudaStream_t stream) {
-  using S = WgmmaShape<kTiles, kN>;
-  constexpr auto kKernel = gemv_wgmma_kernel<kNvfp4, kGrouped, kTiles, kN>;
   const int token_blocks = (a.m + kN - 1) / kN;
-  grid.x = unsigned((a.n + S::kBlockRows - 1) / S::kBlockRows * token_blocks);
-  const cudaError_t configured = gpu::allow_dynamic_smem<kKernel>(int(S::kSmemBytes));
+  grid.x = unsigned((a.n + kBlockRows - 1) / kBlockRows * token_blocks);
+  const cudaError_t configured = gpu::allow_dynamic_smem<kKernel>(int(kSmemBytes));
   if (configured != cudaSuccess) return configured;
-  gpu::launch(kKernel, grid, kThreads, S::kSmemBytes, stream, a);
+  gpu::launch(kKernel, grid, kBlockThreads, kSmemBytes, stream, a);
   return cudaGetLastError();
+}
+
+template <bool kNvfp4, bool kGrouped, int kTiles, int kN>
+cudaError_t launch_plain(const KernelArgs& a, dim3 grid, cudaStream_t stream) {
+  using S = WgmmaShape<kTiles, kN>;
+  return launch<gemv_wgmma_kernel<kNvfp4, kGrouped, kTiles, kN>, S::kBlockRows, kN, kThreads, S::kSmemBytes>(
+      a, grid, stream);
 }
 
 template <bool kNvfp4, bool kGrouped, int kTiles, int kN>
 cudaError_t launch_ws(const KernelArgs& a, dim3 grid, cudaStream_t stream) {
   using W = WsShape<kTiles, kN>;
-  constexpr auto kKernel = gemv_wgmma_ws_kernel<kNvfp4, kGrouped, kTiles, kN>;
-  const int token_blocks = (a.m + kN - 1) / kN;
-  grid.x = unsigned((a.n + W::S::kBlockRows - 1) / W::S::kBlockRows * token_blocks);
-  const cudaError_t configured = gpu::allow_dynamic_smem<kKernel>(int(W::kSmemBytes));
-  if (configured != cudaSuccess) return configured;
-  gpu::launch(kKernel, grid, kWsThreads, W::kSmemBytes, stream, a);
-  return cudaGetLastError();
+  return launch<gemv_wgmma_ws_kernel<kNvfp4, kGrouped, kTiles, kN>, W::S::kBlockRows, kN, kWsThreads,
+                W::kSmemBytes>(a, grid, stream);
 }
 
 template <bool kNvfp4, bool kGrouped>
 cudaError_t launch_shape(const KernelArgs& a, int shape, dim3 grid, cudaStream_t stream) {
   if (shape == 4) return launch_ws<kNvfp4, kGrouped, 2, 128>(a, grid, stream);
   if (shape == 5) return launch_ws<kNvfp4, kGrouped, 2, 64>(a, grid, stream);
-  if (shape == 2) return launch<kNvfp4, kGrouped, 1, 128>(a, grid, stream);
-  if (shape == 3) return launch<kNvfp4, kGrouped, 2, 128>(a, grid, stream);
-  return launch<kNvfp4, kGrouped, 2, 64>(a, grid, stream);
+  if (shape == 2) return launch_plain<kNvfp4, kGrouped, 1, 128>(a, grid, stream);
+  if (shape == 3) return launch_plain<kNvfp4, kGrouped, 2, 128>(a, grid, stream);
+  return launch_plain<kNvfp4, kGrouped, 2, 64>(a, grid, stream);
 }
 
 }  // namespace
