@@ -18,6 +18,7 @@
 
 #include "cuda/device.h"
 #include "cuda/launch.cuh"
+#include "cuda/mma.cuh"
 #include "cuda/ops.h"
 #include "cuda/ops_common.cuh"
 
@@ -25,6 +26,10 @@ namespace dsv4::gpu {
 namespace {
 
 using detail::warp_sum;
+using ::dsv4::detail::ldmatrix_x4;
+using ::dsv4::detail::ldmatrix_x4_trans;
+using ::dsv4::detail::mma_bf16;
+using ::dsv4::detail::pack_bf16;
 
 constexpr int kMaxHeadDim = 512;
 constexpr int kMaxPerLane = kMaxHeadDim / 32;
@@ -419,28 +424,6 @@ struct MmaLayout {
   static constexpr size_t kBytes = kStats + 6 * kHeads * sizeof(float);
 };
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t r[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t r[4], const void* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr(p)));
-}
-__device__ __forceinline__ void mma_16816(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-// Two floats -> bf16x2 (lo in the low half), round to nearest even in one cvt: the same values as f32_to_bf16.
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-
 // The inverse-RoPE rotation of every pair i < rope_dim / 2 at position pos, as inverse_rope computes it (fp32 angle,
 // cos / sin correctly rounded through double), into shared memory: one evaluation per pair instead of one per
 // output element, and one copy of the (large) double trigonometry in the kernel's code. Needs a barrier after.
@@ -705,7 +688,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32, kHeads == kMmaHeads ? 1 : 2)
         ldmatrix_x4(b[half], k_s + key * kStride + ks * 16 + (mat & 1) * 8);
       }
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt) mma_16816(s[nt], a, b[nt >> 1][2 * (nt & 1)], b[nt >> 1][2 * (nt & 1) + 1]);
+      for (int nt = 0; nt < 4; ++nt) mma_bf16(s[nt], a, b[nt >> 1][2 * (nt & 1)], b[nt >> 1][2 * (nt & 1) + 1]);
     }
     // Rows g and g + 8 of the warp's heads; columns 2·tq, 2·tq + 1 of each key tile.
     float row_max[2] = {-INFINITY, -INFINITY};
@@ -765,8 +748,8 @@ __global__ void __launch_bounds__(kMmaWarps * 32, kHeads == kMmaHeads ? 1 : 2)
         ldmatrix_x4_trans(b, k_s + key * kStride + d0 + 16 * np + (mat >> 1) * 8);
 #pragma unroll
         for (int mt = 0; mt < kHeadTiles; ++mt) {
-          mma_16816(o[mt][2 * np], a[mt], b[0], b[1]);
-          mma_16816(o[mt][2 * np + 1], a[mt], b[2], b[3]);
+          mma_bf16(o[mt][2 * np], a[mt], b[0], b[1]);
+          mma_bf16(o[mt][2 * np + 1], a[mt], b[2], b[3]);
         }
       }
     }

@@ -9,17 +9,10 @@
 
 #include "cuda/gemv_launch.h"
 #include "cuda/gemv_slot.cuh"
+#include "cuda/mma.cuh"
 #include "cuda/weight_tiles.h"
 
 namespace dsv4::detail {
-
-__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem, bool valid) {
-  const uint32_t s = uint32_t(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
 
 // The raw scale bits of the 32-element piece of weight row r at k = kk (NVFP4: its two e4m3 bytes; MXFP4: its e8m0
 // byte), w_scale pointing at the call's first row, in the row-major or the tile layout (weight_tiles.h).

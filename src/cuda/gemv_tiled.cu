@@ -21,6 +21,7 @@
 #include "cuda/gemv_slot.cuh"
 #include "cuda/gemv_tile_io.cuh"
 #include "cuda/launch.cuh"
+#include "cuda/mma.cuh"
 #include "cuda/weight_tiles.h"
 
 namespace dsv4::detail {
@@ -48,13 +49,6 @@ __device__ __forceinline__ int swizzle(int c, int tok) {
   if constexpr (F == Fmt::BF16) return c;  // 64-byte rows: token parity already alternates the bank halves
   else if constexpr (F == Fmt::FP8) return c ^ (tok & 1);
   else return c ^ ((c >> 2) & 2) ^ (tok & 1);
-}
-
-__device__ __forceinline__ void mma_bf16(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 // Decoder factors of a piece (see dequant.cuh); NVFP4 has one per 16-element half.

@@ -212,6 +212,10 @@ void copy_rows(float* dst, int64_t dst_ld, const float* src, int64_t src_ld, int
 //     (n_visible 0: nothing). topk <= 2048; rows longer than shared memory holds (16384) are ranked from scores
 //     itself, same result.
 //   indexer_topk = indexer_scores, then indexer_select.
+//   bf16_exact: the caller promises that every q and key value is a bf16 value (the official FP4 / bf16 storage of
+//     the indexer's q and keys), so the products may run on bf16 tensor cores with fp32 sums, exactly the
+//     reference's einsum (spec 8.1). indexer_scores then takes the mma.sync kernel for chunks of >= 16 queries of one
+//     sequence at the V4 shape (64 heads x 128, rows 8-byte aligned); everything else runs the fp32 CUDA-core kernel.
 // scores is scratch [n, max_entries]. Both size their grids from n, max_entries and topk only, so a graph replays
 // them with pos_device.
 struct IndexerTopkParams {
@@ -228,8 +232,10 @@ struct IndexerTopkParams {
   // Batched decode (keys_rows set): query t is its own sequence's token at pos_rows[t] with keys keys_rows[t].
   const int64_t* pos_rows = nullptr;
   const float* const* keys_rows = nullptr;
+  bool bf16_exact = false;
 };
 void indexer_scores(const IndexerTopkParams& p, cudaStream_t stream);
+bool indexer_scores_on_tensor_cores(const IndexerTopkParams& p);  // which kernel indexer_scores takes for p
 void indexer_select(const IndexerTopkParams& p, cudaStream_t stream);
 // The order of indexer_select's picks: ascending index (on, the default: +2.6 % at batch 1 on the H100, docs/perf.md
 // sixteenth round) or descending score (off; process-wide; DSV4_INDEX_ORDER=0 in the environment at the first call).

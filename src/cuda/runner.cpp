@@ -1732,6 +1732,7 @@ void CudaRunner::attention_block(int l, int n) {
     ip.max_entries = max_entries_;
     ip.pos0 = part.pos0;
     ip.pos_device = part.pos_device;
+    ip.bf16_exact = numerics_.indexer != cpu::IndexerStorage::F32;  // q and keys rounded to FP4 or bf16 values
     if (batched) {
       ip.pos_rows = pos_.as<int64_t>();
       ip.keys_rows = index_keys_rows(l);

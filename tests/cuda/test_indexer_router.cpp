@@ -31,6 +31,7 @@
 #include "cuda/gemv.h"
 #include "cuda/ops.h"
 #include "cuda_test_util.h"
+#include "formats/bf16.h"
 
 namespace dsv4 {
 namespace {
@@ -53,6 +54,7 @@ struct IndexerCase {
   int q_offset = 0;      // floats before q[0] (misaligns the rows)
   float w_scale = 0.0f;  // 0: 1 / sqrt(dim · heads), like the runner
   int sample = 1;        // fp64 score check on keys s % sample == t % sample (plus each row's first / last 16)
+  bool bf16_exact = false;  // q and keys rounded to bf16, and IndexerTopkParams::bf16_exact set
 };
 
 struct IndexerInputs {
@@ -81,6 +83,10 @@ IndexerInputs make_inputs(const IndexerCase& c, uint32_t seed, int pool = 0, dou
   if (zero_fraction > 0)
     for (int s = 0; s < c.max_entries; ++s)
       if (u(rng) < zero_fraction) std::fill_n(&in.keys[size_t(s) * c.dim], c.dim, 0.0f);
+  if (c.bf16_exact) {
+    for (float& v : in.q) v = round_bf16(v);
+    for (float& v : in.keys) v = round_bf16(v);
+  }
   return in;
 }
 
@@ -91,7 +97,8 @@ struct IndexerOutputs {
   std::vector<int32_t> selected;  // [n, topk]
 };
 
-IndexerOutputs run_indexer(const IndexerInputs& in, Launch how) {
+// tensor_cores: set to whether indexer_scores took the tensor-core kernel.
+IndexerOutputs run_indexer(const IndexerInputs& in, Launch how, bool* tensor_cores = nullptr) {
   const IndexerCase& c = in.c;
   DeviceBuffer dq = to_device(in.q), dw = to_device(in.w), dk = to_device(in.keys);
   DeviceBuffer scores = nan_buffer(size_t(c.n) * c.max_entries);
@@ -99,6 +106,7 @@ IndexerOutputs run_indexer(const IndexerInputs& in, Launch how) {
   selected.fill_bytes(0xff);
   DeviceBuffer pos = to_device(std::vector<int64_t>{c.pos0});
   gpu::IndexerTopkParams p;
+  p.bf16_exact = c.bf16_exact;
   p.q = dq.as<float>() + c.q_offset;
   p.q_token_stride = in.q_stride();
   p.w = dw.as<float>();
@@ -113,6 +121,7 @@ IndexerOutputs run_indexer(const IndexerInputs& in, Launch how) {
   p.topk = c.topk;
   p.max_entries = c.max_entries;
   p.pos0 = c.pos0;
+  if (tensor_cores) *tensor_cores = gpu::indexer_scores_on_tensor_cores(p);
   switch (how) {
     case Launch::Topk: gpu::indexer_topk(p, nullptr); break;
     case Launch::Split:
@@ -370,6 +379,52 @@ TEST(CudaIndexer, RowsLongerThanSharedMemory) {
   c.max_entries = 20480;
   const IndexerInputs in = make_inputs(c, 12, 3000);
   check_indexer(in, run_indexer(in, Launch::Topk), "20000 keys");
+}
+
+// bf16 values (the official FP4 / bf16 storage) at the V4 shape: chunks of >= 16 queries score on tensor cores, which
+// must meet the same fp64 reference (1e-5) and top-k checks as the fp32 kernel. Chunks: 512 queries at an 8K context
+// (the prefill's), 37 queries from position 0 (a partial last group, queries with no key), 16 queries whose keys cross
+// a 64-key tile into a partial one, q rows at an odd float offset (not 8-byte aligned: the fp32 kernel). The same
+// inputs without bf16_exact run the fp32 kernel; its scores must agree with the tensor cores' within the tolerance.
+TEST(CudaIndexer, TensorCoreScoresOfBf16Values) {
+  DSV4_REQUIRE_CUDA();
+  struct Chunk {
+    int n;
+    int64_t pos0;
+    int max_entries, sample, q_offset;
+    bool tensor_cores;
+    const char* what;
+  };
+  for (const Chunk k : {Chunk{512, 7680, 2112, 61, 2, true, "512 queries at 8K"},
+                        Chunk{37, 0, 64, 1, 0, true, "37 queries from position 0"},
+                        Chunk{16, 250, 70, 1, 2, true, "16 queries, keys 62 .. 66"},
+                        Chunk{64, 8011, 2100, 7, 3, false, "q at an odd offset"}}) {
+    IndexerCase c;
+    c.n = k.n;
+    c.pos0 = k.pos0;
+    c.max_entries = k.max_entries;
+    c.sample = k.sample;
+    c.q_stride = 64 * 128 + 96;
+    c.q_offset = k.q_offset;
+    c.bf16_exact = true;
+    const IndexerInputs in = make_inputs(c, 40 + k.n);
+    bool tensor_cores = false;
+    const IndexerOutputs out = run_indexer(in, Launch::Topk, &tensor_cores);
+    EXPECT_EQ(tensor_cores, k.tensor_cores) << k.what;
+    check_indexer(in, out, k.what);
+    IndexerInputs fp32 = in;
+    fp32.c.bf16_exact = false;
+    const IndexerOutputs want = run_indexer(fp32, Launch::Topk);
+    double worst = 0;
+    for (int t = 0; t < c.n; ++t)
+      for (int s = 0; s < in.visible(t); ++s) {
+        const size_t i = size_t(t) * c.max_entries + s;
+        const double want_i = want.scores[i];
+        const double err = std::fabs(out.scores[i] - want_i) / std::max(1.0, std::fabs(want_i));
+        worst = std::max(worst, err);
+      }
+    EXPECT_LE(worst, 2e-5) << k.what << ": tensor-core and fp32 scores";
+  }
 }
 
 // Off the fast path: few heads, several 64-head groups, dims in several slabs (one partial), the largest dim.
