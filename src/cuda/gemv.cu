@@ -225,12 +225,13 @@ KernelArgs plain_args(const GemvParams& p, int split_k) {
   return a;
 }
 
-// One block: place_pairs (cuda/moe_route.cuh).
+// One block: place_pairs (cuda/moe_route.cuh) with the pairs' experts staged in shared memory (40 KB in all).
 __global__ void moe_slots_kernel(MoeSlotsParams p) {
   gpu::dependent_enter();
   __shared__ int count[4096];
   __shared__ int start[4096];
-  place_pairs(p, count, start);
+  __shared__ uint16_t pair_expert[4096];
+  place_pairs(p, count, start, pair_expert);
 }
 
 // The router's 16 warps take the step's tokens (warp w: tokens w, w + 16, ..), each with its E floats of shared memory;

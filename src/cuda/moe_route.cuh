@@ -107,8 +107,11 @@ __device__ __forceinline__ void route_token(const gpu::RouterParams& p, int t, i
 // shared-memory atomics; then warp 0 alone scans the counts (each lane a run of experts, a shuffle scan across
 // lanes) and places the pairs 32 at a time in ascending order (lanes of one expert ranked by __match_any_sync), so
 // the order is stable without a serial loop over the pairs.
-// Every thread of the block calls it; count and start: p.experts ints of shared memory each.
-__device__ __forceinline__ void place_pairs(const MoeSlotsParams& p, int* count, int* start) {
+// Every thread of the block calls it; count and start: p.experts ints of shared memory each. pair_expert (shared
+// memory for every pair's expert, or nullptr): the counting pass keeps the experts there, so warp 0's placement
+// steps (one per 32 pairs: 112 for a 512-token prefill chunk) each wait on shared memory instead of global memory.
+__device__ __forceinline__ void place_pairs(const MoeSlotsParams& p, int* count, int* start,
+                                            uint16_t* pair_expert = nullptr) {
   const bool with_shared = p.shared_expert >= 0;
   const int per_token = p.k + (with_shared ? 1 : 0), pairs = p.n * per_token;
   auto expert_of = [&](int i) {
@@ -118,7 +121,9 @@ __device__ __forceinline__ void place_pairs(const MoeSlotsParams& p, int* count,
   for (int e = threadIdx.x; e < p.experts; e += blockDim.x) count[e] = 0;
   __syncthreads();
   for (int i = threadIdx.x; i < pairs; i += blockDim.x) {
-    atomicAdd(&count[expert_of(i)], 1);
+    const int e = expert_of(i);
+    atomicAdd(&count[e], 1);
+    if (pair_expert) pair_expert[i] = uint16_t(e);
     if (with_shared) {
       const int t = i / per_token, j = i % per_token;
       p.pair_weights[i] = j == p.k ? 1.0f : p.weights[t * p.k + j];
@@ -155,7 +160,7 @@ __device__ __forceinline__ void place_pairs(const MoeSlotsParams& p, int* count,
   for (int i0 = 0; i0 < pairs; i0 += 32) {
     const int i = i0 + lane;
     const bool valid = i < pairs;
-    const int e = valid ? expert_of(i) : -1;
+    const int e = !valid ? -1 : pair_expert ? int(pair_expert[i]) : expert_of(i);
     const unsigned peers = __match_any_sync(0xffffffffu, e);
     if (valid) {
       const unsigned lower = peers & ((1u << lane) - 1u);

@@ -66,9 +66,10 @@ void row_op_pair(const RowOpParams& a, const RowOpParams& b, cudaStream_t stream
 
 // y[m, n] = scale · x[m, k] · W[n, k]ᵀ in fp32 (small fp32 matrices: mHC mixes, router gate, indexer weights).
 // The sums are reordered (per-thread FMA chains, then shuffle / block / cluster trees; the order depends only on
-// the shape and the SM count, so results are reproducible): |error| <= ~(k / 256 + 16) · 2^-24 · Σ|x·w|.
+// the shape and the SM count, so results are reproducible): |error| <= ~(k / 64 + 16) · 2^-24 · Σ|x·w|.
 // Decode-sized grids split k over up to 8 blocks of one thread-block cluster (sm_90); from 64 rows (prefill) a
-// block keeps 4 rows x up to 32 columns of outputs in registers, so x is read once per 32 columns.
+// block computes 32 rows x up to 32 columns over an eighth of k (a cluster of 8 adds the eighths), so x is read once
+// per 32 columns and W once per 32 rows.
 struct LinearF32Params {
   const float* x = nullptr;
   const float* w = nullptr;

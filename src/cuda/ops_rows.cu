@@ -15,6 +15,7 @@
 #include "cuda/device.h"
 #include "cuda/launch.cuh"
 #include "cuda/linear_f32.cuh"
+#include "cuda/mma.cuh"
 #include "cuda/ops.h"
 #include "cuda/ops_common.cuh"
 #include "formats/fp4.h"
@@ -30,6 +31,9 @@ using detail::dot_acc;
 using detail::kLinearThreads;
 using detail::blocks_for;
 using detail::sigmoid;
+using ::dsv4::detail::cp_async_16;
+using ::dsv4::detail::cp_async_commit;
+using ::dsv4::detail::cp_async_wait;
 
 constexpr int kMaxHc = 8;
 
@@ -307,64 +311,124 @@ void launch_linear_f32(const LinearF32Params& p, int slices, cudaStream_t stream
   OPS_CHECK(err == cudaSuccess, "linear_f32: cluster launch failed: %s", cudaGetErrorString(err));
 }
 
-// Prefill chunks (m >= kLinearTallRows): the kernel above re-reads the 4 rows of x once per output column (the mHC
-// mix: 24 x 32 MB from L2 per chunk of 512). Here block (row group, column group) keeps all kCols outputs of its
-// kTallRows rows in registers: each thread walks its share of k once, loading the x rows and the kCols weight rows
-// at each step, then the block sums the partials (warp trees, then the 8 warps in order: deterministic).
+// Prefill chunks (m >= kLinearTallRows): an fp32 GEMM tile. Block (column group of kCols, k-slice, 32-row group)
+// streams its slice of k in 64-float chunks through a cp.async ring (x rows and W rows of the chunk, no registers
+// held by the copies); warp w multiplies the chunk's floats [8w, 8w + 8) and lane (row quad rq = lane / 4, column part
+// cp = lane % 4) keeps 4 rows x kCols / 4 columns of partial sums in registers. The 8 warps' partials are added in
+// warp order through shared memory, and the kTallSlices blocks of a cluster (the k-slices) in rank order through
+// distributed shared memory: deterministic without atomics or scratch. x is read once per column group and W once
+// per 32 rows (the earlier 4-row blocks re-read W from L2 for every 4 rows: 40 µs for a 512-token mHC mix).
 constexpr int kLinearTallRows = 64;  // m from which linear_f32_tall_kernel runs
-constexpr int kTallRows = 4;
+constexpr int kTallRows = 32;        // rows per block: 8 row quads
+constexpr int kTallSlices = 8;       // k-slices per cluster (the portable cluster size)
+constexpr int kTallChunk = 64;       // floats of k per stage: 8 per warp
+constexpr int kTallStride = kTallChunk + 4;  // floats per staged row: a quarter warp's 16-byte reads of 8 rows hit
+                                             // 8 different bank groups
+constexpr int kTallStages = 4;
+constexpr int kTallWarps = kLinearThreads / 32;
+static_assert(kTallChunk == 8 * kTallWarps && kTallRows == 4 * 8, "warp w: floats 8w..8w+7; lane: 4 of 32 rows");
+
+template <int kCols>
+constexpr size_t tall_smem_bytes() {
+  const size_t ring = sizeof(float) * kTallStages * (kTallRows + kCols) * kTallStride;
+  const size_t partials = sizeof(float) * (kTallWarps + 1) * kTallRows * kCols;  // the warps' and the block's sums
+  return ring > partials ? ring : partials;
+}
 
 template <int kCols>
 __global__ void __launch_bounds__(kLinearThreads) linear_f32_tall_kernel(LinearF32Params p) {
+  constexpr int kLaneCols = kCols / 4;
+  static_assert(kCols % 4 == 0, "columns split over the 4 lanes of a row quad");
+  extern __shared__ float4 tall_smem[];
+  float* ring = reinterpret_cast<float*>(tall_smem);  // [stage][kTallRows + kCols][kTallStride]: x rows, then W rows
+  cg::cluster_group cluster = cg::this_cluster();
+  const int slice = int(cluster.block_rank()), col0 = int(blockIdx.x / kTallSlices) * kCols;
+  const int row0 = blockIdx.y * kTallRows, cols = min(kCols, p.n - col0);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, rq = lane >> 2, cp = lane & 3;
+  // The slice: whole chunks, the last one of k zero-filled past k (k % 4 == 0: copies of 4 floats).
+  const int chunks_total = (p.k + kTallChunk - 1) / kTallChunk;
+  const int per_slice = (chunks_total + kTallSlices - 1) / kTallSlices;
+  const int chunk0 = slice * per_slice, n_chunks = max(0, min(chunks_total, chunk0 + per_slice) - chunk0);
   gpu::dependent_enter();
-  __shared__ float partial[kLinearThreads / 32][kTallRows][kCols];
-  const int row0 = blockIdx.x * kTallRows, col0 = blockIdx.y * kCols, cols = min(kCols, p.n - col0);
-  const int units = p.k / 4;
-  const float4* x[kTallRows];
+
+  auto issue = [&](int c) {  // chunk c of the slice into its stage; rows past m / columns past n repeat the last
+    float* stage = ring + (c % kTallStages) * (kTallRows + kCols) * kTallStride;
+    const int k0 = (chunk0 + c) * kTallChunk;
+    for (int i = threadIdx.x; i < (kTallRows + kCols) * (kTallChunk / 4); i += kLinearThreads) {
+      const int r = i / (kTallChunk / 4), k = k0 + 4 * (i % (kTallChunk / 4));
+      const float* src = r < kTallRows ? p.x + int64_t(min(row0 + r, p.m - 1)) * p.k
+                                       : p.w + int64_t(col0 + min(r - kTallRows, cols - 1)) * p.k;
+      const bool valid = k < p.k;
+      cp_async_16(stage + r * kTallStride + 4 * (i % (kTallChunk / 4)), valid ? src + k : src, valid);
+    }
+  };
 #pragma unroll
-  for (int r = 0; r < kTallRows; ++r)  // rows past m re-read row m - 1 (never stored)
-    x[r] = reinterpret_cast<const float4*>(p.x + int64_t(min(row0 + r, p.m - 1)) * p.k);
-  const float4* w = reinterpret_cast<const float4*>(p.w + int64_t(col0) * p.k);
-  float acc[kTallRows][kCols];
+  for (int c = 0; c < kTallStages - 1; ++c) {
+    if (c < n_chunks) issue(c);
+    cp_async_commit();  // empty groups keep the wait counts uniform
+  }
+  float acc[4][kLaneCols] = {};
+  for (int c = 0; c < n_chunks; ++c) {
+    cp_async_wait<kTallStages - 2>();
+    __syncthreads();  // chunk c has landed for every thread; chunk c - 1's stage is free again
+    if (c + kTallStages - 1 < n_chunks) issue(c + kTallStages - 1);
+    cp_async_commit();
+    const float* stage = ring + (c % kTallStages) * (kTallRows + kCols) * kTallStride + 8 * warp;
+    float4 xv[4][2];
 #pragma unroll
-  for (int r = 0; r < kTallRows; ++r)
+    for (int r = 0; r < 4; ++r)
 #pragma unroll
-    for (int c = 0; c < kCols; ++c) acc[r][c] = 0.0f;
-  for (int u = threadIdx.x; u < units; u += kLinearThreads) {
-    float4 xv[kTallRows];
+      for (int h = 0; h < 2; ++h)
+        xv[r][h] = *reinterpret_cast<const float4*>(stage + (4 * rq + r) * kTallStride + 4 * h);
 #pragma unroll
-    for (int r = 0; r < kTallRows; ++r) xv[r] = x[r][u];
+    for (int j = 0; j < kLaneCols; ++j) {
+      const float* wr = stage + (kTallRows + cp * kLaneCols + j) * kTallStride;
+      const float4 w0 = *reinterpret_cast<const float4*>(wr), w1 = *reinterpret_cast<const float4*>(wr + 4);
 #pragma unroll
-    for (int c = 0; c < kCols; ++c) {
-      const float4 wv = c < cols ? w[int64_t(c) * units + u] : float4{};
-#pragma unroll
-      for (int r = 0; r < kTallRows; ++r) acc[r][c] = dot_acc(xv[r], wv, acc[r][c]);
+      for (int r = 0; r < 4; ++r) acc[r][j] = dot_acc(xv[r][1], w1, dot_acc(xv[r][0], w0, acc[r][j]));
     }
   }
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  cp_async_wait<0>();
+  __syncthreads();  // the ring becomes the partial sums
+  float* warp_sums = ring;                                // [warp][kTallRows][kCols]
+  float* block_sums = ring + kTallWarps * kTallRows * kCols;  // [kTallRows][kCols]
 #pragma unroll
-  for (int r = 0; r < kTallRows; ++r)
+  for (int r = 0; r < 4; ++r)
 #pragma unroll
-    for (int c = 0; c < kCols; ++c) {
-      const float v = detail::warp_sum(acc[r][c]);
-      if (lane == 0) partial[warp][r][c] = v;
-    }
+    for (int j = 0; j < kLaneCols; ++j)
+      warp_sums[(warp * kTallRows + 4 * rq + r) * kCols + cp * kLaneCols + j] = acc[r][j];
   __syncthreads();
   for (int i = threadIdx.x; i < kTallRows * kCols; i += kLinearThreads) {
-    const int r = i / kCols, c = i % kCols;
-    if (row0 + r >= p.m || c >= cols) continue;
-    float total = 0.0f;
-    for (int wp = 0; wp < kLinearThreads / 32; ++wp) total += partial[wp][r][c];
-    p.y[int64_t(row0 + r) * p.n + col0 + c] = total * p.scale;
+    float sum = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kTallWarps; ++w) sum += warp_sums[w * kTallRows * kCols + i];
+    block_sums[i] = sum;
   }
+  cluster.sync();  // every slice's block sums are in its shared memory
+  if (slice == 0)
+    for (int i = threadIdx.x; i < kTallRows * kCols; i += kLinearThreads) {
+      const int r = i / kCols, c = i % kCols;
+      if (row0 + r >= p.m || c >= cols) continue;
+      float total = 0.0f;
+      for (int s = 0; s < kTallSlices; ++s) total += cluster.map_shared_rank(block_sums, s)[i];
+      p.y[int64_t(row0 + r) * p.n + col0 + c] = total * p.scale;
+    }
+  cluster.sync();  // the block sums must outlive rank 0's reads
 }
 
 // Columns per block: the n of the mHC mixes (24) and of small routers / weight projections in one group.
 template <int kCols>
 void launch_linear_f32_tall(const LinearF32Params& p, cudaStream_t stream) {
-  const dim3 grid(unsigned((p.m + kTallRows - 1) / kTallRows), unsigned((p.n + kCols - 1) / kCols));
-  gpu::launch(linear_f32_tall_kernel<kCols>, grid, kLinearThreads, 0, stream, p);
-  DSV4_CUDA_LAUNCHED();
+  constexpr auto kKernel = linear_f32_tall_kernel<kCols>;
+  constexpr int kSmem = int(tall_smem_bytes<kCols>());
+  const cudaError_t attr = gpu::allow_dynamic_smem<kKernel>(kSmem);
+  OPS_CHECK(attr == cudaSuccess, "linear_f32: cannot allow %d bytes of shared memory", kSmem);
+  const int col_groups = (p.n + kCols - 1) / kCols, row_groups = (p.m + kTallRows - 1) / kTallRows;
+  OPS_CHECK(row_groups <= 65535, "linear_f32: m = %d rows exceed one grid", p.m);
+  const cudaError_t err = gpu::launch_ex(kKernel, dim3(unsigned(col_groups) * kTallSlices, unsigned(row_groups)),
+                                         kLinearThreads, size_t(kSmem), unsigned(kTallSlices), stream, p);
+  DSV4_CUDA_LAUNCHED();  // throws (and clears) a recorded launch error
+  OPS_CHECK(err == cudaSuccess, "linear_f32: cluster launch failed: %s", cudaGetErrorString(err));
 }
 
 // ---- mHC ---------------------------------------------------------------------------------------------------------
