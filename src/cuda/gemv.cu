@@ -225,13 +225,16 @@ KernelArgs plain_args(const GemvParams& p, int split_k) {
   return a;
 }
 
-// One block: place_pairs (cuda/moe_route.cuh) with the pairs' experts staged in shared memory (40 KB in all).
-__global__ void moe_slots_kernel(MoeSlotsParams p) {
+// One block of 1024 threads: place_pairs_by_warps (cuda/moe_route.cuh) where its per-warp counts fit, else
+// place_pairs. smem: their shared memory.
+constexpr int kSlotsThreads = 1024;
+__global__ void __launch_bounds__(kSlotsThreads) moe_slots_kernel(MoeSlotsParams p) {
   gpu::dependent_enter();
-  __shared__ int count[4096];
-  __shared__ int start[4096];
-  __shared__ uint16_t pair_expert[4096];
-  place_pairs(p, count, start, pair_expert);
+  extern __shared__ int slots_smem[];
+  if (p.experts <= kSlotsWarpExperts)
+    place_pairs_by_warps(p, slots_smem);
+  else
+    place_pairs(p, slots_smem, slots_smem + p.experts);
 }
 
 // The router's 16 warps take the step's tokens (warp w: tokens w, w + 16, ..), each with its E floats of shared memory;
@@ -321,7 +324,14 @@ GroupedKernel grouped_kernel(const GemvGroupedParams& g) {
 }
 
 cudaError_t moe_slots_launch(const MoeSlotsParams& p) {
-  gpu::launch(moe_slots_kernel, 1, 1024, 0, p.stream, p);
+  constexpr int kMaxSmem = (kSlotsThreads / 32 + 2) * kSlotsWarpExperts * 4 + 4096 * 2;  // >= 2 · 4096 ints
+  const cudaError_t attr = gpu::allow_dynamic_smem<moe_slots_kernel>(kMaxSmem);
+  if (attr != cudaSuccess) return attr;
+  const int pairs = p.n * (p.k + (p.shared_expert >= 0 ? 1 : 0));
+  const size_t smem = p.experts <= kSlotsWarpExperts
+                          ? size_t(kSlotsThreads / 32 + 2) * p.experts * sizeof(int) + size_t(pairs) * sizeof(uint16_t)
+                          : 2 * size_t(p.experts) * sizeof(int);
+  gpu::launch(moe_slots_kernel, 1, kSlotsThreads, smem, p.stream, p);
   return cudaGetLastError();
 }
 

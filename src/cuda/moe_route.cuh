@@ -103,35 +103,28 @@ __device__ __forceinline__ void route_token(const gpu::RouterParams& p, int t, i
   }
 }
 
-// One block of moe_slots: counting sort of the pairs by expert (experts and pairs <= 4096). The block counts with
-// shared-memory atomics; then warp 0 alone scans the counts (each lane a run of experts, a shuffle scan across
-// lanes) and places the pairs 32 at a time in ascending order (lanes of one expert ranked by __match_any_sync), so
-// the order is stable without a serial loop over the pairs.
-// Every thread of the block calls it; count and start: p.experts ints of shared memory each. pair_expert (shared
-// memory for every pair's expert, or nullptr): the counting pass keeps the experts there, so warp 0's placement
-// steps (one per 32 pairs: 112 for a 512-token prefill chunk) each wait on shared memory instead of global memory.
-__device__ __forceinline__ void place_pairs(const MoeSlotsParams& p, int* count, int* start,
-                                            uint16_t* pair_expert = nullptr) {
-  const bool with_shared = p.shared_expert >= 0;
-  const int per_token = p.k + (with_shared ? 1 : 0), pairs = p.n * per_token;
-  auto expert_of = [&](int i) {
+// moe_slots: a stable counting sort of the pairs by expert (experts and pairs <= 4096), in two forms below that give
+// the same slots and order. Pair i of token t = i / per_token is its pick j = i % per_token (the shared expert last).
+struct PairExperts {
+  const MoeSlotsParams& p;
+  int per_token, pairs;
+  __device__ explicit PairExperts(const MoeSlotsParams& params)
+      : p(params), per_token(params.k + (params.shared_expert >= 0 ? 1 : 0)), pairs(params.n * per_token) {}
+  __device__ int expert(int i) const {
     const int t = i / per_token, j = i % per_token;
     return j == p.k ? p.shared_expert : p.ids[t * p.k + j];
-  };
-  for (int e = threadIdx.x; e < p.experts; e += blockDim.x) count[e] = 0;
-  __syncthreads();
-  for (int i = threadIdx.x; i < pairs; i += blockDim.x) {
-    const int e = expert_of(i);
-    atomicAdd(&count[e], 1);
-    if (pair_expert) pair_expert[i] = uint16_t(e);
-    if (with_shared) {
-      const int t = i / per_token, j = i % per_token;
-      p.pair_weights[i] = j == p.k ? 1.0f : p.weights[t * p.k + j];
-    }
   }
-  __syncthreads();
-  if (threadIdx.x >= 32) return;
-  const int lane = threadIdx.x;
+  // pair_weights[i]: the routing weight, 1 for the shared expert's pairs (written when there is one).
+  __device__ void weight(int i) const {
+    if (p.shared_expert < 0) return;
+    const int t = i / per_token, j = i % per_token;
+    p.pair_weights[i] = j == p.k ? 1.0f : p.weights[t * p.k + j];
+  }
+};
+
+// Warp 0 (lane = threadIdx.x): start[e] = the exclusive scan of count (each lane a run of experts, a shuffle scan
+// across lanes), and the slot arrays: every expert with pairs, its offset, the count.
+__device__ __forceinline__ void scan_slots(const MoeSlotsParams& p, const int* count, int* start, int lane) {
   const int per_lane = (p.experts + 31) / 32, e0 = min(p.experts, lane * per_lane),
             e1 = min(p.experts, e0 + per_lane);
   int rows = 0, slots = 0;  // this lane's run of experts
@@ -156,20 +149,83 @@ __device__ __forceinline__ void place_pairs(const MoeSlotsParams& p, int* count,
     p.slots.offset[slots_before] = rows_before;
     *p.slots.count = slots_before;
   }
-  __syncwarp();
-  for (int i0 = 0; i0 < pairs; i0 += 32) {
-    const int i = i0 + lane;
-    const bool valid = i < pairs;
-    const int e = !valid ? -1 : pair_expert ? int(pair_expert[i]) : expert_of(i);
+}
+
+// One warp places pairs [i0, i1) in ascending order, 32 at a time: lanes of one expert are ranked by
+// __match_any_sync, pair i goes to row_order[next[e] + rank], and the group's lowest lane advances next[e].
+template <class ExpertOf>
+__device__ __forceinline__ void place_run(const MoeSlotsParams& p, int i0, int i1, int* next, int lane,
+                                          ExpertOf expert_of) {
+  for (int base = i0; base < i1; base += 32) {
+    const int i = base + lane;
+    const bool valid = i < i1;
+    const int e = valid ? expert_of(i) : -1;
     const unsigned peers = __match_any_sync(0xffffffffu, e);
-    if (valid) {
-      const unsigned lower = peers & ((1u << lane) - 1u);
-      p.slots.row_order[start[e] + __popc(lower)] = i;
-    }
+    const unsigned lower = peers & ((1u << lane) - 1u);
+    if (valid) p.slots.row_order[next[e] + __popc(lower)] = i;
     __syncwarp();
-    if (valid && (peers & ((1u << lane) - 1u)) == 0) start[e] += __popc(peers);  // the group's lowest lane
+    if (valid && lower == 0) next[e] += __popc(peers);
     __syncwarp();
   }
+}
+
+// The one-block form for a decode step's few pairs (and any expert count): the block counts with shared-memory
+// atomics, then warp 0 alone scans and places every pair. Every thread of the block calls it; count and start:
+// p.experts ints of shared memory each.
+__device__ __forceinline__ void place_pairs(const MoeSlotsParams& p, int* count, int* start) {
+  const PairExperts pe(p);
+  for (int e = threadIdx.x; e < p.experts; e += blockDim.x) count[e] = 0;
+  __syncthreads();
+  for (int i = threadIdx.x; i < pe.pairs; i += blockDim.x) {
+    atomicAdd(&count[pe.expert(i)], 1);
+    pe.weight(i);
+  }
+  __syncthreads();
+  if (threadIdx.x >= 32) return;
+  scan_slots(p, count, start, threadIdx.x);
+  __syncwarp();
+  place_run(p, 0, pe.pairs, start, threadIdx.x, [&](int i) { return pe.expert(i); });
+}
+
+// The form for prefill chunks (thousands of pairs; experts <= kSlotsWarpExperts): warp w of the block's W warps owns
+// the w-th run of ceil(pairs / W) consecutive pairs. It counts its run's pairs per expert (hist[w][e]) and keeps their
+// experts in shared memory; each expert's counts become exclusive prefixes over the warps; warp 0 scans the totals;
+// then every warp places its own run from start[e] + hist[w][e]: the same order as one warp walking all pairs, in
+// 1 / W of the steps. smem: W · experts + 2 · experts ints, then pairs uint16.
+constexpr int kSlotsWarpExperts = 512;
+__device__ __forceinline__ void place_pairs_by_warps(const MoeSlotsParams& p, int* smem) {
+  const PairExperts pe(p);
+  const int E = p.experts, warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  int* hist = smem;                  // [warps][E]
+  int* count = hist + warps * E;     // [E]
+  int* start = count + E;            // [E]
+  uint16_t* pair_expert = reinterpret_cast<uint16_t*>(start + E);  // [pairs]
+  const int run = (pe.pairs + warps - 1) / warps, i0 = min(pe.pairs, warp * run), i1 = min(pe.pairs, i0 + run);
+  for (int j = threadIdx.x; j < warps * E; j += blockDim.x) hist[j] = 0;
+  __syncthreads();
+  for (int i = i0 + lane; i < i1; i += 32) {
+    const int e = pe.expert(i);
+    pair_expert[i] = uint16_t(e);
+    atomicAdd(&hist[warp * E + e], 1);
+    pe.weight(i);
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    int total = 0;
+    for (int w = 0; w < warps; ++w) {
+      const int c = hist[w * E + e];
+      hist[w * E + e] = total;
+      total += c;
+    }
+    count[e] = total;
+  }
+  __syncthreads();
+  if (warp == 0) scan_slots(p, count, start, lane);
+  __syncthreads();
+  int* next = hist + warp * E;  // this warp's first row of each expert, relative to start
+  for (int e = lane; e < E; e += 32) next[e] += start[e];
+  __syncwarp();
+  place_run(p, i0, i1, next, lane, [&](int i) { return int(pair_expert[i]); });
 }
 
 // The router, then the placement, by every thread of a block of `warps` warps: warp w routes tokens w, w + warps,

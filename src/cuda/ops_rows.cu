@@ -313,8 +313,9 @@ void launch_linear_f32(const LinearF32Params& p, int slices, cudaStream_t stream
 
 // Prefill chunks (m >= kLinearTallRows): an fp32 GEMM tile. Block (column group of kCols, k-slice, 32-row group)
 // streams its slice of k in 64-float chunks through a cp.async ring (x rows and W rows of the chunk, no registers
-// held by the copies); warp w multiplies the chunk's floats [8w, 8w + 8) and lane (row quad rq = lane / 4, column part
-// cp = lane % 4) keeps 4 rows x kCols / 4 columns of partial sums in registers. The 8 warps' partials are added in
+// held by the copies); warp w multiplies the chunk's floats [8w, 8w + 8) and lane (rq = lane / 4, cp = lane % 4)
+// keeps rows rq + 8i (i < 4) x columns cp + 4j (j < kCols / 4) of partial sums in registers: for each i (j) the
+// lanes read 8 (4) consecutive staged rows, which the padded stride puts in different bank groups. The 8 warps' partials are added in
 // warp order through shared memory, and the kTallSlices blocks of a cluster (the k-slices) in rank order through
 // distributed shared memory: deterministic without atomics or scratch. x is read once per column group and W once
 // per 32 rows (the earlier 4-row blocks re-read W from L2 for every 4 rows: 40 µs for a 512-token mHC mix).
@@ -327,6 +328,7 @@ constexpr int kTallStride = kTallChunk + 4;  // floats per staged row: a quarter
 constexpr int kTallStages = 4;
 constexpr int kTallWarps = kLinearThreads / 32;
 static_assert(kTallChunk == 8 * kTallWarps && kTallRows == 4 * 8, "warp w: floats 8w..8w+7; lane: 4 of 32 rows");
+static_assert(kTallStride % 32 == 4, "consecutive staged rows start 4 banks apart");
 
 template <int kCols>
 constexpr size_t tall_smem_bytes() {
@@ -379,10 +381,10 @@ __global__ void __launch_bounds__(kLinearThreads) linear_f32_tall_kernel(LinearF
     for (int r = 0; r < 4; ++r)
 #pragma unroll
       for (int h = 0; h < 2; ++h)
-        xv[r][h] = *reinterpret_cast<const float4*>(stage + (4 * rq + r) * kTallStride + 4 * h);
+        xv[r][h] = *reinterpret_cast<const float4*>(stage + (rq + 8 * r) * kTallStride + 4 * h);
 #pragma unroll
     for (int j = 0; j < kLaneCols; ++j) {
-      const float* wr = stage + (kTallRows + cp * kLaneCols + j) * kTallStride;
+      const float* wr = stage + (kTallRows + cp + 4 * j) * kTallStride;
       const float4 w0 = *reinterpret_cast<const float4*>(wr), w1 = *reinterpret_cast<const float4*>(wr + 4);
 #pragma unroll
       for (int r = 0; r < 4; ++r) acc[r][j] = dot_acc(xv[r][1], w1, dot_acc(xv[r][0], w0, acc[r][j]));
@@ -396,7 +398,7 @@ __global__ void __launch_bounds__(kLinearThreads) linear_f32_tall_kernel(LinearF
   for (int r = 0; r < 4; ++r)
 #pragma unroll
     for (int j = 0; j < kLaneCols; ++j)
-      warp_sums[(warp * kTallRows + 4 * rq + r) * kCols + cp * kLaneCols + j] = acc[r][j];
+      warp_sums[(warp * kTallRows + rq + 8 * r) * kCols + cp + 4 * j] = acc[r][j];
   __syncthreads();
   for (int i = threadIdx.x; i < kTallRows * kCols; i += kLinearThreads) {
     float sum = 0.0f;
