@@ -27,6 +27,7 @@
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <vector>
 
@@ -682,15 +683,20 @@ TEST(CudaModel, Bf16SensitivityOfTinyModels) {
 // (0.9 on the golden tiny models, where a router or indexer top-k may flip on an fp32 difference and move the rest
 // of that sequence's rows; 1 on a model with no such choice). Sequences copied with copy_sequence and fed the same
 // token must give the same row to 1e-6 of max|logit| (their rows meet identical work in one launch). Prompts:
-// prompt_base + 3·b tokens (prompt_base + b % 8 with `short_prompts`, for contexts the synthetic indexer keeps whole).
+// 60 + 3·b tokens (20 + b % 8 with `short_prompts`, for contexts the synthetic indexer keeps whole). synthetic: the
+// format of a synthetic model's linears (CudaRunnerOptions::synthetic_format; none for a checkpoint's weights).
 void check_batched_decode(const Model& model, const std::string& name, const std::string& source, int B, int steps,
-                          double within = 0.9, bool short_prompts = false) {
+                          double within = 0.9, bool short_prompts = false,
+                          std::optional<GemvWeight> synthetic = std::nullopt) {
   const ModelConfig& c = model.config();
   const int V = c.vocab_size, max_context = 70 + 3 * B + steps + 8;
   CudaRunnerOptions options;
   options.sequences = B;
+  options.synthetic_format = synthetic;
   std::unique_ptr<SequenceRunner> batched = make_cuda_runner(model, max_context, options);
-  std::unique_ptr<SequenceRunner> single = make_cuda_runner(model, max_context);
+  CudaRunnerOptions one;
+  one.synthetic_format = synthetic;
+  std::unique_ptr<SequenceRunner> single = make_cuda_runner(model, max_context, one);
   std::mt19937 rng(7 + B);
   std::uniform_int_distribution<int32_t> token(2, V - 1);
   std::vector<std::vector<int32_t>> prompts(B), fed(B);
@@ -787,7 +793,7 @@ TEST(CudaModel, BatchedDecodeOnTheTiledKernel) {
   check_batched_decode("tiny-flash", kDefault, 5, 12);
   const ModelConfig c = k512_synthetic_config();
   const Model synthetic(c, synthetic_weights(c, 9), kF32);
-  check_batched_decode(synthetic, "k512-synthetic", "synthetic weights", 40, 6, 1.0, true);
+  check_batched_decode(synthetic, "k512-synthetic", "synthetic NVFP4 weights", 40, 6, 1.0, true, GemvWeight::NVFP4);
 }
 
 // Programmatic dependent launch (launch.cuh) lets a kernel start before its predecessor ends; every kernel waits
@@ -803,7 +809,7 @@ TEST(CudaModel, BatchedDecodeOnTheTiledKernel) {
 // bounded: the median / max bounds below; else only that both runs are reproducible (the printout shows the rest).
 // n: prompt tokens (prefill chunks of 64).
 void check_fused_mhc(const Model& model, const std::string& name, const std::string& source, bool bounded,
-                     int n = 70) {
+                     int n = 70, std::optional<GemvWeight> synthetic = std::nullopt) {
   const int V = model.config().vocab_size, steps = 12, B = 5;
   std::mt19937 rng(17);
   std::uniform_int_distribution<int32_t> token(2, V - 1);
@@ -816,6 +822,7 @@ void check_fused_mhc(const Model& model, const std::string& name, const std::str
     options.fuse_mhc_mix = fused;
     options.fuse_mhc_post = false;  // the plain run's posts on their own, as the fused run's (hc_post_mix) are
     options.sequences = B;
+    options.synthetic_format = synthetic;
     options.prefill_chunk = 64;  // n = 70: chunks of 64 and 6 rows, both decode-sized, so they run fused too
     std::unique_ptr<SequenceRunner> r = make_cuda_runner(model, n + 2 * steps + 1, options);
     std::vector<float> logits = r->forward(prompt, false);
@@ -880,7 +887,7 @@ TEST(CudaModel, FusedMhcMixMatchesSeparateMix) {
   }
   const ModelConfig c = k512_synthetic_config();
   const Model synthetic(c, synthetic_weights(c, 11), kF32);
-  check_fused_mhc(synthetic, "k512-synthetic", "synthetic weights", true, 36);
+  check_fused_mhc(synthetic, "k512-synthetic", "synthetic NVFP4 weights", true, 36, GemvWeight::NVFP4);
 }
 
 // The small synthetic structure with every linear's k a multiple of 512 (hidden, q_lora, o_lora, moe_inter 512; one
