@@ -401,6 +401,20 @@ int gemv_grouped(const GemvGroupedParams& g) {
   return finish(done);
 }
 
+namespace {
+int slots_by_warps_mode = -1;  // set_moe_slots_by_warps; -1 = not yet read from the environment
+}
+
+void set_moe_slots_by_warps(bool on) { slots_by_warps_mode = on ? 1 : 0; }
+
+bool moe_slots_by_warps() {
+  if (slots_by_warps_mode < 0) {
+    slots_by_warps_mode = env_switch("DSV4_MOE_SLOTS_BY_WARPS").value_or(false) ? 1 : 0;
+    if (slots_by_warps_mode) spdlog::info("moe_slots: pairs placed by every warp (DSV4_MOE_SLOTS_BY_WARPS)");
+  }
+  return slots_by_warps_mode == 1;
+}
+
 void moe_slots(const MoeSlotsParams& p) {
   const int pairs = p.n * (p.k + (p.shared_expert >= 0 ? 1 : 0));
   DSV4_CHECK(p.n >= 0 && p.k > 0 && p.experts > 0 && p.experts <= 4096 && pairs <= 4096,
@@ -411,7 +425,7 @@ void moe_slots(const MoeSlotsParams& p) {
              "moe_slots: every pointer must be a device pointer");
   DSV4_CHECK(p.shared_expert < 0 || (p.weights && p.pair_weights),
              "moe_slots: a shared expert needs weights and pair_weights");
-  DSV4_CUDA_CHECK(detail::moe_slots_launch(p));
+  DSV4_CUDA_CHECK(detail::moe_slots_launch(p, moe_slots_by_warps()));
 }
 
 namespace {

@@ -225,13 +225,13 @@ KernelArgs plain_args(const GemvParams& p, int split_k) {
   return a;
 }
 
-// One block of 1024 threads: place_pairs_by_warps (cuda/moe_route.cuh) where its per-warp counts fit, else
-// place_pairs. smem: their shared memory.
+// One block of 1024 threads: place_pairs (warp 0 places every pair), or place_pairs_by_warps where its per-warp
+// counts fit (set_moe_slots_by_warps). smem: theirs.
 constexpr int kSlotsThreads = 1024;
-__global__ void __launch_bounds__(kSlotsThreads) moe_slots_kernel(MoeSlotsParams p) {
+__global__ void __launch_bounds__(kSlotsThreads) moe_slots_kernel(MoeSlotsParams p, bool by_warps) {
   gpu::dependent_enter();
   extern __shared__ int slots_smem[];
-  if (p.experts <= kSlotsWarpExperts)
+  if (by_warps)
     place_pairs_by_warps(p, slots_smem);
   else
     place_pairs(p, slots_smem, slots_smem + p.experts);
@@ -323,15 +323,16 @@ GroupedKernel grouped_kernel(const GemvGroupedParams& g) {
   return GroupedKernel::Register;
 }
 
-cudaError_t moe_slots_launch(const MoeSlotsParams& p) {
+cudaError_t moe_slots_launch(const MoeSlotsParams& p, bool by_warps) {
   constexpr int kMaxSmem = (kSlotsThreads / 32 + 2) * kSlotsWarpExperts * 4 + 4096 * 2;  // >= 2 · 4096 ints
   const cudaError_t attr = gpu::allow_dynamic_smem<moe_slots_kernel>(kMaxSmem);
   if (attr != cudaSuccess) return attr;
   const int pairs = p.n * (p.k + (p.shared_expert >= 0 ? 1 : 0));
-  const size_t smem = p.experts <= kSlotsWarpExperts
+  by_warps = by_warps && p.experts <= kSlotsWarpExperts;
+  const size_t smem = by_warps
                           ? size_t(kSlotsThreads / 32 + 2) * p.experts * sizeof(int) + size_t(pairs) * sizeof(uint16_t)
                           : 2 * size_t(p.experts) * sizeof(int);
-  gpu::launch(moe_slots_kernel, 1, kSlotsThreads, smem, p.stream, p);
+  gpu::launch(moe_slots_kernel, 1, kSlotsThreads, smem, p.stream, p, by_warps);
   return cudaGetLastError();
 }
 

@@ -175,6 +175,12 @@ struct MoeSlotsParams {
   cudaStream_t stream = nullptr;
 };
 void moe_slots(const MoeSlotsParams& p);
+// moe_slots' form for chunks of many pairs (experts <= 512): every warp of the block places its own run of pairs
+// from per-warp expert counts, instead of warp 0 walking all of them (39 µs per 512-token prefill chunk, H100). The
+// same slots and order. Off by default: written at stop 32 and not yet run on a GPU (docs/perf.md). Process-wide;
+// DSV4_MOE_SLOTS_BY_WARPS=0/1 in the environment sets it at the first call (bench switch slotwarps).
+void set_moe_slots_by_warps(bool on);
+bool moe_slots_by_warps();
 // gpu::router then moe_slots in one launch, for decode steps (router.n <= 64 tokens, routed by the 16 warps of one
 // block, which then places the pairs; experts <= 512): the same ids, weights and slots as the two launches, one
 // launch fewer per MoE layer. slots.ids / weights must be router.ids / weights; slots.n / k must equal router.n / k.

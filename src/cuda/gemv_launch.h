@@ -56,7 +56,7 @@ cudaError_t gemv_grouped_launch(const GemvGroupedParams& p, int split_k, bool* s
 // The kernel gemv_grouped_launch runs for validated params.
 enum class GroupedKernel { Tiled, W4a8, Bulk, Register };
 GroupedKernel grouped_kernel(const GemvGroupedParams& g);
-cudaError_t moe_slots_launch(const MoeSlotsParams& p);
+cudaError_t moe_slots_launch(const MoeSlotsParams& p, bool by_warps);
 cudaError_t moe_route_and_slots_launch(const gpu::RouterParams& router, const MoeSlotsParams& slots);
 // moe_gate.cu: validated params.
 cudaError_t moe_gate_launch(const gpu::LinearF32Params& gate, const gpu::RouterParams& router,

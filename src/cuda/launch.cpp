@@ -3,13 +3,16 @@
 #include <cstdlib>
 #include <string_view>
 
+#include "core/env.h"
 #include "cuda/launch.cuh"
 #include "cuda/ops.h"
+#include "spdlog/spdlog.h"
 
 namespace dsv4::gpu {
 namespace {
 std::atomic<bool> g_dependent_launch{true};
 std::atomic<int> g_early_weights{-1};  // -1: not yet read from the environment
+std::atomic<int> g_linear_f32_tiles{-1};  // likewise
 }
 
 bool dependent_launch() { return g_dependent_launch.load(std::memory_order_relaxed); }
@@ -27,5 +30,16 @@ EarlyWeights early_weights() {
   return EarlyWeights(v);
 }
 void set_early_weights(EarlyWeights mode) { g_early_weights.store(int(mode), std::memory_order_relaxed); }
+
+bool linear_f32_tiles() {
+  int v = g_linear_f32_tiles.load(std::memory_order_relaxed);
+  if (v < 0) {
+    v = env_switch("DSV4_LINEAR_F32_TILES").value_or(false) ? 1 : 0;
+    if (v) spdlog::info("linear_f32: prefill-sized calls on the 32-row cluster tiles (DSV4_LINEAR_F32_TILES)");
+    g_linear_f32_tiles.store(v, std::memory_order_relaxed);
+  }
+  return v == 1;
+}
+void set_linear_f32_tiles(bool on) { g_linear_f32_tiles.store(on ? 1 : 0, std::memory_order_relaxed); }
 
 }  // namespace dsv4::gpu

@@ -68,8 +68,9 @@ void row_op_pair(const RowOpParams& a, const RowOpParams& b, cudaStream_t stream
 // The sums are reordered (per-thread FMA chains, then shuffle / block / cluster trees; the order depends only on
 // the shape and the SM count, so results are reproducible): |error| <= ~(k / 64 + 16) · 2^-24 · Σ|x·w|.
 // Decode-sized grids split k over up to 8 blocks of one thread-block cluster (sm_90); from 64 rows (prefill) a
-// block computes 32 rows x up to 32 columns over an eighth of k (a cluster of 8 adds the eighths), so x is read once
-// per 32 columns and W once per 32 rows.
+// block keeps 4 rows x up to 32 columns of outputs in registers, so x is read once per 32 columns, or, with
+// set_linear_f32_tiles, computes 32 rows x up to 32 columns over an eighth of k (a cluster of 8 adds the eighths),
+// so W is read once per 32 rows as well.
 struct LinearF32Params {
   const float* x = nullptr;
   const float* w = nullptr;
@@ -78,6 +79,11 @@ struct LinearF32Params {
   float scale = 1.0f;
 };
 void linear_f32(const LinearF32Params& p, cudaStream_t stream);
+// The 32-row cluster tiles for prefill-sized linear_f32 calls instead of the 4-row blocks. Off by default: written
+// at stop 32 and not yet run on a GPU against the 4-row kernel (docs/perf.md). Process-wide, read at launch;
+// DSV4_LINEAR_F32_TILES=0/1 in the environment sets it at the first call (bench switch f32tiles).
+void set_linear_f32_tiles(bool on);
+bool linear_f32_tiles();
 
 // 2.1: streams[t, k, :] = embed[tokens[t], :] for each of the hc streams. embed bf16 [vocab, D].
 void embed_tokens(const uint16_t* embed, const int32_t* tokens, int n, int D, int hc, float* streams,

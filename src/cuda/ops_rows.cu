@@ -311,80 +311,140 @@ void launch_linear_f32(const LinearF32Params& p, int slices, cudaStream_t stream
   OPS_CHECK(err == cudaSuccess, "linear_f32: cluster launch failed: %s", cudaGetErrorString(err));
 }
 
-// Prefill chunks (m >= kLinearTallRows): an fp32 GEMM tile. Block (column group of kCols, k-slice, 32-row group)
+// Prefill chunks (m >= kLinearTallRows): the kernel above re-reads the 4 rows of x once per output column (the mHC
+// mix: 24 x 32 MB from L2 per chunk of 512). Here block (row group, column group) keeps all kCols outputs of its
+// kTallRows rows in registers: each thread walks its share of k once, loading the x rows and the kCols weight rows
+// at each step, then the block sums the partials (warp trees, then the 8 warps in order: deterministic).
+constexpr int kLinearTallRows = 64;  // m from which linear_f32_tall_kernel runs
+constexpr int kTallRows = 4;
+
+template <int kCols>
+__global__ void __launch_bounds__(kLinearThreads) linear_f32_tall_kernel(LinearF32Params p) {
+  gpu::dependent_enter();
+  __shared__ float partial[kLinearThreads / 32][kTallRows][kCols];
+  const int row0 = blockIdx.x * kTallRows, col0 = blockIdx.y * kCols, cols = min(kCols, p.n - col0);
+  const int units = p.k / 4;
+  const float4* x[kTallRows];
+#pragma unroll
+  for (int r = 0; r < kTallRows; ++r)  // rows past m re-read row m - 1 (never stored)
+    x[r] = reinterpret_cast<const float4*>(p.x + int64_t(min(row0 + r, p.m - 1)) * p.k);
+  const float4* w = reinterpret_cast<const float4*>(p.w + int64_t(col0) * p.k);
+  float acc[kTallRows][kCols];
+#pragma unroll
+  for (int r = 0; r < kTallRows; ++r)
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) acc[r][c] = 0.0f;
+  for (int u = threadIdx.x; u < units; u += kLinearThreads) {
+    float4 xv[kTallRows];
+#pragma unroll
+    for (int r = 0; r < kTallRows; ++r) xv[r] = x[r][u];
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) {
+      const float4 wv = c < cols ? w[int64_t(c) * units + u] : float4{};
+#pragma unroll
+      for (int r = 0; r < kTallRows; ++r) acc[r][c] = dot_acc(xv[r], wv, acc[r][c]);
+    }
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+  for (int r = 0; r < kTallRows; ++r)
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) {
+      const float v = detail::warp_sum(acc[r][c]);
+      if (lane == 0) partial[warp][r][c] = v;
+    }
+  __syncthreads();
+  for (int i = threadIdx.x; i < kTallRows * kCols; i += kLinearThreads) {
+    const int r = i / kCols, c = i % kCols;
+    if (row0 + r >= p.m || c >= cols) continue;
+    float total = 0.0f;
+    for (int wp = 0; wp < kLinearThreads / 32; ++wp) total += partial[wp][r][c];
+    p.y[int64_t(row0 + r) * p.n + col0 + c] = total * p.scale;
+  }
+}
+
+// Columns per block: the n of the mHC mixes (24) and of small routers / weight projections in one group.
+template <int kCols>
+void launch_linear_f32_tall(const LinearF32Params& p, cudaStream_t stream) {
+  const dim3 grid(unsigned((p.m + kTallRows - 1) / kTallRows), unsigned((p.n + kCols - 1) / kCols));
+  gpu::launch(linear_f32_tall_kernel<kCols>, grid, kLinearThreads, 0, stream, p);
+  DSV4_CUDA_LAUNCHED();
+}
+
+// The same chunks as an fp32 GEMM tile (set_linear_f32_tiles). Block (column group of kCols, k-slice, 32-row group)
 // streams its slice of k in 64-float chunks through a cp.async ring (x rows and W rows of the chunk, no registers
 // held by the copies); warp w multiplies the chunk's floats [8w, 8w + 8) and lane (rq = lane / 4, cp = lane % 4)
 // keeps rows rq + 8i (i < 4) x columns cp + 4j (j < kCols / 4) of partial sums in registers: for each i (j) the
-// lanes read 8 (4) consecutive staged rows, which the padded stride puts in different bank groups. The 8 warps' partials are added in
-// warp order through shared memory, and the kTallSlices blocks of a cluster (the k-slices) in rank order through
-// distributed shared memory: deterministic without atomics or scratch. x is read once per column group and W once
-// per 32 rows (the earlier 4-row blocks re-read W from L2 for every 4 rows: 40 µs for a 512-token mHC mix).
-constexpr int kLinearTallRows = 64;  // m from which linear_f32_tall_kernel runs
-constexpr int kTallRows = 32;        // rows per block: 8 row quads
-constexpr int kTallSlices = 8;       // k-slices per cluster (the portable cluster size)
-constexpr int kTallChunk = 64;       // floats of k per stage: 8 per warp
-constexpr int kTallStride = kTallChunk + 4;  // floats per staged row: a quarter warp's 16-byte reads of 8 rows hit
+// lanes read 8 (4) consecutive staged rows, which the padded stride puts in different bank groups. The 8 warps'
+// partials are added in warp order through shared memory, and the kTileSlices blocks of a cluster (the k-slices) in
+// rank order through distributed shared memory: deterministic without atomics or scratch. x is read once per column
+// group and W once per 32 rows (the 4-row blocks above re-read W from L2 for every 4 rows: 40 µs for a 512-token mHC
+// mix).
+constexpr int kTileRows = 32;        // rows per block: 8 row quads
+constexpr int kTileSlices = 8;       // k-slices per cluster (the portable cluster size)
+constexpr int kTileChunk = 64;       // floats of k per stage: 8 per warp
+constexpr int kTileStride = kTileChunk + 4;  // floats per staged row: a quarter warp's 16-byte reads of 8 rows hit
                                              // 8 different bank groups
-constexpr int kTallStages = 4;
-constexpr int kTallWarps = kLinearThreads / 32;
-static_assert(kTallChunk == 8 * kTallWarps && kTallRows == 4 * 8, "warp w: floats 8w..8w+7; lane: 4 of 32 rows");
-static_assert(kTallStride % 32 == 4, "consecutive staged rows start 4 banks apart");
+constexpr int kTileStages = 4;
+constexpr int kTileWarps = kLinearThreads / 32;
+static_assert(kTileChunk == 8 * kTileWarps && kTileRows == 4 * 8, "warp w: floats 8w..8w+7; lane: 4 of 32 rows");
+static_assert(kTileStride % 32 == 4, "consecutive staged rows start 4 banks apart");
 
 template <int kCols>
-constexpr size_t tall_smem_bytes() {
-  const size_t ring = sizeof(float) * kTallStages * (kTallRows + kCols) * kTallStride;
-  const size_t partials = sizeof(float) * (kTallWarps + 1) * kTallRows * kCols;  // the warps' and the block's sums
+constexpr size_t tile_smem_bytes() {
+  const size_t ring = sizeof(float) * kTileStages * (kTileRows + kCols) * kTileStride;
+  const size_t partials = sizeof(float) * (kTileWarps + 1) * kTileRows * kCols;  // the warps' and the block's sums
   return ring > partials ? ring : partials;
 }
 
 template <int kCols>
-__global__ void __launch_bounds__(kLinearThreads) linear_f32_tall_kernel(LinearF32Params p) {
+__global__ void __launch_bounds__(kLinearThreads) linear_f32_tile_kernel(LinearF32Params p) {
   constexpr int kLaneCols = kCols / 4;
   static_assert(kCols % 4 == 0, "columns split over the 4 lanes of a row quad");
-  extern __shared__ float4 tall_smem[];
-  float* ring = reinterpret_cast<float*>(tall_smem);  // [stage][kTallRows + kCols][kTallStride]: x rows, then W rows
+  extern __shared__ float4 tile_smem[];
+  float* ring = reinterpret_cast<float*>(tile_smem);  // [stage][kTileRows + kCols][kTileStride]: x rows, then W rows
   cg::cluster_group cluster = cg::this_cluster();
-  const int slice = int(cluster.block_rank()), col0 = int(blockIdx.x / kTallSlices) * kCols;
-  const int row0 = blockIdx.y * kTallRows, cols = min(kCols, p.n - col0);
+  const int slice = int(cluster.block_rank()), col0 = int(blockIdx.x / kTileSlices) * kCols;
+  const int row0 = blockIdx.y * kTileRows, cols = min(kCols, p.n - col0);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, rq = lane >> 2, cp = lane & 3;
   // The slice: whole chunks, the last one of k zero-filled past k (k % 4 == 0: copies of 4 floats).
-  const int chunks_total = (p.k + kTallChunk - 1) / kTallChunk;
-  const int per_slice = (chunks_total + kTallSlices - 1) / kTallSlices;
+  const int chunks_total = (p.k + kTileChunk - 1) / kTileChunk;
+  const int per_slice = (chunks_total + kTileSlices - 1) / kTileSlices;
   const int chunk0 = slice * per_slice, n_chunks = max(0, min(chunks_total, chunk0 + per_slice) - chunk0);
   gpu::dependent_enter();
 
   auto issue = [&](int c) {  // chunk c of the slice into its stage; rows past m / columns past n repeat the last
-    float* stage = ring + (c % kTallStages) * (kTallRows + kCols) * kTallStride;
-    const int k0 = (chunk0 + c) * kTallChunk;
-    for (int i = threadIdx.x; i < (kTallRows + kCols) * (kTallChunk / 4); i += kLinearThreads) {
-      const int r = i / (kTallChunk / 4), k = k0 + 4 * (i % (kTallChunk / 4));
-      const float* src = r < kTallRows ? p.x + int64_t(min(row0 + r, p.m - 1)) * p.k
-                                       : p.w + int64_t(col0 + min(r - kTallRows, cols - 1)) * p.k;
+    float* stage = ring + (c % kTileStages) * (kTileRows + kCols) * kTileStride;
+    const int k0 = (chunk0 + c) * kTileChunk;
+    for (int i = threadIdx.x; i < (kTileRows + kCols) * (kTileChunk / 4); i += kLinearThreads) {
+      const int r = i / (kTileChunk / 4), k = k0 + 4 * (i % (kTileChunk / 4));
+      const float* src = r < kTileRows ? p.x + int64_t(min(row0 + r, p.m - 1)) * p.k
+                                       : p.w + int64_t(col0 + min(r - kTileRows, cols - 1)) * p.k;
       const bool valid = k < p.k;
-      cp_async_16(stage + r * kTallStride + 4 * (i % (kTallChunk / 4)), valid ? src + k : src, valid);
+      cp_async_16(stage + r * kTileStride + 4 * (i % (kTileChunk / 4)), valid ? src + k : src, valid);
     }
   };
 #pragma unroll
-  for (int c = 0; c < kTallStages - 1; ++c) {
+  for (int c = 0; c < kTileStages - 1; ++c) {
     if (c < n_chunks) issue(c);
     cp_async_commit();  // empty groups keep the wait counts uniform
   }
   float acc[4][kLaneCols] = {};
   for (int c = 0; c < n_chunks; ++c) {
-    cp_async_wait<kTallStages - 2>();
+    cp_async_wait<kTileStages - 2>();
     __syncthreads();  // chunk c has landed for every thread; chunk c - 1's stage is free again
-    if (c + kTallStages - 1 < n_chunks) issue(c + kTallStages - 1);
+    if (c + kTileStages - 1 < n_chunks) issue(c + kTileStages - 1);
     cp_async_commit();
-    const float* stage = ring + (c % kTallStages) * (kTallRows + kCols) * kTallStride + 8 * warp;
+    const float* stage = ring + (c % kTileStages) * (kTileRows + kCols) * kTileStride + 8 * warp;
     float4 xv[4][2];
 #pragma unroll
     for (int r = 0; r < 4; ++r)
 #pragma unroll
       for (int h = 0; h < 2; ++h)
-        xv[r][h] = *reinterpret_cast<const float4*>(stage + (rq + 8 * r) * kTallStride + 4 * h);
+        xv[r][h] = *reinterpret_cast<const float4*>(stage + (rq + 8 * r) * kTileStride + 4 * h);
 #pragma unroll
     for (int j = 0; j < kLaneCols; ++j) {
-      const float* wr = stage + (kTallRows + cp + 4 * j) * kTallStride;
+      const float* wr = stage + (kTileRows + cp + 4 * j) * kTileStride;
       const float4 w0 = *reinterpret_cast<const float4*>(wr), w1 = *reinterpret_cast<const float4*>(wr + 4);
 #pragma unroll
       for (int r = 0; r < 4; ++r) acc[r][j] = dot_acc(xv[r][1], w1, dot_acc(xv[r][0], w0, acc[r][j]));
@@ -392,27 +452,27 @@ __global__ void __launch_bounds__(kLinearThreads) linear_f32_tall_kernel(LinearF
   }
   cp_async_wait<0>();
   __syncthreads();  // the ring becomes the partial sums
-  float* warp_sums = ring;                                // [warp][kTallRows][kCols]
-  float* block_sums = ring + kTallWarps * kTallRows * kCols;  // [kTallRows][kCols]
+  float* warp_sums = ring;                                // [warp][kTileRows][kCols]
+  float* block_sums = ring + kTileWarps * kTileRows * kCols;  // [kTileRows][kCols]
 #pragma unroll
   for (int r = 0; r < 4; ++r)
 #pragma unroll
     for (int j = 0; j < kLaneCols; ++j)
-      warp_sums[(warp * kTallRows + rq + 8 * r) * kCols + cp + 4 * j] = acc[r][j];
+      warp_sums[(warp * kTileRows + rq + 8 * r) * kCols + cp + 4 * j] = acc[r][j];
   __syncthreads();
-  for (int i = threadIdx.x; i < kTallRows * kCols; i += kLinearThreads) {
+  for (int i = threadIdx.x; i < kTileRows * kCols; i += kLinearThreads) {
     float sum = 0.0f;
 #pragma unroll
-    for (int w = 0; w < kTallWarps; ++w) sum += warp_sums[w * kTallRows * kCols + i];
+    for (int w = 0; w < kTileWarps; ++w) sum += warp_sums[w * kTileRows * kCols + i];
     block_sums[i] = sum;
   }
   cluster.sync();  // every slice's block sums are in its shared memory
   if (slice == 0)
-    for (int i = threadIdx.x; i < kTallRows * kCols; i += kLinearThreads) {
+    for (int i = threadIdx.x; i < kTileRows * kCols; i += kLinearThreads) {
       const int r = i / kCols, c = i % kCols;
       if (row0 + r >= p.m || c >= cols) continue;
       float total = 0.0f;
-      for (int s = 0; s < kTallSlices; ++s) total += cluster.map_shared_rank(block_sums, s)[i];
+      for (int s = 0; s < kTileSlices; ++s) total += cluster.map_shared_rank(block_sums, s)[i];
       p.y[int64_t(row0 + r) * p.n + col0 + c] = total * p.scale;
     }
   cluster.sync();  // the block sums must outlive rank 0's reads
@@ -420,15 +480,15 @@ __global__ void __launch_bounds__(kLinearThreads) linear_f32_tall_kernel(LinearF
 
 // Columns per block: the n of the mHC mixes (24) and of small routers / weight projections in one group.
 template <int kCols>
-void launch_linear_f32_tall(const LinearF32Params& p, cudaStream_t stream) {
-  constexpr auto kKernel = linear_f32_tall_kernel<kCols>;
-  constexpr int kSmem = int(tall_smem_bytes<kCols>());
+void launch_linear_f32_tiles(const LinearF32Params& p, cudaStream_t stream) {
+  constexpr auto kKernel = linear_f32_tile_kernel<kCols>;
+  constexpr int kSmem = int(tile_smem_bytes<kCols>());
   const cudaError_t attr = gpu::allow_dynamic_smem<kKernel>(kSmem);
   OPS_CHECK(attr == cudaSuccess, "linear_f32: cannot allow %d bytes of shared memory", kSmem);
-  const int col_groups = (p.n + kCols - 1) / kCols, row_groups = (p.m + kTallRows - 1) / kTallRows;
+  const int col_groups = (p.n + kCols - 1) / kCols, row_groups = (p.m + kTileRows - 1) / kTileRows;
   OPS_CHECK(row_groups <= 65535, "linear_f32: m = %d rows exceed one grid", p.m);
-  const cudaError_t err = gpu::launch_ex(kKernel, dim3(unsigned(col_groups) * kTallSlices, unsigned(row_groups)),
-                                         kLinearThreads, size_t(kSmem), unsigned(kTallSlices), stream, p);
+  const cudaError_t err = gpu::launch_ex(kKernel, dim3(unsigned(col_groups) * kTileSlices, unsigned(row_groups)),
+                                         kLinearThreads, size_t(kSmem), unsigned(kTileSlices), stream, p);
   DSV4_CUDA_LAUNCHED();  // throws (and clears) a recorded launch error
   OPS_CHECK(err == cudaSuccess, "linear_f32: cluster launch failed: %s", cudaGetErrorString(err));
 }
@@ -1163,14 +1223,15 @@ void row_op_pair(const RowOpParams& a, const RowOpParams& b, cudaStream_t stream
 void linear_f32(const LinearF32Params& p, cudaStream_t stream) {
   if (int64_t(p.m) * p.n == 0) return;
   if (p.m >= kLinearTallRows && p.k % 4 == 0 && aligned(p.x, 16) && aligned(p.w, 16)) {
+    const bool tiles = linear_f32_tiles();
     if (p.n <= 8)
-      launch_linear_f32_tall<8>(p, stream);
+      tiles ? launch_linear_f32_tiles<8>(p, stream) : launch_linear_f32_tall<8>(p, stream);
     else if (p.n <= 16)
-      launch_linear_f32_tall<16>(p, stream);
+      tiles ? launch_linear_f32_tiles<16>(p, stream) : launch_linear_f32_tall<16>(p, stream);
     else if (p.n <= 24)
-      launch_linear_f32_tall<24>(p, stream);
+      tiles ? launch_linear_f32_tiles<24>(p, stream) : launch_linear_f32_tall<24>(p, stream);
     else
-      launch_linear_f32_tall<32>(p, stream);
+      tiles ? launch_linear_f32_tiles<32>(p, stream) : launch_linear_f32_tall<32>(p, stream);
     return;
   }
   const int rows_per_block = detail::linear_f32_rows_per_block(p.m);

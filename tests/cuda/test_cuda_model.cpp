@@ -1316,6 +1316,49 @@ TEST(CudaModel, EarlyWeightLoadsChangeNoBits) {
   }
 }
 
+// The staged prefill forms (off by default until measured, docs/perf.md): moe_slots placed by every warp must give
+// the same slots and order, so the same logits bit for bit (tiny-flash, a 100-token prefill chunk: 700 pairs).
+// linear_f32's 32-row cluster tiles only reorder the fp32 sums of the prefill mixes, router gate and indexer
+// weights: on the synthetic model without discrete choices (a 64-token prompt fills but does not pass its indexer's
+// top-k) every prefill row within 1e-4 of max|logit| (a wrong sum moves every row by far more); on tiny-flash,
+// whose routers meet near-ties, only reproducible.
+TEST(CudaModel, StagedPrefillForms) {
+  DSV4_REQUIRE_CUDA();
+  struct Restore {
+    bool slots = moe_slots_by_warps(), tiles = gpu::linear_f32_tiles();
+    ~Restore() { set_moe_slots_by_warps(slots), gpu::set_linear_f32_tiles(tiles); }
+  } restore;
+  auto prefill = [](const Model& model, const std::vector<int32_t>& prompt, std::optional<GemvWeight> synthetic,
+                    bool by_warps, bool tiles) {
+    set_moe_slots_by_warps(by_warps);
+    gpu::set_linear_f32_tiles(tiles);
+    CudaRunnerOptions o;
+    o.synthetic_format = synthetic;
+    std::unique_ptr<SequenceRunner> r = make_cuda_runner(model, int(prompt.size()) + 8, o);
+    return r->forward(prompt, false);
+  };
+  std::string source;
+  const Model tiny = tiny_model("tiny-flash", kDefault, &source);
+  const auto [prompt, unused] = random_prompt_and_fed(tiny.config().vocab_size, 100, 0, 61);
+  const std::vector<float> one_warp = prefill(tiny, prompt, std::nullopt, false, false);
+  ASSERT_FALSE(one_warp.empty());
+  EXPECT_TRUE(prefill(tiny, prompt, std::nullopt, true, false) == one_warp) << "moe_slots by warps changed the logits";
+  const std::vector<float> tiles = prefill(tiny, prompt, std::nullopt, false, true);
+  EXPECT_TRUE(prefill(tiny, prompt, std::nullopt, false, true) == tiles) << "linear_f32 tiles not reproducible";
+
+  const ModelConfig c = k512_synthetic_config();
+  const Model synthetic(c, synthetic_weights(c, 13), kF32);
+  const auto [prompt64, none] = random_prompt_and_fed(c.vocab_size, 64, 0, 62);
+  const std::vector<float> rows4 = prefill(synthetic, prompt64, GemvWeight::NVFP4, false, false);
+  const std::vector<float> tiled = prefill(synthetic, prompt64, GemvWeight::NVFP4, false, true);
+  Diff diff;
+  diff.add(tiled, rows4, c.vocab_size);
+  std::printf("[cuda-model] linear_f32 tiles vs 4-row blocks, k512-synthetic prefill of 64: per-row max |diff| median "
+              "%.3g, max %.3g of max|logit| %.3g\n", diff.quantile(0.5), diff.max_abs, diff.max_ref);
+  ASSERT_EQ(diff.row_max.size(), prompt64.size());
+  EXPECT_LE(diff.max_abs, 1e-4 * diff.max_ref);
+}
+
 TEST(CudaModel, DependentLaunchChangesNoBits) {
   DSV4_REQUIRE_CUDA();
   std::string source;

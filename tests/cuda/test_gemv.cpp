@@ -1064,10 +1064,20 @@ TEST(GemvRows, RowRangeIntoStridedOutput) {
   }
 }
 
+// moe_slots' placement form for a test's scope (set_moe_slots_by_warps), restored after.
+struct SlotsForm {
+  const bool built = moe_slots_by_warps();
+  explicit SlotsForm(bool by_warps) { set_moe_slots_by_warps(by_warps); }
+  ~SlotsForm() { set_moe_slots_by_warps(built); }
+};
+
 // The shared expert as one more grouped expert: pair t·(k+1) + k of every token goes to it with weight 1, the
-// picks keep their order and weights.
-TEST(MoeSlots, SharedExpertPairs) {
+// picks keep their order and weights. Both placement forms.
+class MoeSlotsForms : public ::testing::TestWithParam<bool> {};
+
+TEST_P(MoeSlotsForms, SharedExpertPairs) {
   DSV4_REQUIRE_CUDA();
+  const bool by_warps = GetParam();
   const int n = 5, k = 6, routed = 16, shared = routed, per_token = k + 1, pairs = n * per_token;
   std::mt19937_64 rng(3);
   std::vector<int32_t> ids(n * k);
@@ -1087,6 +1097,7 @@ TEST(MoeSlots, SharedExpertPairs) {
   sp.ids = dids.as<int32_t>(), sp.n = n, sp.k = k, sp.experts = routed + 1, sp.shared_expert = shared;
   sp.weights = dw.as<float>(), sp.pair_weights = dpw.as<float>();
   sp.slots = {count.as<int32_t>(), se.as<int32_t>(), so.as<int32_t>(), order.as<int32_t>()};
+  const SlotsForm form(by_warps);
   moe_slots(sp);
   DSV4_CUDA_CHECK(cudaDeviceSynchronize());
   int32_t n_slots = 0;
@@ -1117,9 +1128,10 @@ TEST(MoeSlots, SharedExpertPairs) {
 
 // moe_slots against a host counting sort: prefill-sized chunks (several warps' worth of tokens per expert), tokens
 // that repeat an expert among their picks, experts with no pair, with and without the shared expert, fewer pairs
-// than warps, and more experts than the per-warp counts take (1000: the one-warp placement).
-TEST(MoeSlots, MatchesHostCountingSort) {
+// than warps, and more experts than the per-warp counts take (1000: the one-warp placement in either form).
+TEST_P(MoeSlotsForms, MatchesHostCountingSort) {
   DSV4_REQUIRE_CUDA();
+  const SlotsForm form(GetParam());
   std::mt19937_64 rng(17);
   for (const auto& [n, k, routed, shared] :
        {std::tuple{512, 6, 32, true}, {576, 6, 256, true}, {100, 8, 5, false}, {1, 6, 16, true}, {70, 2, 3, false},
@@ -1165,6 +1177,9 @@ TEST(MoeSlots, MatchesHostCountingSort) {
     EXPECT_EQ(got_order, want_order) << "n " << n << " experts " << experts;
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(MoeSlots, MoeSlotsForms, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& info) { return info.param ? "ByWarps" : "OneWarp"; });
 
 // Batched launches (the grouped output projection): batch b multiplies its own x rows by the next n rows of the
 // matrix and writes its own columns of a token-major y [m, batch · n]; the padding column stays poisoned.

@@ -680,18 +680,26 @@ void check_linear_f32(int m, int n, int k, float scale, int x_offset, uint32_t s
       bound[size_t(r) * n + c] = 1e-5 * std::fabs(scale) * mag + 1e-30;
     }
   DeviceBuffer dx = to_device(x), dw = to_device(w), dy = nan_buffer(want.size());
-  gpu::linear_f32({dx.as<float>() + x_offset, dw.as<float>(), dy.as<float>(), m, n, k, scale}, nullptr);
-  sync();
-  const std::vector<float> got = to_host<float>(dy, want.size());
-  int bad = 0;
-  double worst = 0;  // in units of the bound
-  for (size_t i = 0; i < want.size(); ++i) {
-    const double d = std::fabs(double(got[i]) - want[i]);
-    if (!(d <= bound[i])) ++bad;
-    worst = std::isnan(d) ? INFINITY : std::max(worst, d / bound[i]);
+  const bool built_tiles = gpu::linear_f32_tiles();
+  for (const bool tiles : {false, true}) {  // prefill-sized calls: the 4-row blocks and the 32-row cluster tiles
+    if (tiles && m < 64) continue;
+    gpu::set_linear_f32_tiles(tiles);
+    dy.fill_bytes(0xff);
+    gpu::linear_f32({dx.as<float>() + x_offset, dw.as<float>(), dy.as<float>(), m, n, k, scale}, nullptr);
+    sync();
+    const std::vector<float> got = to_host<float>(dy, want.size());
+    int bad = 0;
+    double worst = 0;  // in units of the bound
+    for (size_t i = 0; i < want.size(); ++i) {
+      const double d = std::fabs(double(got[i]) - want[i]);
+      if (!(d <= bound[i])) ++bad;
+      worst = std::isnan(d) ? INFINITY : std::max(worst, d / bound[i]);
+    }
+    EXPECT_EQ(bad, 0) << bad << " of " << want.size() << " outputs beyond 1e-5 · Σ|x·w| (tiles " << tiles << ")";
+    std::printf("[linear_f32] m=%d n=%d k=%d x_offset=%d tiles=%d: worst |diff| = %.3g of the bound\n", m, n, k,
+                x_offset, int(tiles), worst);
   }
-  EXPECT_EQ(bad, 0) << bad << " of " << want.size() << " outputs beyond 1e-5 · Σ|x·w|";
-  std::printf("[linear_f32] m=%d n=%d k=%d x_offset=%d: worst |diff| = %.3g of the bound\n", m, n, k, x_offset, worst);
+  gpu::set_linear_f32_tiles(built_tiles);
 }
 
 TEST(OpsRowsLinearF32, DecodeShapes) {
@@ -709,12 +717,14 @@ TEST(OpsRowsLinearF32, PrefillShapes) {
   check_linear_f32(64, 64, 4096, 1.0f, 0, 47);
   check_linear_f32(64, 256, 4096, 1.0f, 0, 48);
   check_linear_f32(6, 24, 16384, 1.0f, 0, 49);   // a partial group of four rows
-  // from 64 rows: 4 rows x up to 32 columns per block (column groups of 8 / 16 / 24 / 32, partial groups)
+  // from 64 rows: 4-row blocks or 32-row cluster tiles of up to 32 columns (groups of 8 / 16 / 24 / 32, partial ones)
   check_linear_f32(512, 24, 16384, 1.0f, 0, 54);  // mHC mix of a 512-token chunk
   check_linear_f32(130, 4, 16384, 1.0f, 0, 55);   // head mix, partial row group
   check_linear_f32(101, 64, 4096, 0.25f, 0, 56);  // indexer weights_proj: two column groups
   check_linear_f32(70, 257, 4096, 1.0f, 0, 57);   // router gate + 1: a last group of one column
   check_linear_f32(64, 13, 2048, -1.0f, 4, 58);   // x offset by 16 bytes
+  check_linear_f32(96, 24, 1000, 1.0f, 0, 59);   // k not a multiple of the tiles' 64-float chunks
+  check_linear_f32(64, 8, 256, 1.0f, 0, 60);     // k-slices of the cluster without a chunk
 }
 
 TEST(OpsRowsLinearF32, OddKAndMisalignedPointers) {
