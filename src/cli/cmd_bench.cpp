@@ -65,6 +65,7 @@ struct BenchArgs {
   int decode_steps = 64;
   std::vector<int> decode_batch = {1, 8, 32};
   int max_context = 0;  // 0 = max(prefill lengths, decode context + warm-up + steps)
+  int prefill_chunk = kPlanPrefillChunk;  // CudaRunnerOptions::prefill_chunk (the runner may lower it, logged)
   std::vector<int> verify_rows;  // --verify-rows: speculative decoding's verify step of K rows at batch 1
   bool mtp = false;  // --mtp: the model gets a synthetic MTP block, and a decode step + its draft is timed
   uint64_t seed = 1;
@@ -349,6 +350,8 @@ void validate(BenchArgs& a) {
   for (int len : a.prefill) DSV4_CHECK(len > 0, "dsv4 bench: --prefill length {} must be positive", len);
   DSV4_CHECK(a.decode_context >= 0, "dsv4 bench: --decode-context {} must be >= 0", a.decode_context);
   DSV4_CHECK(a.decode_steps > 0, "dsv4 bench: --decode-steps {} must be positive", a.decode_steps);
+  DSV4_CHECK(a.prefill_chunk >= 64 && a.prefill_chunk <= 4096 && a.prefill_chunk % 64 == 0,
+             "dsv4 bench: --prefill-chunk {} must be a multiple of 64 in [64, 4096]", a.prefill_chunk);
   DSV4_CHECK(!a.decode_batch.empty(), "dsv4 bench: --decode-batch lists no batch size");
   for (int b : a.decode_batch)
     DSV4_CHECK(b >= 1 && b <= 64, "dsv4 bench: --decode-batch {} must be in [1, 64] (one chunk of the runner)", b);
@@ -405,7 +408,7 @@ json args_json(const BenchArgs& a, const ModelConfig& c) {
           {"seed", a.seed},
           {"act_quant", a.act_quant},
           {"launch_modes", a.launch_modes}, {"draws", a.draws}, {"switches", a.switches},
-          {"config", c.summary()}, {"bf16_dense_flops", kBf16DenseFlops}, {"prefill_chunk", kPlanPrefillChunk}};
+          {"config", c.summary()}, {"bf16_dense_flops", kBf16DenseFlops}, {"prefill_chunk", a.prefill_chunk}};
 }
 
 // The accounting alone, no GPU needed.
@@ -444,10 +447,10 @@ int run_plan(const BenchArgs& a) {
     }
     json prefill = json::array();
     for (int len : a.prefill) {
-      const PrefillBounds b = prefill_bounds(config, f, len, kPlanPrefillChunk, 0);
+      const PrefillBounds b = prefill_bounds(config, f, len, a.prefill_chunk, 0);
       fmt::print("  prefill {:>6}: {:.2f} GFLOP/token -> compute bound {:.0f} tok/s; {:.2f} GB of weights per "
                  "{}-token chunk\n", len, b.flops_per_token / 1e9, b.compute_tok_s, b.weight_bytes_per_chunk / 1e9,
-                 std::min(len, kPlanPrefillChunk));
+                 std::min(len, a.prefill_chunk));
       prefill.push_back({{"tokens", len}, {"flops_per_token", b.flops_per_token},
                          {"compute_bound_tok_s", b.compute_tok_s},
                          {"weight_bytes_per_chunk", b.weight_bytes_per_chunk}});
@@ -523,6 +526,7 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
   options.synthetic_format = f == BenchFormat::NVFP4 ? GemvWeight::NVFP4 : GemvWeight::BF16;
   options.synthetic_seed = a.seed;
   options.sequences = *std::max_element(a.decode_batch.begin(), a.decode_batch.end());
+  options.prefill_chunk = a.prefill_chunk;
   if (!a.gpus.empty()) options.devices = parse_cuda_devices(a.gpus);
   fmt::print("\n=== {} ===\n", format_name(f));
   std::fflush(stdout);
@@ -811,6 +815,10 @@ void add_bench_command(CLI::App& app, Handler& handler) {
       ->delimiter(',')->capture_default_str();
   cmd->add_option("--max-context", args->max_context,
                   "Tokens of state preallocated (default: the longest prompt or decode context + steps)");
+  cmd->add_option("--prefill-chunk", args->prefill_chunk,
+                  "Tokens per prefill chunk (a multiple of 64 up to 4096; each chunk reads the weights of every "
+                  "expert it touches once)")
+      ->capture_default_str();
   cmd->add_option("--seed", args->seed, "Seed of the weights and token ids")->capture_default_str();
   cmd->add_option("--json", args->json_path, "Also write every number to this JSON file");
   cmd->add_option("--act-quant", args->act_quant,

@@ -417,8 +417,9 @@ bool moe_slots_by_warps() {
 
 void moe_slots(const MoeSlotsParams& p) {
   const int pairs = p.n * (p.k + (p.shared_expert >= 0 ? 1 : 0));
-  DSV4_CHECK(p.n >= 0 && p.k > 0 && p.experts > 0 && p.experts <= 4096 && pairs <= 4096,
-             "moe_slots: n = {}, k = {}, experts = {} (experts and pairs must be in [1, 4096])", p.n, p.k, p.experts);
+  DSV4_CHECK(p.n >= 0 && p.k > 0 && p.experts > 0 && p.experts <= 4096 && pairs <= kMoeSlotsMaxPairs,
+             "moe_slots: n = {}, k = {}, experts = {} (experts in [1, 4096], pairs at most {})", p.n, p.k, p.experts,
+             kMoeSlotsMaxPairs);
   DSV4_CHECK(p.shared_expert < p.experts, "moe_slots: shared_expert {} is not one of the {} experts", p.shared_expert,
              p.experts);
   DSV4_CHECK(p.ids && p.slots.count && p.slots.expert && p.slots.offset && p.slots.row_order,

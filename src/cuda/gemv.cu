@@ -324,7 +324,9 @@ GroupedKernel grouped_kernel(const GemvGroupedParams& g) {
 }
 
 cudaError_t moe_slots_launch(const MoeSlotsParams& p, bool by_warps) {
-  constexpr int kMaxSmem = (kSlotsThreads / 32 + 2) * kSlotsWarpExperts * 4 + 4096 * 2;  // >= 2 · 4096 ints
+  // By warps: per-warp counts, count and start for <= kSlotsWarpExperts experts, and a uint16 expert per pair (132 KB
+  // at most); one warp: count and start for <= 4096 experts (32 KB).
+  constexpr int kMaxSmem = (kSlotsThreads / 32 + 2) * kSlotsWarpExperts * 4 + kMoeSlotsMaxPairs * 2;
   const cudaError_t attr = gpu::allow_dynamic_smem<moe_slots_kernel>(kMaxSmem);
   if (attr != cudaSuccess) return attr;
   const int pairs = p.n * (p.k + (p.shared_expert >= 0 ? 1 : 0));

@@ -164,7 +164,9 @@ bool gemv_grouped_reads_slots_early(const GemvGroupedParams& p);
 //   shared_expert >= 0 (the shared expert stored as one more expert of the grouped weights): every token gets a
 //   (k+1)-th pair t·(k+1) + k on that expert, picks are t·(k+1) + i, and pair_weights [n·(k+1)] receives the
 //   routing weights [n, k] with 1 for the shared pairs (the SwiGLU's per-pair factor).
-// slots.expert / slots.offset need min(experts, pairs) (+1) entries. experts <= 4096, pairs <= 4096.
+// slots.expert / slots.offset need min(experts, pairs) (+1) entries. experts <= 4096, pairs <= kMoeSlotsMaxPairs
+// (a prefill chunk of 4096 tokens with 7 pairs each).
+constexpr int kMoeSlotsMaxPairs = 32768;
 struct MoeSlotsParams {
   const int32_t* ids = nullptr;
   int n = 0, k = 0, experts = 0;

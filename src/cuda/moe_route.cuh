@@ -103,8 +103,9 @@ __device__ __forceinline__ void route_token(const gpu::RouterParams& p, int t, i
   }
 }
 
-// moe_slots: a stable counting sort of the pairs by expert (experts and pairs <= 4096), in two forms below that give
-// the same slots and order. Pair i of token t = i / per_token is its pick j = i % per_token (the shared expert last).
+// moe_slots: a stable counting sort of the pairs by expert (experts <= 4096, pairs <= kMoeSlotsMaxPairs), in two
+// forms below that give the same slots and order. Pair i of token t = i / per_token is its pick j = i % per_token (the
+// shared expert last).
 struct PairExperts {
   const MoeSlotsParams& p;
   int per_token, pairs;

@@ -2056,7 +2056,7 @@ int cuda_prefill_chunk(int requested, int pairs_per_token, int max_entries, int 
              "cuda_prefill_chunk: pairs_per_token {}, max_entries {} and max_context {} must be positive",
              pairs_per_token, max_entries, max_context);
   auto down = [](int64_t v) { return int(v / kCudaMaxChunk * kCudaMaxChunk); };
-  const int by_slots = down(4096 / pairs_per_token);  // moe_slots sorts <= 4096 pairs
+  const int by_slots = down(kMoeSlotsMaxPairs / pairs_per_token);
   const int by_scores = down(std::min<int64_t>(4096, (int64_t(256) << 20) / (int64_t(max_entries) * 4)));
   const int by_context = down(int64_t(max_context) + kCudaMaxChunk - 1);  // no chunk longer than the context
   return std::max(kCudaMaxChunk, std::min({requested, by_slots, by_scores, by_context}));

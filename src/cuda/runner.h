@@ -53,9 +53,9 @@ struct CudaRunnerOptions {
   uint64_t synthetic_seed = 1;
   // Sequences held, each with its own state sized by max_context (1 .. kCudaMaxChunk).
   int sequences = 1;
-  // Tokens per prefill chunk: a multiple of 64 in [64, 4096]. The
-  // runner lowers it (logged) so that the routed pairs of a chunk fit moe_slots (4096) and the indexer's score
-  // scratch [chunk, max_context / ratio] stays within 256 MiB. Larger chunks read the weights fewer times.
+  // Tokens per prefill chunk: a multiple of 64 in [64, 4096]. The runner lowers it (logged) so that the routed pairs
+  // of a chunk fit moe_slots (kMoeSlotsMaxPairs) and the indexer's score scratch [chunk, max_context / ratio] stays
+  // within 256 MiB. Larger chunks read the weights fewer times (each chunk streams every expert it touches).
   int prefill_chunk = kCudaPrefillChunk;
   // forward_draw / cuda_runner_decode_batch_draw draw the next token on the device (gpu::draw_tokens, the host
   // Sampler's contract) and bring back 4 bytes per row instead of the logits. Off: they draw on the host from the
@@ -139,8 +139,8 @@ std::vector<int> parse_cuda_devices(std::string_view list);
 
 // The prefill chunk a runner settles on (host arithmetic, no GPU needed): `requested` (a multiple of 64 in
 // [64, 4096], else throws) lowered to a multiple of 64 so that a chunk's routed pairs (pairs_per_token each) fit
-// moe_slots' 4096, the indexer's score scratch [chunk, max_entries] fp32 stays within 256 MiB, and no chunk is longer
-// than the context rounded up to 64; never below 64.
+// moe_slots' kMoeSlotsMaxPairs, the indexer's score scratch [chunk, max_entries] fp32 stays within 256 MiB, and no
+// chunk is longer than the context rounded up to 64; never below 64.
 int cuda_prefill_chunk(int requested, int pairs_per_token, int max_entries, int max_context);
 
 // What a runner needs on the device at least, from the host model alone (no GPU): the linear weights in the

@@ -485,6 +485,45 @@ TEST(CudaModel, TinyFlashLongPromptCublas) {
   EXPECT_GT(st.cublas_linears, 0) << "the 300-token prefill did not reach cuBLASLt";
 }
 
+// A 1300-token prompt in one prefill chunk (9100 routed pairs: more than moe_slots took before stop 33, the
+// shared expert's slot 1300 rows) and in chunks of 512, each against the CPU engine row by row with
+// TinyFlashF32's bound (90 % of rows within 3e-2 of max|logit|: a router or indexer top-k may flip on an fp32
+// difference), then graph decode from both, which must agree with the CPU's next rows just as closely.
+std::pair<std::vector<int32_t>, std::vector<int32_t>> random_prompt_and_fed(int V, int n, int steps, uint32_t seed);
+TEST(CudaModel, TinyFlashPrefillInOneLongChunk) {
+  DSV4_REQUIRE_CUDA();
+  std::string source;
+  const Model model = tiny_model("tiny-flash", kF32, &source);
+  const Model reference(model.config(), bf16_linears(model.weights()), kF32);
+  const int V = model.config().vocab_size, n = 1300, steps = 4, max_context = n + steps + 8;
+  const auto [prompt, fed] = random_prompt_and_fed(V, n, steps, 71);
+  std::unique_ptr<SequenceRunner> cpu = make_cpu_runner(reference, max_context);
+  std::vector<float> want = cpu->forward(prompt, false);
+  for (const int32_t token : fed) {
+    const std::vector<float> row = cpu->forward(std::span<const int32_t>(&token, 1), true);
+    want.insert(want.end(), row.begin(), row.end());
+  }
+  for (const int chunk : {4096, 512}) {
+    CudaRunnerOptions o;
+    o.prefill_chunk = chunk;
+    std::unique_ptr<SequenceRunner> gpu = make_cuda_runner(model, max_context, o);
+    EXPECT_EQ(cuda_runner_prefill_chunk(*gpu), chunk == 4096 ? 1344 : 512);  // 4096 lowered to the context
+    std::vector<float> got = gpu->forward(prompt, false);
+    for (const int32_t token : fed) {
+      const std::vector<float> row = gpu->forward(std::span<const int32_t>(&token, 1), true);
+      got.insert(got.end(), row.begin(), row.end());
+    }
+    Diff diff;
+    diff.add(got, want, V);
+    std::printf("[cuda-model] tiny-flash prefill of %d in chunks of %d: per-row max |diff| median %.3g, max %.3g of "
+                "max|logit| %.3g; %.3f of rows within 3e-2\n", n, cuda_runner_prefill_chunk(*gpu),
+                diff.quantile(0.5), diff.max_abs, diff.max_ref, diff.fraction_within(3e-2 * diff.max_ref));
+    ASSERT_EQ(diff.row_max.size(), size_t(n + steps));
+    EXPECT_GE(diff.fraction_within(3e-2 * diff.max_ref), 0.9) << "chunks of " << chunk;
+    if (std::getenv("DSV4_CUDA_GRAPH") == nullptr) EXPECT_TRUE(cuda_runner_stats(*gpu).last_forward_replayed_graph);
+  }
+}
+
 TEST(CudaModel, TinyFlashFp8Fp4) {
   DSV4_REQUIRE_CUDA();
   check_model("tiny-flash", kDefault, 150, 40, 5e-2, 0.65);
@@ -1391,7 +1430,8 @@ TEST(CudaModel, DependentLaunchChangesNoBits) {
 // Host arithmetic only (runs without a GPU): the chunk a runner settles on.
 TEST(CudaRunnerChunk, PrefillChunkLimits) {
   EXPECT_EQ(cuda_prefill_chunk(512, 7, 2048, 32768), 512);     // Flash: 6 picks + shared, 8K entries
-  EXPECT_EQ(cuda_prefill_chunk(4096, 7, 2048, 32768), 576);    // moe_slots: 576 · 7 = 4032 <= 4096 pairs
+  EXPECT_EQ(cuda_prefill_chunk(4096, 7, 2048, 32768), 4096);   // 4096 · 7 = 28672 pairs fit moe_slots
+  EXPECT_EQ(cuda_prefill_chunk(4096, 9, 2048, 32768), 3584);   // moe_slots: 3584 · 9 = 32256 <= 32768 pairs
   EXPECT_EQ(cuda_prefill_chunk(512, 7, 262144, 1 << 20), 256);  // 1M context: 256 rows of 262144 scores = 256 MiB
   EXPECT_EQ(cuda_prefill_chunk(512, 3, 40, 198), 256);         // a short context rounds up to 64
   EXPECT_EQ(cuda_prefill_chunk(512, 3, 40, 20), 64);           // never below 64

@@ -1128,14 +1128,15 @@ TEST_P(MoeSlotsForms, SharedExpertPairs) {
 
 // moe_slots against a host counting sort: prefill-sized chunks (several warps' worth of tokens per expert), tokens
 // that repeat an expert among their picks, experts with no pair, with and without the shared expert, fewer pairs
-// than warps, and more experts than the per-warp counts take (1000: the one-warp placement in either form).
+// than warps, more experts than the per-warp counts take (1000: the one-warp placement in either form), and chunks
+// of 4096 tokens (28672 pairs) and 3640 x 9 = 32760 pairs, just under kMoeSlotsMaxPairs.
 TEST_P(MoeSlotsForms, MatchesHostCountingSort) {
   DSV4_REQUIRE_CUDA();
   const SlotsForm form(GetParam());
   std::mt19937_64 rng(17);
   for (const auto& [n, k, routed, shared] :
        {std::tuple{512, 6, 32, true}, {576, 6, 256, true}, {100, 8, 5, false}, {1, 6, 16, true}, {70, 2, 3, false},
-        {4, 3, 7, false}, {300, 6, 1000, false}, {585, 6, 384, true}}) {
+        {4, 3, 7, false}, {300, 6, 1000, false}, {585, 6, 384, true}, {4096, 6, 256, true}, {3640, 8, 64, true}}) {
     const int experts = routed + (shared ? 1 : 0), per_token = k + (shared ? 1 : 0), pairs = n * per_token;
     std::vector<int32_t> ids(size_t(n) * k);
     std::uniform_int_distribution<int> pick(0, routed - 1);
