@@ -30,6 +30,15 @@ void add_engine_options(CLI::App* cmd, EngineOptions& o) {
       ->capture_default_str()->check(CLI::IsMember({"auto", "fp32", "packed"}));
   cmd->add_option("--max-context", o.max_context, "Tokens of state preallocated per sequence")
       ->capture_default_str()->check(CLI::PositiveNumber);
+  cmd->add_option("--cuda-prefill-chunk", o.cuda_prefill_chunk,
+                  "With --device cuda: prompt tokens per prefill chunk, a multiple of 64 up to 4096 (each chunk "
+                  "reads the weights of every expert it touches once; larger chunks need more GPU workspace)")
+      ->capture_default_str()
+      ->check([](const std::string& v) {
+        int n = 0;
+        const bool ok = CLI::detail::lexical_cast(v, n) && n >= 64 && n <= 4096 && n % 64 == 0;
+        return ok ? std::string() : "must be a multiple of 64 in [64, 4096], got " + v;
+      });
   cmd->add_option("--kv-dtype", o.kv_dtype, "KV cache storage: fp8 (official rounding), bf16, f32")
       ->capture_default_str()->check(CLI::IsMember({"fp8", "bf16", "f32"}));
   cmd->add_option("--indexer-dtype", o.indexer_dtype, "Indexer q/k storage: fp4 (official), bf16, f32")
@@ -97,6 +106,7 @@ namespace {
 CudaRunnerOptions cuda_options(const EngineOptions& o) {
   CudaRunnerOptions options;
   if (!o.gpus.empty()) options.devices = parse_cuda_devices(o.gpus);
+  options.prefill_chunk = o.cuda_prefill_chunk;
   return options;
 }
 }  // namespace

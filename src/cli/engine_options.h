@@ -21,6 +21,7 @@ struct EngineOptions {
   std::string gpus;  // --gpus 0,1: the CUDA runner's layers split over these GPUs (empty: the current one)
   std::string cpu_weights = "auto";  // --cpu-weights: fp32, packed, or auto (packed when fp32 would not fit)
   int max_context = 8192;
+  int cuda_prefill_chunk = 512;  // --cuda-prefill-chunk: CudaRunnerOptions::prefill_chunk (kCudaPrefillChunk)
   bool with_mtp = false;  // load the checkpoint's MTP block (--speculate mtp)
 
   static EngineOptions with_max_context(int tokens) {
@@ -30,7 +31,8 @@ struct EngineOptions {
   }
 };
 
-// --model, --device, --gpus, --cpu-weights, --max-context, --kv-dtype, --indexer-dtype, --act-quant
+// --model, --device, --gpus, --cpu-weights, --max-context, --kv-dtype, --indexer-dtype, --act-quant,
+// --cuda-prefill-chunk
 void add_engine_options(CLI::App* cmd, EngineOptions& options);
 
 // Loads the model with the chosen numerics and logs its summary. On the CPU the linear layers are decoded to fp32
