@@ -1359,8 +1359,9 @@ TEST(CudaModel, EarlyWeightLoadsChangeNoBits) {
 // the same slots and order, so the same logits bit for bit (tiny-flash, a 100-token prefill chunk: 700 pairs).
 // linear_f32's 32-row cluster tiles only reorder the fp32 sums of the prefill mixes, router gate and indexer
 // weights: on the synthetic model without discrete choices (a 64-token prompt fills but does not pass its indexer's
-// top-k) every prefill row within 1e-4 of max|logit| (a wrong sum moves every row by far more); on tiny-flash,
-// whose routers meet near-ties, only reproducible.
+// top-k) the bounds of FusedMhcMixMatchesSeparateMix, median row within 1e-4 of max|logit| and every row within
+// 5e-3 (the bf16 activations of its NVFP4 linears turn a last-bit fp32 difference into a bf16 step now and then; a
+// wrong sum moves every row by far more); on tiny-flash, whose routers meet near-ties, only reproducible.
 TEST(CudaModel, StagedPrefillForms) {
   DSV4_REQUIRE_CUDA();
   struct Restore {
@@ -1395,7 +1396,8 @@ TEST(CudaModel, StagedPrefillForms) {
   std::printf("[cuda-model] linear_f32 tiles vs 4-row blocks, k512-synthetic prefill of 64: per-row max |diff| median "
               "%.3g, max %.3g of max|logit| %.3g\n", diff.quantile(0.5), diff.max_abs, diff.max_ref);
   ASSERT_EQ(diff.row_max.size(), prompt64.size());
-  EXPECT_LE(diff.max_abs, 1e-4 * diff.max_ref);
+  EXPECT_LE(diff.quantile(0.5), 1e-4 * diff.max_ref);
+  EXPECT_LE(diff.max_abs, 5e-3 * diff.max_ref);
 }
 
 TEST(CudaModel, DependentLaunchChangesNoBits) {
