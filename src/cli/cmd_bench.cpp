@@ -101,7 +101,8 @@ struct BenchArgs {
   // wgmma kernel in its warp-specialised form or not: set_gemv_wgmma_ws), cublasdense (every prefill-sized dense
   // linear through the weight decode + cuBLASLt, none on the wgmma kernel: set_gemv_over_gemm(false)), f32tiles
   // (prefill's fp32 linears on 32-row cluster tiles: gpu::set_linear_f32_tiles), slotwarps (moe_slots placed by every
-  // warp: set_moe_slots_by_warps).
+  // warp: set_moe_slots_by_warps), rowstream (prefill-sized row ops on resident blocks that walk their rows:
+  // gpu::set_row_op_stream).
   // Prefill is timed with each set too; --profile uses the first.
   std::vector<std::string> switches = {"default"};
 };
@@ -122,6 +123,7 @@ struct StepSwitches {
   bool cublas_dense = false;  // cublasdense: set_gemv_over_gemm(false)
   bool f32_tiles = false;     // f32tiles: gpu::set_linear_f32_tiles(true)
   bool slot_warps = false;    // slotwarps: set_moe_slots_by_warps(true)
+  bool row_stream = false;    // rowstream: gpu::set_row_op_stream(RowStream::Large)
 };
 
 StepSwitches parse_switches(const std::string& spec) {
@@ -160,6 +162,7 @@ StepSwitches parse_switches(const std::string& spec) {
     else if (name == "cublasdense") s.cublas_dense = true;
     else if (name == "f32tiles") s.f32_tiles = true;
     else if (name == "slotwarps") s.slot_warps = true;
+    else if (name == "rowstream") s.row_stream = true;
     else if (name.rfind("tiled", 0) == 0 && name.size() > 5 &&
              name.find_first_not_of("0123456789", 5) == std::string::npos)
       s.tiled_min = std::stoi(name.substr(5));
@@ -168,7 +171,7 @@ StepSwitches parse_switches(const std::string& spec) {
     else DSV4_FAIL("dsv4 bench: --switches entry '{}' has '{}' (expected default, or bulk, bulkdense, overlap, "
                    "serial, mhc, routing, qnorm, heads16, heads64, hcblock, now4a8, early, earlyall, late, [no]gate, "
                    "[no]post, [no]swiglu, [no]earlyw2, scoreorder, indexorder, tiledN, split1/2/4/8, [no]ws, "
-                   "cublasdense, f32tiles and slotwarps joined by '+')",
+                   "cublasdense, f32tiles, slotwarps and rowstream joined by '+')",
                    spec, name);
     from = to + 1;
   }
@@ -554,6 +557,7 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
   const int built_tiled_min = gemv_tiled_min_rows(), built_tiled_blocks = gemv_tiled_min_blocks_per_sm();
   const bool built_wgmma_ws = gemv_wgmma_ws_enabled();
   const bool built_f32_tiles = gpu::linear_f32_tiles(), built_slot_warps = moe_slots_by_warps();
+  const gpu::RowStream built_row_stream = gpu::row_op_stream();
   auto use_switches = [&](const std::string& spec) {
     const StepSwitches s = parse_switches(spec);
     CudaRunnerOptions o = built_options;
@@ -575,6 +579,7 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
     set_gemv_over_gemm(!s.cublas_dense);
     gpu::set_linear_f32_tiles(built_f32_tiles || s.f32_tiles);
     set_moe_slots_by_warps(built_slot_warps || s.slot_warps);
+    gpu::set_row_op_stream(s.row_stream ? gpu::RowStream::Large : built_row_stream);
     gpu::set_early_weights(s.late ? gpu::EarlyWeights::Off
                            : s.early_all ? gpu::EarlyWeights::All
                            : s.early && built_early == gpu::EarlyWeights::Off ? gpu::EarlyWeights::Gemv
@@ -851,8 +856,8 @@ void add_bench_command(CLI::App& app, Handler& handler) {
                   "on the tiled tensor-core GEMM where their grid fills the GPU), split1 / 2 / 4 / 8 (every skinny "
                   "GEMV at that split_k), ws / nows (the fp4 prefill GEMMs' wgmma kernel warp-specialised or not), "
                   "cublasdense (prefill's dense fp4 linears all through cuBLASLt), f32tiles (prefill's fp32 linears "
-                  "on 32-row cluster tiles), slotwarps (moe_slots placed by every warp); prefill is timed with each "
-                  "set as "
+                  "on 32-row cluster tiles), slotwarps (moe_slots placed by every warp), rowstream (prefill-sized row "
+                  "ops on resident blocks walking their rows); prefill is timed with each set as "
                   "well, e.g. "
                   "default,bulk,overlap,mhc+routing+qnorm,bulk+overlap+mhc+routing+qnorm,heads64")
       ->delimiter(',')->capture_default_str();

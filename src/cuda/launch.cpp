@@ -13,6 +13,18 @@ namespace {
 std::atomic<bool> g_dependent_launch{true};
 std::atomic<int> g_early_weights{-1};  // -1: not yet read from the environment
 std::atomic<int> g_linear_f32_tiles{-1};  // likewise
+std::atomic<int> g_row_op_stream{-1};     // likewise (a RowStream)
+
+// A staged form's switch: its value, read from `env` (0 / 1 -> `off` / `on`) at the first call and logged when on.
+int read_once(std::atomic<int>& state, const char* env, int off, int on, const char* what) {
+  int v = state.load(std::memory_order_relaxed);
+  if (v < 0) {
+    v = env_switch(env).value_or(false) ? on : off;
+    if (v != off) spdlog::info("{} ({})", what, env);
+    state.store(v, std::memory_order_relaxed);
+  }
+  return v;
+}
 }
 
 bool dependent_launch() { return g_dependent_launch.load(std::memory_order_relaxed); }
@@ -32,14 +44,15 @@ EarlyWeights early_weights() {
 void set_early_weights(EarlyWeights mode) { g_early_weights.store(int(mode), std::memory_order_relaxed); }
 
 bool linear_f32_tiles() {
-  int v = g_linear_f32_tiles.load(std::memory_order_relaxed);
-  if (v < 0) {
-    v = env_switch("DSV4_LINEAR_F32_TILES").value_or(false) ? 1 : 0;
-    if (v) spdlog::info("linear_f32: prefill-sized calls on the 32-row cluster tiles (DSV4_LINEAR_F32_TILES)");
-    g_linear_f32_tiles.store(v, std::memory_order_relaxed);
-  }
-  return v == 1;
+  return read_once(g_linear_f32_tiles, "DSV4_LINEAR_F32_TILES", 0, 1,
+                   "linear_f32: prefill-sized calls on the 32-row cluster tiles") == 1;
 }
 void set_linear_f32_tiles(bool on) { g_linear_f32_tiles.store(on ? 1 : 0, std::memory_order_relaxed); }
+
+RowStream row_op_stream() {
+  return RowStream(read_once(g_row_op_stream, "DSV4_ROW_OP_STREAM", int(RowStream::Off), int(RowStream::Large),
+                             "row_op: prefill-sized launches walk their rows on resident blocks"));
+}
+void set_row_op_stream(RowStream mode) { g_row_op_stream.store(int(mode), std::memory_order_relaxed); }
 
 }  // namespace dsv4::gpu

@@ -1356,7 +1356,8 @@ TEST(CudaModel, EarlyWeightLoadsChangeNoBits) {
 }
 
 // The staged prefill forms (off by default until measured, docs/perf.md): moe_slots placed by every warp must give
-// the same slots and order, so the same logits bit for bit (tiny-flash, a 100-token prefill chunk: 700 pairs).
+// the same slots and order, and row ops on walking blocks the same arithmetic, so the same logits bit for bit
+// (tiny-flash, a 100-token prefill chunk: 700 pairs).
 // linear_f32's 32-row cluster tiles only reorder the fp32 sums of the prefill mixes, router gate and indexer
 // weights: on the synthetic model without discrete choices (a 64-token prompt fills but does not pass its indexer's
 // top-k) the bounds of FusedMhcMixMatchesSeparateMix, median row within 1e-4 of max|logit| and every row within
@@ -1366,7 +1367,8 @@ TEST(CudaModel, StagedPrefillForms) {
   DSV4_REQUIRE_CUDA();
   struct Restore {
     bool slots = moe_slots_by_warps(), tiles = gpu::linear_f32_tiles();
-    ~Restore() { set_moe_slots_by_warps(slots), gpu::set_linear_f32_tiles(tiles); }
+    gpu::RowStream rows = gpu::row_op_stream();
+    ~Restore() { set_moe_slots_by_warps(slots), gpu::set_linear_f32_tiles(tiles), gpu::set_row_op_stream(rows); }
   } restore;
   auto prefill = [](const Model& model, const std::vector<int32_t>& prompt, std::optional<GemvWeight> synthetic,
                     bool by_warps, bool tiles) {
@@ -1383,6 +1385,9 @@ TEST(CudaModel, StagedPrefillForms) {
   const std::vector<float> one_warp = prefill(tiny, prompt, std::nullopt, false, false);
   ASSERT_FALSE(one_warp.empty());
   EXPECT_TRUE(prefill(tiny, prompt, std::nullopt, true, false) == one_warp) << "moe_slots by warps changed the logits";
+  gpu::set_row_op_stream(gpu::RowStream::Always);  // every row op on blocks that walk their rows: the same bits
+  EXPECT_TRUE(prefill(tiny, prompt, std::nullopt, false, false) == one_warp) << "walking row ops changed the logits";
+  gpu::set_row_op_stream(gpu::RowStream::Off);
   const std::vector<float> tiles = prefill(tiny, prompt, std::nullopt, false, true);
   EXPECT_TRUE(prefill(tiny, prompt, std::nullopt, false, true) == tiles) << "linear_f32 tiles not reproducible";
 
