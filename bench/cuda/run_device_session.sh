@@ -4,8 +4,8 @@
 #   the server's curl test on the GPU, with tokens drawn on the host and on the device -> (GEMV=1) dsv4_gemv_bench
 #   (GEMV_ARGS, default --quick --pdl; fp4 / fp8 rows also with the copy-engine kernels) -> (GEMM=1) dsv4_gemm_bench
 #   (cuBLASLt, the tiled kernel on mma.sync and on wgmma, its nvfp4 lines) -> dsv4 bench (Flash-shaped,
-#   NVFP4 + BF16) -> (BENCH_ENV="A=1 B=1") the bench again with those variables set (same arguments), an A/B of
-#   switches that are off by default. NO_TESTS=1 skips the test stage (e.g. a second invocation for benchmarks).
+#   NVFP4 + BF16) -> (BENCH_ARGS_B) the bench again with those arguments -> (BENCH_ENV="A=1 B=1") the bench again
+#   with those variables set (same arguments), an A/B of switches that are off by default. NO_TESTS=1 skips the test stage (e.g. a second invocation for benchmarks).
 # Expects devrun/build.tar.xz made on the CPU machine by bench/cuda/pack_device_build.sh (binaries + the
 # non-system shared libraries they need). Test binaries have the source path compiled in: /work/main is linked
 # to this copy when it does not exist.
@@ -70,6 +70,12 @@ if [ -z "${NO_BENCH:-}" ]; then
   timeout ${BENCH_TIMEOUT:-300} "$B/dsv4" bench ${BENCH_ARGS:-} --json "$OUT/bench.json" > "$OUT/bench.log" 2>&1
   echo "bench exit code: $? ($(( $(date +%s) - T0 )) s)"
   cat "$OUT/bench.log" | grep -v "^\s*$" | tail -80
+  if [ -n "${BENCH_ARGS_B:-}" ]; then  # a second bench with other arguments (e.g. another --prefill-chunk)
+    T0=$(date +%s)
+    timeout ${BENCH_TIMEOUT:-300} "$B/dsv4" bench ${BENCH_ARGS_B} --json "$OUT/bench_b.json" > "$OUT/bench_b.log" 2>&1
+    echo "bench ($BENCH_ARGS_B) exit code: $? ($(( $(date +%s) - T0 )) s)"
+    grep -E "^(decode|prefill|  *[0-9]+ )|switches|info" "$OUT/bench_b.log" | head -40
+  fi
   if [ -n "${BENCH_ENV:-}" ]; then
     T0=$(date +%s)
     env $BENCH_ENV timeout ${BENCH_TIMEOUT:-300} "$B/dsv4" bench ${BENCH_ARGS:-} --json "$OUT/bench_env.json" \
