@@ -31,9 +31,9 @@ void add_engine_options(CLI::App* cmd, EngineOptions& o) {
   cmd->add_option("--max-context", o.max_context, "Tokens of state preallocated per sequence")
       ->capture_default_str()->check(CLI::PositiveNumber);
   cmd->add_option("--cuda-prefill-chunk", o.cuda_prefill_chunk,
-                  "With --device cuda: prompt tokens per prefill chunk, a multiple of 64 up to 4096 (each chunk "
-                  "reads the weights of every expert it touches once; larger chunks need more GPU workspace)")
-      ->capture_default_str()
+                  "With --device cuda: prompt tokens per prefill chunk, a multiple of 64 up to 4096 (default 512; "
+                  "each chunk reads the weights of every expert it touches once, larger chunks need more GPU "
+                  "workspace)")
       ->check([](const std::string& v) {
         int n = 0;
         const bool ok = CLI::detail::lexical_cast(v, n) && n >= 64 && n <= 4096 && n % 64 == 0;
@@ -106,7 +106,7 @@ namespace {
 CudaRunnerOptions cuda_options(const EngineOptions& o) {
   CudaRunnerOptions options;
   if (!o.gpus.empty()) options.devices = parse_cuda_devices(o.gpus);
-  options.prefill_chunk = o.cuda_prefill_chunk;
+  if (o.cuda_prefill_chunk) options.prefill_chunk = o.cuda_prefill_chunk;
   return options;
 }
 }  // namespace
@@ -114,6 +114,8 @@ CudaRunnerOptions cuda_options(const EngineOptions& o) {
 
 RunnerFactory runner_factory(const Model& model, const EngineOptions& o) {
   DSV4_CHECK(o.gpus.empty() || o.device == "cuda", "--gpus {} needs --device cuda", o.gpus);
+  DSV4_CHECK(o.cuda_prefill_chunk == 0 || o.device == "cuda", "--cuda-prefill-chunk {} needs --device cuda",
+             o.cuda_prefill_chunk);
   if (o.device == "cpu") return [&model](int max_context) { return make_cpu_runner(model, max_context); };
 #ifdef DSV4_HAVE_CUDA
   if (o.device == "cuda") {

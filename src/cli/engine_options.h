@@ -21,7 +21,7 @@ struct EngineOptions {
   std::string gpus;  // --gpus 0,1: the CUDA runner's layers split over these GPUs (empty: the current one)
   std::string cpu_weights = "auto";  // --cpu-weights: fp32, packed, or auto (packed when fp32 would not fit)
   int max_context = 8192;
-  int cuda_prefill_chunk = 512;  // --cuda-prefill-chunk: CudaRunnerOptions::prefill_chunk (kCudaPrefillChunk)
+  int cuda_prefill_chunk = 0;  // --cuda-prefill-chunk: CudaRunnerOptions::prefill_chunk (0: its default)
   bool with_mtp = false;  // load the checkpoint's MTP block (--speculate mtp)
 
   static EngineOptions with_max_context(int tokens) {
