@@ -85,6 +85,9 @@ TEST(CliGenerate, BadInputGivesClearErrorAndNonZeroExit) {
       {"generate --model " + kTiny + " --prompt-ids 1 --speculate eagle", "--speculate"},
       {"generate --model " + kTiny + " --prompt-ids 1 --speculate ngram --draft-tokens 0", "--draft-tokens"},
       {"generate --model " + kTiny + " --prompt-ids 1 --gpus 0,1", "--gpus 0,1 needs --device cuda"},
+      {"generate --model " + kTiny + " --prompt-ids 1 --cuda-prefill-chunk 1024", "needs --device cuda"},
+      {"generate --model " + kTiny + " --prompt-ids 1 --cuda-prefill-chunk 100", "multiple of 64 in [64, 4096]"},
+      {"generate --model " + kTiny + " --prompt-ids 1 --cuda-prefill-chunk 8192", "multiple of 64 in [64, 4096]"},
       {"generate --model " + kTiny + " --prompt-ids 1 --cpu-weights fp16", "--cpu-weights"},
   };
   for (const Case& c : cases) {
