@@ -849,48 +849,61 @@ CudaRunner::CudaRunner(const Model& model, int max_context, CudaRunnerOptions op
     gemm_.emplace(scratch);
     stats_.workspace_bytes += scratch * b16 + GemmContext::kWorkspaceBytes;
   }
-  tokens_ = zeros(C * sizeof(int32_t));
-  streams_ = zeros(C * hc * D * f);
-  mix_ = zeros(C * n_mix * f);
-  post_ = zeros(C * hc * f);
-  comb_ = zeros(C * hc * hc * f);
-  normed_ = zeros(C * D * f);
-  normed_bf16_ = zeros(C * D * b16);
-  y_x_ = zeros(C * max_n_x * f);
-  qr_bf16_ = zeros(C * c.q_lora_rank * b16);
-  y_q_ = zeros(C * max_n_q * f);
-  kv_chunk_ = zeros(C * hd * f);
-  index_w_ = zeros(C * std::max(c.index_n_heads, 1) * f);
-  scores_ = zeros(C * max_entries_ * f);
-  selected_ = zeros(C * std::max(c.index_topk, 1) * sizeof(int32_t));
-  o_grouped_ = zeros(C * H * hd * b16);
-  z_ = zeros(C * c.o_groups * c.o_lora_rank * b16);
-  attn_out_ = zeros(C * D * f);
-  router_logits_ = zeros(C * c.n_routed_experts * f);
-  moe_ticket_ = zeros(sizeof(uint32_t));
-  expert_ids_ = zeros(C * k * sizeof(int32_t));
-  expert_weights_ = zeros(C * k * f);
+  // The workspaces scale with the prefill chunk: an allocation that fails says which knob lowers them.
+  size_t allocated = 0;
+  auto workspace = [&](size_t bytes) {
+    try {
+      DeviceBuffer b = zeros(bytes);
+      allocated += bytes;
+      return b;
+    } catch (const Error& e) {
+      DSV4_FAIL("cuda runner: the workspaces for prefill chunks of {} tokens do not fit the GPU ({:.2f} GB allocated, "
+                "{:.3f} GB more asked: {}); lower --cuda-prefill-chunk (CudaRunnerOptions::prefill_chunk)",
+                chunk_, allocated / 1e9, bytes / 1e9, e.what());
+    }
+  };
+  tokens_ = workspace(C * sizeof(int32_t));
+  streams_ = workspace(C * hc * D * f);
+  mix_ = workspace(C * n_mix * f);
+  post_ = workspace(C * hc * f);
+  comb_ = workspace(C * hc * hc * f);
+  normed_ = workspace(C * D * f);
+  normed_bf16_ = workspace(C * D * b16);
+  y_x_ = workspace(C * max_n_x * f);
+  qr_bf16_ = workspace(C * c.q_lora_rank * b16);
+  y_q_ = workspace(C * max_n_q * f);
+  kv_chunk_ = workspace(C * hd * f);
+  index_w_ = workspace(C * std::max(c.index_n_heads, 1) * f);
+  scores_ = workspace(C * max_entries_ * f);
+  selected_ = workspace(C * std::max(c.index_topk, 1) * sizeof(int32_t));
+  o_grouped_ = workspace(C * H * hd * b16);
+  z_ = workspace(C * c.o_groups * c.o_lora_rank * b16);
+  attn_out_ = workspace(C * D * f);
+  router_logits_ = workspace(C * c.n_routed_experts * f);
+  moe_ticket_ = workspace(sizeof(uint32_t));
+  expert_ids_ = workspace(C * k * sizeof(int32_t));
+  expert_weights_ = workspace(C * k * f);
   max_slots_ = std::max(1, std::min<int>(c.n_routed_experts + 1, int(C) * pairs));
-  slot_count_ = zeros(sizeof(int32_t));
-  slot_tickets_ = zeros(size_t(max_slots_) * sizeof(uint32_t));
-  slot_expert_ = zeros(max_slots_ * sizeof(int32_t));
-  slot_offset_ = zeros((max_slots_ + 1) * sizeof(int32_t));
-  row_order_ = zeros(C * pairs * sizeof(int32_t));
-  pair_weights_ = zeros(C * pairs * f);
+  slot_count_ = workspace(sizeof(int32_t));
+  slot_tickets_ = workspace(size_t(max_slots_) * sizeof(uint32_t));
+  slot_expert_ = workspace(max_slots_ * sizeof(int32_t));
+  slot_offset_ = workspace((max_slots_ + 1) * sizeof(int32_t));
+  row_order_ = workspace(C * pairs * sizeof(int32_t));
+  pair_weights_ = workspace(C * pairs * f);
   slots_ = {slot_count_.as<int32_t>(), slot_expert_.as<int32_t>(), slot_offset_.as<int32_t>(),
             row_order_.as<int32_t>()};
-  expert_gate_ = zeros(C * pairs * max_inter * f);
-  expert_up_ = zeros(C * pairs * max_inter * f);
-  h_ = zeros(C * pairs * max_inter * b16);
-  y_pairs_ = zeros(C * pairs * D * f);
-  shared_y13_ = zeros(C * 2 * max_shared * f);
-  h_shared_ = zeros(C * max_shared * b16);
-  shared_out_ = zeros(C * D * f);
-  head_in_ = zeros(C * D * b16);
-  logits_ = zeros(size_t(kCudaMaxChunk) * c.vocab_size * f);
+  expert_gate_ = workspace(C * pairs * max_inter * f);
+  expert_up_ = workspace(C * pairs * max_inter * f);
+  h_ = workspace(C * pairs * max_inter * b16);
+  y_pairs_ = workspace(C * pairs * D * f);
+  shared_y13_ = workspace(C * 2 * max_shared * f);
+  h_shared_ = workspace(C * max_shared * b16);
+  shared_out_ = workspace(C * D * f);
+  head_in_ = workspace(C * D * b16);
+  logits_ = workspace(size_t(kCudaMaxChunk) * c.vocab_size * f);
   // Always: set_step_switches may turn fuse_mhc_mix on later (dsv4 bench --switches mhc wrote past an unallocated
   // buffer on the H100 when this depended on the build-time option). 196 KB for Flash.
-  mix_partials_ = zeros(size_t(kCudaMaxChunk) * (2 + hc) * hc * gpu::hc_post_mix_blocks(D) * f);
+  mix_partials_ = workspace(size_t(kCudaMaxChunk) * (2 + hc) * hc * gpu::hc_post_mix_blocks(D) * f);
   size_t attention_scratch = 0;  // split-key partials of the chunks with few tokens (decode)
   for (const LayerDevice& d : layers_)
     for (int n = 1; n <= chunk_; ++n) {
@@ -905,15 +918,15 @@ CudaRunner::CudaRunner(const Model& model, int max_context, CudaRunnerOptions op
       ap.max_entries = d.ratio ? max_context / d.ratio : 0;
       attention_scratch = std::max(attention_scratch, gpu::attention_scratch_floats(ap));
     }
-  attention_scratch_ = zeros(attention_scratch * f);
+  attention_scratch_ = workspace(attention_scratch * f);
   if (act_ == GemvAct::FP8)  // the largest input of a quantised linear (bf16); the MTP block's h_proj has hc rows a pair
-    act_scratch_ = zeros(std::max(C * std::max({D, c.q_lora_rank, c.o_groups * c.o_lora_rank, pairs * max_inter,
+    act_scratch_ = workspace(std::max(C * std::max({D, c.q_lora_rank, c.o_groups * c.o_lora_rank, pairs * max_inter,
                                                 max_shared}),
                                   mtp_ ? size_t(kMtpRows) * hc * D : 0) *
                          b16);
   if (mtp_) {
-    mtp_e_ = zeros(size_t(kMtpRows) * D * f);
-    mtp_h_bf16_ = zeros(size_t(kMtpRows) * hc * D * b16);
+    mtp_e_ = workspace(size_t(kMtpRows) * D * f);
+    mtp_h_bf16_ = workspace(size_t(kMtpRows) * hc * D * b16);
   }
   for (const DeviceBuffer* b : {&tokens_, &streams_, &mix_, &post_, &comb_, &normed_, &normed_bf16_, &y_x_,
                                 &qr_bf16_, &y_q_, &kv_chunk_, &index_w_, &scores_, &selected_, &o_grouped_,
