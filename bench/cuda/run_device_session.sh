@@ -5,7 +5,8 @@
 #   (GEMV_ARGS, default --quick --pdl; fp4 / fp8 rows also with the copy-engine kernels) -> (GEMM=1) dsv4_gemm_bench
 #   (cuBLASLt, the tiled kernel on mma.sync and on wgmma, its nvfp4 lines) -> dsv4 bench (Flash-shaped,
 #   NVFP4 + BF16) -> (BENCH_ARGS_B) the bench again with those arguments -> (BENCH_ENV="A=1 B=1") the bench again
-#   with those variables set (same arguments), an A/B of switches that are off by default. NO_TESTS=1 skips the test stage (e.g. a second invocation for benchmarks).
+#   with those variables set (same arguments), an A/B of switches that are off by default. NO_TESTS=1 skips the
+#   test stage (e.g. a second invocation for benchmarks).
 # Expects devrun/build.tar.xz made on the CPU machine by bench/cuda/pack_device_build.sh (binaries + the
 # non-system shared libraries they need). Test binaries have the source path compiled in: /work/main is linked
 # to this copy when it does not exist.
