@@ -4,6 +4,9 @@
 
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <iterator>
 #include <memory>
 #include <optional>
 #include <nlohmann/json.hpp>
@@ -23,7 +26,8 @@ struct GenerateArgs {
   EngineOptions engine;
   SamplingParams sampling;
   SpeculateOptions speculate;
-  std::string prompt_ids, prompt_text, logits_out, trace_dir;
+  std::string prompt_ids, prompt_text, prompt_file, logits_out, trace_dir;
+  bool text_given = false;  // --prompt or --prompt-file (else --prompt-ids)
   int max_new_tokens = 16;
   bool json = false, ignore_eos = false;
 };
@@ -48,13 +52,32 @@ std::vector<int32_t> parse_ids(const std::string& text) {
   return ids;
 }
 
+// The text of --prompt-file: the whole file, or standard input for "-" (a prompt longer than the 128 KB Linux allows
+// one command-line argument).
+std::string read_prompt_file(const std::string& path) {
+  std::string text;
+  if (path == "-") {
+    text.assign(std::istreambuf_iterator<char>(std::cin), std::istreambuf_iterator<char>());
+    DSV4_CHECK(!std::cin.bad(), "--prompt-file -: reading standard input failed");
+  } else {
+    std::ifstream in(path, std::ios::binary);
+    DSV4_CHECK(in.good(), "--prompt-file {}: cannot open the file", path);
+    text.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+    DSV4_CHECK(!in.bad(), "--prompt-file {}: reading the file failed", path);
+  }
+  DSV4_CHECK(!text.empty(), "--prompt-file {}: the prompt is empty", path);
+  return text;
+}
+
 int run_generate(const GenerateArgs& a) {
   std::optional<Tokenizer> tokenizer;
   std::vector<int32_t> prompt;
-  if (!a.prompt_text.empty()) {
+  if (a.text_given) {
+    const std::string text = a.prompt_file.empty() ? a.prompt_text : read_prompt_file(a.prompt_file);
+    DSV4_CHECK(!text.empty(), "--prompt is empty");
     tokenizer = Tokenizer::load(a.engine.model_dir);
     if (tokenizer->add_bos_token() && tokenizer->bos_id()) prompt.push_back(*tokenizer->bos_id());
-    const std::vector<int32_t> ids = tokenizer->encode(a.prompt_text);
+    const std::vector<int32_t> ids = tokenizer->encode(text);
     prompt.insert(prompt.end(), ids.begin(), ids.end());
   } else {
     prompt = parse_ids(a.prompt_ids);
@@ -126,7 +149,12 @@ void add_generate_command(CLI::App& app, Handler& handler) {
   add_engine_options(cmd, args->engine);
   auto* ids = cmd->add_option("--prompt-ids", args->prompt_ids, "Prompt as comma-separated token ids, e.g. 5,17,99");
   auto* text = cmd->add_option("--prompt", args->prompt_text, "Prompt text (tokenised with the model's tokenizer)");
+  auto* file = cmd->add_option("--prompt-file", args->prompt_file,
+                               "Prompt text read from this file, or from standard input for - (for prompts longer "
+                               "than one command-line argument may be)");
   ids->excludes(text);
+  ids->excludes(file);
+  text->excludes(file);
   cmd->add_option("--max-new-tokens", args->max_new_tokens, "Number of tokens to generate")
       ->capture_default_str()->check(CLI::NonNegativeNumber);
   add_sampling_options(cmd, args->sampling);
@@ -137,8 +165,10 @@ void add_generate_command(CLI::App& app, Handler& handler) {
                   "Write every named intermediate (q, kv, attn_out, ...) of every forward call as .npy here");
   cmd->add_flag("--json", args->json, "Print {\"prompt_ids\":[...],\"output_ids\":[...]}");
   cmd->add_flag("--ignore-eos", args->ignore_eos, "Do not stop at the end-of-sequence token");
-  cmd->callback([&handler, args, ids, text] {
-    if (ids->count() == 0 && text->count() == 0) throw CLI::RequiredError("--prompt-ids or --prompt");
+  cmd->callback([&handler, args, ids, text, file] {
+    if (ids->count() == 0 && text->count() == 0 && file->count() == 0)
+      throw CLI::RequiredError("--prompt-ids, --prompt or --prompt-file");
+    args->text_given = text->count() > 0 || file->count() > 0;
     args->engine.with_mtp = args->speculate.method == DraftMethod::Mtp;
     handler = [args] { return run_generate(*args); };
   });

@@ -65,6 +65,48 @@ TEST(CliGenerate, SpeculationPrintsThePlainOutput) {
   EXPECT_NE(spec.out.find("drafted tokens kept"), std::string::npos) << spec.out;
 }
 
+// --prompt-file: the file's text (or standard input's for -) is the prompt, the same ids as --prompt gives; a prompt
+// longer than one command-line argument may be (Linux: 128 KB) arrives whole (here stopped by the context check,
+// which counts its tokens); an unreadable or empty file and two prompt options at once are clear errors.
+TEST(CliGenerate, PromptFromAFileOrStandardInput) {
+  const fs::path file = fs::temp_directory_path() / "dsv4_cli_prompt.txt";
+  std::ofstream(file) << "Hello world";
+  const std::string base = "generate --model " + kTiny + " --max-new-tokens 2 --json ";
+  const auto prompt_ids = [](const RunResult& r) {
+    return nlohmann::json::parse(r.out.substr(r.out.find('{')))["prompt_ids"].get<std::vector<int32_t>>();
+  };
+  const RunResult inline_text = run(base + "--prompt \"Hello world\"");
+  const RunResult from_file = run(base + "--prompt-file " + file.string());
+  const RunResult from_stdin = run(base + "--prompt-file - < " + file.string());
+  ASSERT_EQ(inline_text.exit_code, 0) << inline_text.out;
+  ASSERT_EQ(from_file.exit_code, 0) << from_file.out;
+  ASSERT_EQ(from_stdin.exit_code, 0) << from_stdin.out;
+  EXPECT_EQ(prompt_ids(from_file), prompt_ids(inline_text));
+  EXPECT_EQ(prompt_ids(from_stdin), prompt_ids(inline_text));
+
+  std::string large;
+  for (int i = 0; i < 20000; ++i) large += "hello world ";  // 240 KB: 100001 tokens on the tiny tokenizer + BOS
+  std::ofstream(file) << large;
+  const RunResult too_long = run("generate --model " + kTiny + " --max-context 1000 --prompt-file " + file.string());
+  EXPECT_NE(too_long.exit_code, 0);
+  EXPECT_NE(too_long.out.find("the prompt (100002 tokens"), std::string::npos) << too_long.out;
+
+  std::ofstream(file, std::ios::trunc).flush();
+  const std::vector<std::pair<std::string, std::string>> errors = {
+      {base + "--prompt-file " + file.string(), "the prompt is empty"},
+      {base + "--prompt-file /nonexistent/prompt.txt", "cannot open the file"},
+      {base + "--prompt \"\"", "--prompt is empty"},
+      {base + "--prompt x --prompt-file " + file.string(), "excludes"},
+      {base + "--prompt-ids 1 --prompt-file " + file.string(), "excludes"},
+  };
+  for (const auto& [args, message] : errors) {
+    const RunResult r = run(args);
+    EXPECT_NE(r.exit_code, 0) << args;
+    EXPECT_NE(r.out.find(message), std::string::npos) << args << "\n" << r.out;
+  }
+  fs::remove(file);
+}
+
 TEST(CliGenerate, TextPromptStreamsText) {
   const RunResult r = run("generate --model " + kTiny + " --prompt \"Hello world\" --max-new-tokens 4 --json");
   ASSERT_EQ(r.exit_code, 0) << r.out;
@@ -81,7 +123,7 @@ TEST(CliGenerate, BadInputGivesClearErrorAndNonZeroExit) {
       {"generate --model " + kTiny + " --prompt-ids 1,99999", "outside the vocabulary"},
       {"generate --model " + kTiny + " --prompt-ids 1,2,3,4,5 --max-context 3", "longer than the context"},
       {"generate --model " + kTiny + " --prompt-ids 1 --kv-dtype fp16", "kv-dtype"},
-      {"generate --model " + kTiny, "--prompt-ids or --prompt"},
+      {"generate --model " + kTiny, "--prompt-ids, --prompt or --prompt-file"},
       {"generate --model " + kTiny + " --prompt-ids 1 --speculate eagle", "--speculate"},
       {"generate --model " + kTiny + " --prompt-ids 1 --speculate ngram --draft-tokens 0", "--draft-tokens"},
       {"generate --model " + kTiny + " --prompt-ids 1 --gpus 0,1", "--gpus 0,1 needs --device cuda"},
