@@ -117,18 +117,6 @@ void gemm_nt_strided(const float* x, int ldx, const float* w, float* y, int ldy,
 
 namespace {
 
-// Eight independent partial sums: vectorised without reassociating any one of them (-ffp-contract=off, no
-// fast-math), then added in a fixed order. (An AVX2 clone of it measured no faster on the 2-core EPYC.)
-float dot(const float* a, const float* b, int k) {
-  float acc[8] = {};
-  int i = 0;
-  for (; i + 8 <= k; i += 8)
-    for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * b[i + j];
-  float sum = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-  for (; i < k; ++i) sum += a[i] * b[i];
-  return sum;
-}
-
 // A thread's decoded tile, kept between calls (OpenMP threads persist): a fresh megabyte per call would be mapped and
 // faulted in every time.
 std::vector<float>& tile_buffer(size_t floats) {

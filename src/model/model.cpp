@@ -365,9 +365,7 @@ void Model::attention(int l, const float* x, Chunk& chunk, LayerState& S, const 
           float acc = 0;
           for (int h = 0; h < nh; ++h) {
             const float* qh = &qi[(size_t(t) * nh + h) * ihd];
-            float dot = 0;
-            for (int i = 0; i < ihd; ++i) dot += qh[i] * k[i];
-            acc += wi[size_t(t) * nh + h] * std::max(dot, 0.0f);
+            acc += wi[size_t(t) * nh + h] * std::max(cpu::dot(qh, k, ihd), 0.0f);
           }
           score[s] = acc;
         }
@@ -390,9 +388,7 @@ void Model::attention(int l, const float* x, Chunk& chunk, LayerState& S, const 
     std::vector<float> logit(kt.size());
     float mx = A.sink[h];  // the sink is a virtual key with zero value (denominator only)
     for (size_t j = 0; j < kt.size(); ++j) {
-      float dot = 0;
-      for (int i = 0; i < hd; ++i) dot += qh[i] * kt[j][i];
-      logit[j] = dot * scale;
+      logit[j] = cpu::dot(qh, kt[j], hd) * scale;
       mx = std::max(mx, logit[j]);
     }
     float denom = std::exp(A.sink[h] - mx);
