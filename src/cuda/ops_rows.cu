@@ -552,6 +552,15 @@ void launch_linear_f32_tiles(const LinearF32Params& p, cudaStream_t stream) {
   OPS_CHECK(err == cudaSuccess, "linear_f32: cluster launch failed: %s", cudaGetErrorString(err));
 }
 
+// Prefill-sized calls: the 4-row blocks, or the cluster tiles under set_linear_f32_tiles.
+template <int kCols>
+void launch_linear_f32_prefill(const LinearF32Params& p, cudaStream_t stream) {
+  if (linear_f32_tiles())
+    launch_linear_f32_tiles<kCols>(p, stream);
+  else
+    launch_linear_f32_tall<kCols>(p, stream);
+}
+
 // ---- mHC ---------------------------------------------------------------------------------------------------------
 // One block per token (hc_pre: two, see hc_pre_kernel); thread i owns the column groups d = 4i, 4i + 4·blockDim, ..
 // of all hc streams. kHc is the register array bound (4 covers the models; 8 the contract's limit).
@@ -1310,15 +1319,14 @@ void row_op_pair(const RowOpParams& a, const RowOpParams& b, cudaStream_t stream
 void linear_f32(const LinearF32Params& p, cudaStream_t stream) {
   if (int64_t(p.m) * p.n == 0) return;
   if (p.m >= kLinearTallRows && p.k % 4 == 0 && aligned(p.x, 16) && aligned(p.w, 16)) {
-    const bool tiles = linear_f32_tiles();
     if (p.n <= 8)
-      tiles ? launch_linear_f32_tiles<8>(p, stream) : launch_linear_f32_tall<8>(p, stream);
+      launch_linear_f32_prefill<8>(p, stream);
     else if (p.n <= 16)
-      tiles ? launch_linear_f32_tiles<16>(p, stream) : launch_linear_f32_tall<16>(p, stream);
+      launch_linear_f32_prefill<16>(p, stream);
     else if (p.n <= 24)
-      tiles ? launch_linear_f32_tiles<24>(p, stream) : launch_linear_f32_tall<24>(p, stream);
+      launch_linear_f32_prefill<24>(p, stream);
     else
-      tiles ? launch_linear_f32_tiles<32>(p, stream) : launch_linear_f32_tall<32>(p, stream);
+      launch_linear_f32_prefill<32>(p, stream);
     return;
   }
   const int rows_per_block = detail::linear_f32_rows_per_block(p.m);
