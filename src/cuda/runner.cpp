@@ -2044,6 +2044,21 @@ CudaMemoryNeed cuda_memory_need(const Model& model, int max_context, const CudaR
   }
   if (last && W.mtp) s += window + size_t(kMtpRows) * c.hc_mult * c.hidden_size;  // its window ring, the rows it trails by
   s *= sizeof(float);
+  // The chunk-sized workspaces every stage allocates (the runner's constructor; the small ones left out). The chunk
+  // follows the whole model's largest compressed-entry count, as the runner's does.
+  int max_entries = 1;
+  for (int l = 0; l < c.n_layers; ++l)
+    if (c.ratio(l)) max_entries = std::max(max_entries, max_context / c.ratio(l));
+  const int pairs = c.n_experts_per_tok + 1;  // + the shared expert's pair
+  need.prefill_chunk = cuda_prefill_chunk(options.prefill_chunk, pairs, max_entries, max_context);
+  const size_t D = size_t(c.hidden_size), f = sizeof(float), b16 = sizeof(uint16_t);
+  const size_t per_row = size_t(c.hc_mult) * D * f                          // streams
+                         + D * (f + b16 + f + f + b16)                       // normed (+ bf16), attn_out, shared, head_in
+                         + size_t(c.n_heads) * size_t(c.head_dim) * b16      // o_grouped
+                         + size_t(max_entries) * f                           // indexer scores
+                         + size_t(pairs) * size_t(c.moe_inter) * (f + f + b16)  // expert gate, up, h
+                         + size_t(pairs) * D * f;                            // y_pairs
+  need.workspaces = size_t(need.prefill_chunk) * per_row + size_t(kCudaMaxChunk) * size_t(c.vocab_size) * f;
   return need;
 }
 
@@ -2051,14 +2066,16 @@ void check_cuda_memory(const CudaMemoryNeed& need, size_t free_bytes, size_t tot
   constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
   if (need.total() <= free_bytes) return;
   const bool weights_fit = need.weights <= free_bytes;
+  const bool state_fits = need.weights + need.state_per_sequence * size_t(need.sequences) <= free_bytes;
   DSV4_FAIL("--device cuda: the model needs at least {:.1f} GiB of GPU memory (weights {:.1f} GiB + state {:.2f} GiB "
-            "per sequence x {} for --max-context {}, before workspaces), but the GPU has {:.1f} GiB free of {:.1f} "
-            "GiB. {}",
+            "per sequence x {} for --max-context {} + workspaces {:.2f} GiB for prefill chunks of {} tokens), but the "
+            "GPU has {:.1f} GiB free of {:.1f} GiB. {}",
             need.total() / kGiB, need.weights / kGiB, need.state_per_sequence / kGiB, need.sequences, max_context,
-            free_bytes / kGiB, total_bytes / kGiB,
-            weights_fit ? "Lower --max-context (or --max-batch) so the state fits."
-                        : "The weights alone do not fit this GPU: split the layers over several GPUs (--gpus 0,1 or "
-                          "more).");
+            need.workspaces / kGiB, need.prefill_chunk, free_bytes / kGiB, total_bytes / kGiB,
+            !weights_fit  ? "The weights alone do not fit this GPU: split the layers over several GPUs (--gpus 0,1 or "
+                            "more)."
+            : state_fits ? "Lower --cuda-prefill-chunk so the workspaces fit."
+                         : "Lower --max-context (or --max-batch) so the state fits.");
 }
 
 int cuda_prefill_chunk(int requested, int pairs_per_token, int max_entries, int max_context) {
@@ -2164,7 +2181,9 @@ std::unique_ptr<SequenceRunner> make_cuda_runner(const Model& model, int max_con
     CudaMemoryNeed& sum = per_device[s.device];
     sum.weights += need.weights;
     sum.state_per_sequence += need.state_per_sequence;
+    sum.workspaces += need.workspaces;  // each stage has its own
     sum.sequences = need.sequences;
+    sum.prefill_chunk = need.prefill_chunk;
   }
   for (const auto& [device, need] : per_device) {
     DeviceScope scope(device);

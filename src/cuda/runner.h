@@ -146,11 +146,14 @@ int cuda_prefill_chunk(int requested, int pairs_per_token, int max_entries, int 
 // What a runner needs on the device at least, from the host model alone (no GPU): the linear weights in the
 // encodings the runner uploads (a checkpoint's packed bytes, bf16 for fp32 values, the synthetic format for shape-only
 // matrices; the embedding and lm_head bf16), the fp32 matrices and vectors, and each sequence's state (window ring,
-// compressed KV, indexer keys, compressor partials). Workspaces come on top (they scale with the prefill chunk).
+// compressed KV, indexer keys, compressor partials), and the largest workspaces of a stage (they scale with the
+// prefill chunk: the routed pairs' gate / up / down buffers, the streams, the indexer scores, the logits rows): a
+// lower bound of what the runner allocates after the upload (CudaRunnerStats::workspace_bytes).
 struct CudaMemoryNeed {
-  size_t weights = 0, state_per_sequence = 0;
+  size_t weights = 0, state_per_sequence = 0, workspaces = 0;
   int sequences = 1;
-  size_t total() const { return weights + state_per_sequence * size_t(sequences); }
+  int prefill_chunk = 0;  // the chunk the workspaces are sized for (cuda_prefill_chunk of the options)
+  size_t total() const { return weights + workspaces + state_per_sequence * size_t(sequences); }
 };
 CudaMemoryNeed cuda_memory_need(const Model& model, int max_context, const CudaRunnerOptions& options);
 // The same for the stage holding layers [layer_begin, layer_end): the embedding when layer_begin is 0, the head, final

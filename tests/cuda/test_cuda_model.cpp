@@ -427,6 +427,12 @@ CudaRunnerStats compare_runners(const std::string& name, const std::string& sour
   EXPECT_EQ(same, compared) << "free-running greedy diverged before any near-tie";
 
   const CudaRunnerStats st = cuda_runner_stats(*gpu);
+  // The pre-upload check's workspaces are a lower bound of what the runner allocated (its largest buffers).
+  const CudaMemoryNeed need = cuda_memory_need(model, max_context, CudaRunnerOptions{});
+  EXPECT_EQ(need.prefill_chunk, cuda_runner_prefill_chunk(*gpu));
+  EXPECT_LE(need.workspaces, st.workspace_bytes);
+  std::printf("[cuda-model] %s: pre-upload workspace estimate %.2f MiB of the %.2f MiB allocated\n", name.c_str(),
+              need.workspaces / 1048576.0, st.workspace_bytes / 1048576.0);
   std::printf("[cuda-model] %s (%s) kv=%d indexer=%d act=%d prompt=%d decode=%d\n"
               "[cuda-model]   prefill max|diff| %.3g (max|logit| %.3g, rel %.3g; per-row median %.3g, p90 %.3g); "
               "decode max|diff| %.3g (rel %.3g; median %.3g, p90 %.3g); rows within tol %.0e rel: prefill %.0f%%, "
@@ -520,7 +526,9 @@ TEST(CudaModel, TinyFlashPrefillInOneLongChunk) {
                 diff.quantile(0.5), diff.max_abs, diff.max_ref, diff.fraction_within(3e-2 * diff.max_ref));
     ASSERT_EQ(diff.row_max.size(), size_t(n + steps));
     EXPECT_GE(diff.fraction_within(3e-2 * diff.max_ref), 0.9) << "chunks of " << chunk;
-    if (std::getenv("DSV4_CUDA_GRAPH") == nullptr) EXPECT_TRUE(cuda_runner_stats(*gpu).last_forward_replayed_graph);
+    if (std::getenv("DSV4_CUDA_GRAPH") == nullptr) {
+      EXPECT_TRUE(cuda_runner_stats(*gpu).last_forward_replayed_graph);
+    }
   }
 }
 

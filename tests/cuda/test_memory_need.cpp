@@ -74,11 +74,36 @@ TEST(CudaMemoryNeed, BenchModelFitsAndLongContextsAreRefusedForTheirState) {
   const int million = 1 << 20;
   const CudaMemoryNeed is_long = cuda_memory_need(model, million, nvfp4_synthetic(64));
   EXPECT_GT(is_long.state_per_sequence, 4 * kGiB);  // ~2^18 compressed entries x 512 floats in each CSA layer
-  EXPECT_EQ(is_long.total(), is_long.weights + 64 * is_long.state_per_sequence);
+  EXPECT_EQ(is_long.total(), is_long.weights + is_long.workspaces + 64 * is_long.state_per_sequence);
   const std::string message = refusal(is_long, 139 * kGiB, million);
   std::printf("[memory] %s\n", message.c_str());
   EXPECT_NE(message.find("Lower --max-context"), std::string::npos) << message;
   EXPECT_NE(message.find("x 64 for --max-context 1048576"), std::string::npos) << message;
+}
+
+// The workspaces scale with the prefill chunk: Flash's at 4096 tokens are ~8x those at 512 (the logits rows aside), and a
+// GPU with room for the weights and state but not the workspaces is told to lower --cuda-prefill-chunk.
+TEST(CudaMemoryNeed, WorkspacesFollowThePrefillChunk) {
+  const ModelConfig c = flash_shaped_config(32);
+  const Model model(c, synthetic_weights(c, 1), Numerics{});
+  CudaRunnerOptions o = nvfp4_synthetic();
+  const CudaMemoryNeed at512 = cuda_memory_need(model, 8192, o);
+  EXPECT_EQ(at512.prefill_chunk, 512);
+  o.prefill_chunk = 4096;
+  const CudaMemoryNeed at4096 = cuda_memory_need(model, 8192, o);
+  EXPECT_EQ(at4096.prefill_chunk, 4096);
+  const size_t logits = size_t(kCudaMaxChunk) * size_t(c.vocab_size) * 4;
+  EXPECT_EQ(at4096.workspaces - logits, 8 * (at512.workspaces - logits));
+  // Per token: 7 pairs x 2048 x 10 bytes (gate, up, h) + 7 x 4096 x 4 (y_pairs) + 4 x 4096 x 4 (streams) + ...
+  EXPECT_GT(double(at4096.workspaces), 4096.0 * (7 * 2048 * 10 + 7 * 4096 * 4 + 4 * 4096 * 4));
+  EXPECT_LT(double(at4096.workspaces), 3.0 * kGiB);
+  EXPECT_EQ(at4096.total(), at4096.weights + at4096.workspaces + at4096.state_per_sequence);
+  const size_t room = at4096.weights + at4096.state_per_sequence + at4096.workspaces / 2;
+  const std::string message = refusal(at4096, room, 8192);
+  std::printf("[memory] %s\n", message.c_str());
+  EXPECT_NE(message.find("Lower --cuda-prefill-chunk"), std::string::npos) << message;
+  EXPECT_NE(message.find("prefill chunks of 4096 tokens"), std::string::npos) << message;
+  EXPECT_EQ(refusal(at512, room, 8192), "");
 }
 
 // The stages' needs add up to the whole model's (the MTP block's embedding copy aside) and balance the weights: the
