@@ -296,6 +296,39 @@ TEST(SyntheticBenchCli, SwitchesAreCheckedAndReported) {
   std::filesystem::remove(json_path);
 }
 
+#ifdef DSV4_HAVE_CUDA
+// --plan-only --gpus prints the layer split and what each GPU's pre-upload check asks (host arithmetic, no GPU): the
+// real Flash over two H200s, each stage with its own chunk workspaces.
+TEST(SyntheticBenchCli, PlanOnlySplitsFlashOverTwoGpusWithTheirWorkspaces) {
+  const std::filesystem::path json_path = std::filesystem::temp_directory_path() / "dsv4_bench_plan_gpus.json";
+  const RunResult r = run_dsv4("bench --plan-only --experts 256 --format nvfp4 --gpus 0,1 --prefill 8192 "
+                               "--prefill-chunk 2048 --json " + json_path.string());
+  ASSERT_EQ(r.exit_code, 0) << r.out;
+  EXPECT_THAT(r.out, HasSubstr("workspaces"));
+  std::ifstream in(json_path);
+  const nlohmann::json j = nlohmann::json::parse(in);
+  const nlohmann::json& stages = j["stages"]["nvfp4"];
+  ASSERT_EQ(stages.size(), 2u);
+  double weights = 0;
+  for (const auto& s : stages) {
+    EXPECT_EQ(s["prefill_chunk"].get<int>(), 2048);
+    // Per token of a chunk at least 7 pairs x (2048 x 10 + 4096 x 4) bytes: ~0.5 GB at 2048 tokens.
+    EXPECT_GT(s["workspace_bytes"].get<double>(), 0.5e9);
+    EXPECT_LT(s["workspace_bytes"].get<double>(), 2e9);
+    EXPECT_GT(s["state_bytes_per_sequence"].get<double>(), 0);
+    const double need = s["weight_bytes"].get<double>() + s["workspace_bytes"].get<double>() +
+                        s["state_bytes_per_sequence"].get<double>();
+    EXPECT_LT(need, 139.0 * (1 << 30));  // fits an H200's free memory
+    weights += s["weight_bytes"].get<double>();
+  }
+  EXPECT_EQ(stages[0]["workspace_bytes"], stages[1]["workspace_bytes"]);
+  EXPECT_EQ(stages[0]["layer_begin"].get<int>(), 0);
+  EXPECT_EQ(stages[1]["layer_end"].get<int>(), 43);
+  EXPECT_NEAR(weights / 1e9, 161.8, 1.0);  // 150.7 GiB, and the MTP-free split adds no table
+  std::filesystem::remove(json_path);
+}
+#endif
+
 // --plan-only prints the accounting without a GPU; the JSON's numbers against an independent count.
 TEST(SyntheticBenchCli, PlanOnlyAccountsTheFlashBytesPerToken) {
   const std::filesystem::path json_path = std::filesystem::temp_directory_path() / "dsv4_bench_plan.json";
