@@ -424,17 +424,16 @@ int run_plan(const BenchArgs& a) {
     const Model model(config, synthetic_weights(config, a.seed, SyntheticLinears::ShapeOnly, a.mtp), Numerics{});
     CudaRunnerOptions options;
     options.devices = parse_cuda_devices(a.gpus);
+    options.prefill_chunk = a.prefill_chunk;
     for (BenchFormat f : parse_formats(a.format)) {
       options.synthetic_format = f == BenchFormat::NVFP4 ? GemvWeight::NVFP4 : GemvWeight::BF16;
       fmt::print("{} over GPUs {}:\n", format_name(f), a.gpus);
-      options.prefill_chunk = a.prefill_chunk;
-      const int max_context = std::max(a.max_context, 1);
       for (const CudaStage& s : cuda_pipeline_stages(model, options)) {
         // What the pre-upload check asks of this GPU: its weights, one sequence's state, its chunk workspaces.
-        const CudaMemoryNeed need = cuda_memory_need(model, max_context, options, s.layer_begin, s.layer_end);
+        const CudaMemoryNeed need = cuda_memory_need(model, a.max_context, options, s.layer_begin, s.layer_end);
         fmt::print("  GPU {}: layers {:>2}..{:>2}, weights {:.2f} GB, state {:.2f} GB per sequence at context {}, "
                    "workspaces {:.2f} GB for prefill chunks of {}\n", s.device, s.layer_begin, s.layer_end - 1,
-                   s.weight_bytes / 1e9, need.state_per_sequence / 1e9, max_context, need.workspaces / 1e9,
+                   s.weight_bytes / 1e9, need.state_per_sequence / 1e9, a.max_context, need.workspaces / 1e9,
                    need.prefill_chunk);
         report["stages"][format_name(f)].push_back(
             {{"device", s.device}, {"layer_begin", s.layer_begin}, {"layer_end", s.layer_end},

@@ -45,6 +45,15 @@
 namespace dsv4 {
 namespace {
 
+// The largest compressed-entry count of any layer (the indexer scores' row length, which bounds the prefill chunk),
+// over every layer of the model, not only a stage's: all stages settle on the same prefill chunk.
+int max_compressed_entries(const ModelConfig& c, int max_context) {
+  int entries = 1;
+  for (int l = 0; l < c.n_layers; ++l)
+    if (c.ratio(l)) entries = std::max(entries, max_context / c.ratio(l));
+  return entries;
+}
+
 // Rows from which a dense linear runs as dequantise + cuBLASLt (dsv4_gemm_bench on the H200: at 512 rows cuBLASLt
 // with the decode included beats the tiled gemv on every Flash shape, at 128 the tiled gemv wins on the wide ones).
 constexpr int kGemmMinRows = 256;
@@ -704,9 +713,7 @@ CudaRunner::CudaRunner(const Model& model, int max_context, CudaRunnerOptions op
   inv_freq_compress_ = upload_f32(rope_inv_freq(c.rope_compress, rd));
 
   int max_n_x = 0, max_n_q = 0, max_inter = 1, max_shared = 1, shared_grouped_layers = 0;
-  // Over every layer of the model, not only this stage's: all stages settle on the same prefill chunk.
-  for (int l = 0; l < c.n_layers; ++l)
-    if (c.ratio(l)) max_entries_ = std::max(max_entries_, max_context / c.ratio(l));
+  max_entries_ = max_compressed_entries(c, max_context);
   layers_.reserve(size_t(stage_.layer_end - stage_.layer_begin) + 1);
   // Block l of the model (l = n_layers: the MTP block, sliding-window attention only, like ModelConfig's accessors).
   auto add_layer = [&](const LayerWeights& L, int l) {
@@ -2044,20 +2051,17 @@ CudaMemoryNeed cuda_memory_need(const Model& model, int max_context, const CudaR
   }
   if (last && W.mtp) s += window + size_t(kMtpRows) * c.hc_mult * c.hidden_size;  // its window ring, the rows it trails by
   s *= sizeof(float);
-  // The chunk-sized workspaces every stage allocates (the runner's constructor; the small ones left out). The chunk
-  // follows the whole model's largest compressed-entry count, as the runner's does.
-  int max_entries = 1;
-  for (int l = 0; l < c.n_layers; ++l)
-    if (c.ratio(l)) max_entries = std::max(max_entries, max_context / c.ratio(l));
+  // The chunk-sized workspaces every stage allocates (the runner's constructor; the small ones left out).
+  const int max_entries = max_compressed_entries(c, max_context);
   const int pairs = c.n_experts_per_tok + 1;  // + the shared expert's pair
   need.prefill_chunk = cuda_prefill_chunk(options.prefill_chunk, pairs, max_entries, max_context);
   const size_t D = size_t(c.hidden_size), f = sizeof(float), b16 = sizeof(uint16_t);
-  const size_t per_row = size_t(c.hc_mult) * D * f                          // streams
-                         + D * (f + b16 + f + f + b16)                       // normed (+ bf16), attn_out, shared, head_in
-                         + size_t(c.n_heads) * size_t(c.head_dim) * b16      // o_grouped
-                         + size_t(max_entries) * f                           // indexer scores
+  const size_t per_row = size_t(c.hc_mult) * D * f                             // streams
+                         + D * (f + b16 + f + f + b16)                          // normed (+ bf16), attn, shared, head
+                         + size_t(c.n_heads) * size_t(c.head_dim) * b16         // o_grouped
+                         + size_t(max_entries) * f                              // indexer scores
                          + size_t(pairs) * size_t(c.moe_inter) * (f + f + b16)  // expert gate, up, h
-                         + size_t(pairs) * D * f;                            // y_pairs
+                         + size_t(pairs) * D * f;                               // y_pairs
   need.workspaces = size_t(need.prefill_chunk) * per_row + size_t(kCudaMaxChunk) * size_t(c.vocab_size) * f;
   return need;
 }

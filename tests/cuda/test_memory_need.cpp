@@ -81,8 +81,8 @@ TEST(CudaMemoryNeed, BenchModelFitsAndLongContextsAreRefusedForTheirState) {
   EXPECT_NE(message.find("x 64 for --max-context 1048576"), std::string::npos) << message;
 }
 
-// The workspaces scale with the prefill chunk: Flash's at 4096 tokens are ~8x those at 512 (the logits rows aside), and a
-// GPU with room for the weights and state but not the workspaces is told to lower --cuda-prefill-chunk.
+// The workspaces scale with the prefill chunk: Flash's at 4096 tokens are 8x those at 512 (the logits rows aside),
+// and a GPU with room for the weights and state but not the workspaces is told to lower --cuda-prefill-chunk.
 TEST(CudaMemoryNeed, WorkspacesFollowThePrefillChunk) {
   const ModelConfig c = flash_shaped_config(32);
   const Model model(c, synthetic_weights(c, 1), Numerics{});
