@@ -46,7 +46,7 @@ constexpr int kDecodeWarmupSteps = 2;  // the first 1-token step captures the CU
 #ifdef DSV4_HAVE_CUDA
 constexpr int kPlanPrefillChunk = kCudaPrefillChunk;
 #else
-constexpr int kPlanPrefillChunk = 512;  // the CUDA runner's default (kCudaPrefillChunk), for --plan-only in CPU builds
+constexpr int kPlanPrefillChunk = 2048;  // the CUDA runner's default (kCudaPrefillChunk), for --plan-only in CPU builds
 #endif
 
 enum class BenchFormat { NVFP4, BF16 };

@@ -409,8 +409,8 @@ void set_moe_slots_by_warps(bool on) { slots_by_warps_mode = on ? 1 : 0; }
 
 bool moe_slots_by_warps() {
   if (slots_by_warps_mode < 0) {
-    slots_by_warps_mode = env_switch("DSV4_MOE_SLOTS_BY_WARPS").value_or(false) ? 1 : 0;
-    if (slots_by_warps_mode) spdlog::info("moe_slots: pairs placed by every warp (DSV4_MOE_SLOTS_BY_WARPS)");
+    slots_by_warps_mode = env_switch("DSV4_MOE_SLOTS_BY_WARPS").value_or(true) ? 1 : 0;
+    if (!slots_by_warps_mode) spdlog::info("moe_slots: pairs placed by one warp (DSV4_MOE_SLOTS_BY_WARPS=0)");
   }
   return slots_by_warps_mode == 1;
 }

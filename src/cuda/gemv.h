@@ -179,8 +179,8 @@ struct MoeSlotsParams {
 void moe_slots(const MoeSlotsParams& p);
 // moe_slots' form for chunks of many pairs (experts <= 512): every warp of the block places its own run of pairs
 // from per-warp expert counts, instead of warp 0 walking all of them (39 µs per 512-token prefill chunk, H100). The
-// same slots and order. Off by default: written at stop 32 and not yet run on a GPU (docs/perf.md). Process-wide;
-// DSV4_MOE_SLOTS_BY_WARPS=0/1 in the environment sets it at the first call (bench switch slotwarps).
+// same slots and order. On by default (prefill +2 % at chunks of 512, H100, docs/perf.md twenty-second round).
+// Process-wide; DSV4_MOE_SLOTS_BY_WARPS=0/1 in the environment sets it at the first call (bench switch slotwarps).
 void set_moe_slots_by_warps(bool on);
 bool moe_slots_by_warps();
 // gpu::router then moe_slots in one launch, for decode steps (router.n <= 64 tokens, routed by the 16 warps of one

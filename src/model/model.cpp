@@ -9,6 +9,7 @@
 #include <cmath>
 #include <limits>
 #include <numbers>
+#include <numeric>
 
 #include "core/check.h"
 #include "formats/fp8.h"
@@ -36,6 +37,16 @@ ActQuant parse_act_quant(const std::string& name) {
   if (name == "none") return ActQuant::None;
   if (name == "fp8") return ActQuant::FP8;
   DSV4_FAIL("unknown activation quantisation \"{}\" (expected none or fp8)", name);
+}
+
+StateCodecs state_codecs(const Numerics& numerics) {
+  using cpu::IndexerStorage, cpu::KvStorage;
+  StateCodecs c;
+  c.kv = numerics.kv == KvStorage::FP8 ? KvCodec::Fp8 : numerics.kv == KvStorage::BF16 ? KvCodec::Bf16 : KvCodec::F32;
+  c.index = numerics.indexer == IndexerStorage::FP4    ? KvCodec::Fp4
+            : numerics.indexer == IndexerStorage::BF16 ? KvCodec::Bf16
+                                                       : KvCodec::F32;
+  return c;
 }
 
 namespace {
@@ -229,9 +240,9 @@ void hc_head(const HyperConnWeights& w, const ModelConfig& c, const float* strea
 // completes into `entries` [max_entries, dim]; `finish(entry, b)` post-processes an entry (norm, RoPE, rounding).
 template <typename Finish>
 void advance_compressor(CompressorState& st, const CompressorWeights& w, const float* x, int n, int64_t pos0, int D,
-                        float* entries, int max_entries, int& n_entries, Finish finish) {
+                        KvEntries& entries, int& n_entries, Finish finish) {
   const int r = st.ratio, d = st.dim, width = st.width;
-  std::vector<float> u(size_t(n) * width), g(size_t(n) * width);
+  std::vector<float> u(size_t(n) * width), g(size_t(n) * width), entry(d);
   linear(x, w.wkv, u.data(), n);
   linear(x, w.wgate, g.data(), n);
   st.undo.clear();
@@ -246,8 +257,7 @@ void advance_compressor(CompressorState& st, const CompressorWeights& w, const f
     }
     if ((p + 1) % r != 0) continue;
     const int b = int(p / r);
-    DSV4_CHECK(b < max_entries, "compressed KV cache full ({} entries)", max_entries);
-    float* entry = entries + size_t(b) * d;
+    DSV4_CHECK(b < entries.rows(), "compressed KV cache full ({} entries)", entries.rows());
     for (int j = 0; j < d; ++j) {
       // Candidate (row, column) pairs: overlapped = previous block's first half + current block's second half.
       const int n_rows = st.overlap ? 2 * r : r;
@@ -262,7 +272,8 @@ void advance_compressor(CompressorState& st, const CompressorWeights& w, const f
       }
       entry[j] = acc / sum;
     }
-    finish(entry, b);
+    finish(entry.data(), b);
+    entries.put(b, entry.data());
     n_entries = b + 1;
     if (st.overlap) {
       if (undoable) st.remember(p, 0, r);
@@ -306,10 +317,9 @@ void Model::attention(int l, const float* x, Chunk& chunk, LayerState& S, const 
 
   // 3.5 compressor: entries completed by this chunk become visible to its later queries.
   const int r = c.ratio(l);
-  const int max_entries = r ? state.max_context / r : 0;
   if (A.compressor) {
     const CompressorWeights& W = *A.compressor;
-    advance_compressor(*S.compressor, W, x, n, chunk.pos0, D, S.compressed.data(), max_entries, S.n_compressed,
+    advance_compressor(*S.compressor, W, x, n, chunk.pos0, D, S.compressed, S.n_compressed,
                        [&](float* entry, int b) {
                          cpu::rms_norm(entry, W.norm.data(), entry, 1, hd, c.rms_norm_eps);
                          cpu::rope_interleaved(entry + nope, rd, inv_freq, int64_t(b) * r, false);
@@ -322,8 +332,8 @@ void Model::attention(int l, const float* x, Chunk& chunk, LayerState& S, const 
   std::vector<float> qi, wi;
   if (A.indexer) {
     const IndexerWeights& I = *A.indexer;
-    advance_compressor(*S.index_compressor, I.compressor, x, n, chunk.pos0, D, S.index_keys.data(), max_entries,
-                       S.n_index_keys, [&](float* entry, int b) {
+    advance_compressor(*S.index_compressor, I.compressor, x, n, chunk.pos0, D, S.index_keys, S.n_index_keys,
+                       [&](float* entry, int b) {
                          cpu::rms_norm(entry, I.compressor.norm.data(), entry, 1, ihd, c.rms_norm_eps);
                          cpu::rope_interleaved(entry + ihd - rd, rd, inv_freq, int64_t(b) * r, false);
                          cpu::round_indexer(entry, ihd, numerics_.indexer);
@@ -343,37 +353,55 @@ void Model::attention(int l, const float* x, Chunk& chunk, LayerState& S, const 
   }
 
   // 3.7 per-query key selection: the window, then the selected (CSA) or all (HCA) visible compressed entries.
+  // Entries are stored encoded (formats/kv_entry.h): the ones this chunk reads are decoded once, below.
   const int window = c.window;
-  std::vector<std::vector<const float*>> keys(n);
-  int64_t total_keys = 0;
+  std::vector<std::vector<int>> picks(n);  // compressed entries of each query
+  const std::vector<float> index_keys = A.indexer ? S.index_keys.decoded(0, S.n_index_keys) : std::vector<float>();
   // Threads only when the indexer's scores are worth waking them for: a short chunk (speculative verify) over a
   // short context is faster alone than with OpenMP's threads contending with OpenBLAS's for the cores.
   const int64_t index_work = A.indexer ? int64_t(n) * S.n_index_keys * nh * ihd : 0;
-#pragma omp parallel for schedule(dynamic) if (n > 1 && index_work > (1 << 22)) reduction(+ : total_keys)
+#pragma omp parallel for schedule(dynamic) if (n > 1 && index_work > (1 << 22))
+  for (int t = 0; t < n; ++t) {
+    if (!r) continue;
+    const int n_visible = std::min<int>(int((chunk.pos0 + t + 1) / r), S.n_compressed);
+    if (A.indexer) {
+      std::vector<float> score(n_visible, 0.0f);
+      for (int s = 0; s < n_visible; ++s) {
+        const float* k = &index_keys[size_t(s) * ihd];
+        float acc = 0;
+        for (int h = 0; h < nh; ++h) {
+          const float* qh = &qi[(size_t(t) * nh + h) * ihd];
+          acc += wi[size_t(t) * nh + h] * std::max(cpu::dot(qh, k, ihd), 0.0f);
+        }
+        score[s] = acc;
+      }
+      picks[t] = cpu::top_k_indices(score, c.index_topk);
+    } else {
+      picks[t].resize(n_visible);
+      std::iota(picks[t].begin(), picks[t].end(), 0);
+    }
+  }
+  std::vector<int> decoded_row(S.n_compressed, -1);  // compressed entry -> its row in `compressed`
+  int n_decoded = 0;
+  for (const std::vector<int>& p : picks)
+    for (int e : p)
+      if (decoded_row[e] < 0) decoded_row[e] = n_decoded++;
+  std::vector<float> compressed(size_t(n_decoded) * hd);
+  for (int e = 0; e < S.n_compressed; ++e)
+    if (decoded_row[e] >= 0) S.compressed.get(e, &compressed[size_t(decoded_row[e]) * hd]);
+  const int64_t first_past = std::max<int64_t>(0, chunk.pos0 - window + 1);  // window positions of earlier chunks
+  std::vector<float> past(size_t(chunk.pos0 - first_past) * hd);
+  for (int64_t s = first_past; s < chunk.pos0; ++s)
+    S.window.get(int(s % state.window_slots), &past[size_t(s - first_past) * hd]);
+
+  std::vector<std::vector<const float*>> keys(n);
+  int64_t total_keys = 0;
   for (int t = 0; t < n; ++t) {
     const int64_t p = chunk.pos0 + t;
     std::vector<const float*>& kt = keys[t];
     for (int64_t s = std::max<int64_t>(0, p - window + 1); s <= p; ++s)
-      kt.push_back(s >= chunk.pos0 ? &kv[size_t(s - chunk.pos0) * hd]
-                                   : &S.window[size_t(s % state.window_slots) * hd]);
-    if (r) {
-      const int n_visible = std::min<int>(int((p + 1) / r), S.n_compressed);
-      if (A.indexer) {
-        std::vector<float> score(n_visible, 0.0f);
-        for (int s = 0; s < n_visible; ++s) {
-          const float* k = &S.index_keys[size_t(s) * ihd];
-          float acc = 0;
-          for (int h = 0; h < nh; ++h) {
-            const float* qh = &qi[(size_t(t) * nh + h) * ihd];
-            acc += wi[size_t(t) * nh + h] * std::max(cpu::dot(qh, k, ihd), 0.0f);
-          }
-          score[s] = acc;
-        }
-        for (int s : cpu::top_k_indices(score, c.index_topk)) kt.push_back(&S.compressed[size_t(s) * hd]);
-      } else {
-        for (int s = 0; s < n_visible; ++s) kt.push_back(&S.compressed[size_t(s) * hd]);
-      }
-    }
+      kt.push_back(s >= chunk.pos0 ? &kv[size_t(s - chunk.pos0) * hd] : &past[size_t(s - first_past) * hd]);
+    for (int e : picks[t]) kt.push_back(&compressed[size_t(decoded_row[e]) * hd]);
     total_keys += int64_t(kt.size());
   }
 
@@ -406,7 +434,7 @@ void Model::attention(int l, const float* x, Chunk& chunk, LayerState& S, const 
 
   // 3.4 window ring: the last positions of this chunk.
   for (int t = std::max(0, n - state.window_slots); t < n; ++t)
-    std::copy_n(&kv[size_t(t) * hd], hd, &S.window[size_t((chunk.pos0 + t) % state.window_slots) * hd]);
+    S.window.put(int((chunk.pos0 + t) % state.window_slots), &kv[size_t(t) * hd]);
 
   // 3.9 grouped low-rank output projection
   const int G = c.o_groups, group_width = H * hd / G, ol = c.o_lora_rank;

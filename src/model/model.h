@@ -33,6 +33,9 @@ struct Numerics {
 cpu::KvStorage parse_kv_storage(const std::string& name);            // "fp8", "bf16", "f32"
 cpu::IndexerStorage parse_indexer_storage(const std::string& name);  // "fp4", "bf16", "f32"
 ActQuant parse_act_quant(const std::string& name);                   // "none", "fp8"
+// The state's entries in the bytes the rounding leaves (kv fp8 -> KvCodec::Fp8, bf16 -> Bf16, f32 -> F32; indexer
+// fp4 -> Fp4 ...): storing them that way loses nothing.
+StateCodecs state_codecs(const Numerics& numerics);
 
 // Receives named intermediates ("attn_norm", layer, [rows, cols]) when set; layer -1 = not per layer.
 using TraceFn = std::function<void(const std::string& name, int layer, const float* data, int rows, int cols)>;
@@ -51,7 +54,7 @@ class Model {
   const ModelWeights& weights() const { return weights_; }
   bool has_mtp() const { return weights_.mtp.has_value(); }
   SequenceState new_sequence(int max_context) const {
-    return SequenceState::create(config_, max_context, has_mtp());
+    return SequenceState::create(config_, max_context, has_mtp(), state_codecs(numerics_));
   }
 
   // Consumes `tokens` at positions state.n_tokens.. and returns next-token logits [n, vocab] row-major

@@ -29,6 +29,34 @@ void CompressorState::undo_from(int64_t pos) {
   }
 }
 
+KvEntries KvEntries::create(KvCodec codec, int rows, int dim, int rope) {
+  DSV4_CHECK(codec != KvCodec::Fp8 || (dim - rope) % kKvFp8Block == 0,
+             "FP8 KV entries need the nope dims ({}) to be a multiple of {}", dim - rope, kKvFp8Block);
+  DSV4_CHECK(codec != KvCodec::Fp4 || dim % kKvFp4Block == 0,
+             "FP4 indexer entries need index_head_dim ({}) to be a multiple of {}", dim, kKvFp4Block);
+  KvEntries e;
+  e.codec = codec;
+  e.dim = dim;
+  e.rope = rope;
+  e.row_bytes = kv_entry_bytes(codec, dim, rope);
+  e.bytes.resize(size_t(rows) * e.row_bytes);
+  return e;
+}
+
+void KvEntries::put(int row, const float* values) {
+  encode_kv_entry(codec, values, dim, rope, &bytes[size_t(row) * row_bytes]);
+}
+
+void KvEntries::get(int row, float* values) const {
+  decode_kv_entry(codec, &bytes[size_t(row) * row_bytes], dim, rope, values);
+}
+
+std::vector<float> KvEntries::decoded(int first, int n) const {
+  std::vector<float> out(size_t(n) * dim);
+  for (int i = 0; i < n; ++i) get(first + i, &out[size_t(i) * dim]);
+  return out;
+}
+
 static CompressorState make_compressor(int ratio, int dim, bool overlap) {
   CompressorState s;
   s.ratio = ratio;
@@ -42,7 +70,7 @@ static CompressorState make_compressor(int ratio, int dim, bool overlap) {
   return s;
 }
 
-SequenceState SequenceState::create(const ModelConfig& c, int max_context, bool mtp) {
+SequenceState SequenceState::create(const ModelConfig& c, int max_context, bool mtp, StateCodecs codecs) {
   DSV4_CHECK(max_context > 0, "--max-context must be positive, got {}", max_context);
   SequenceState s;
   s.max_context = max_context;
@@ -50,19 +78,19 @@ SequenceState SequenceState::create(const ModelConfig& c, int max_context, bool 
   s.layers.resize(c.n_layers);
   for (int l = 0; l < c.n_layers; ++l) {
     LayerState& L = s.layers[l];
-    L.window.resize(size_t(s.window_slots) * c.head_dim);
+    L.window = KvEntries::create(codecs.kv, s.window_slots, c.head_dim, c.rope_dim);
     if (!c.has_compressor(l)) continue;
     const int r = c.compress_ratio[l], max_entries = max_context / r;
-    L.compressed.resize(size_t(max_entries) * c.head_dim);
+    L.compressed = KvEntries::create(codecs.kv, max_entries, c.head_dim, c.rope_dim);
     L.compressor = make_compressor(r, c.head_dim, c.is_csa(l));
     if (c.is_csa(l)) {
-      L.index_keys.resize(size_t(max_entries) * c.index_head_dim);
+      L.index_keys = KvEntries::create(codecs.index, max_entries, c.index_head_dim, 0);
       L.index_compressor = make_compressor(r, c.index_head_dim, true);
     }
   }
   if (mtp) {
     s.mtp.emplace();
-    s.mtp->window.resize(size_t(s.window_slots) * c.head_dim);
+    s.mtp->window = KvEntries::create(codecs.kv, s.window_slots, c.head_dim, c.rope_dim);
   }
   return s;
 }
@@ -99,9 +127,9 @@ void SequenceState::rollback(int64_t n) {
 
 size_t SequenceState::bytes() const {
   size_t b = 0;
-  if (mtp) b += mtp->window.size() * sizeof(float);
+  if (mtp) b += mtp->window.bytes.size();
   for (const LayerState& L : layers) {
-    b += (L.window.size() + L.compressed.size() + L.index_keys.size()) * sizeof(float);
+    b += L.window.bytes.size() + L.compressed.bytes.size() + L.index_keys.bytes.size();
     for (const auto* cs : {&L.compressor, &L.index_compressor})
       if (*cs) b += ((*cs)->kv.size() + (*cs)->score.size()) * sizeof(float);
   }

@@ -7,6 +7,7 @@
 #include <optional>
 #include <vector>
 
+#include "formats/kv_entry.h"
 #include "model/config.h"
 
 namespace dsv4 {
@@ -40,10 +41,32 @@ struct CompressorState {
   void reset();
 };
 
+// Rows of KV-cache entries in the bytes of one codec of formats/kv_entry.h.
+struct KvEntries {
+  KvCodec codec = KvCodec::F32;
+  int dim = 0, rope = 0, row_bytes = 0;
+  std::vector<uint8_t> bytes;  // [rows, row_bytes]
+
+  static KvEntries create(KvCodec codec, int rows, int dim, int rope);
+  int rows() const { return row_bytes ? int(bytes.size() / size_t(row_bytes)) : 0; }
+  // Stores the values' rounding for the codec: lossless for values already rounded (cpu::round_kv and
+  // cpu::round_indexer of the matching storage).
+  void put(int row, const float* values);
+  void get(int row, float* values) const;
+  // Rows first .. first + n - 1 as floats, [n, dim].
+  std::vector<float> decoded(int first, int n) const;
+};
+
+// How the state stores its entries: the default is what the reference's rounding makes lossless (Numerics
+// kv = fp8, indexer = fp4); F32 for both keeps the floats the CUDA runner keeps.
+struct StateCodecs {
+  KvCodec kv = KvCodec::F32, index = KvCodec::F32;
+};
+
 struct LayerState {
-  std::vector<float> window;      // [window_slots, head_dim]; position p lives in slot p % window_slots
-  std::vector<float> compressed;  // [max_entries, head_dim]; entry b pools tokens b·r .. b·r+r-1
-  std::vector<float> index_keys;  // [max_entries, index_head_dim] (CSA)
+  KvEntries window;      // [window_slots, head_dim]; position p lives in slot p % window_slots
+  KvEntries compressed;  // [max_entries, head_dim]; entry b pools tokens b·r .. b·r+r-1
+  KvEntries index_keys;  // [max_entries, index_head_dim] (CSA)
   std::optional<CompressorState> compressor, index_compressor;
   int n_compressed = 0;           // entries emitted so far
   int n_index_keys = 0;           // indexer entries (same blocks, so equal to n_compressed after each step)
@@ -59,7 +82,7 @@ struct SequenceState {
   std::optional<LayerState> mtp;  // the MTP block's window ring (models loaded with it)
   int64_t mtp_tokens = 0;         // positions the MTP block consumed (<= n_tokens)
 
-  static SequenceState create(const ModelConfig& config, int max_context, bool mtp = false);
+  static SequenceState create(const ModelConfig& config, int max_context, bool mtp = false, StateCodecs codecs = {});
   void reset();          // start a new sequence (compressor scores back to -inf: spec 3.5)
   // Forgets the tokens at positions >= n: only tokens of the last forward, at most kMaxRollback of them
   // (rollback_floor <= n <= n_tokens). The state is then what a forward over the first n tokens left.

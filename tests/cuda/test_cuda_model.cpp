@@ -734,7 +734,8 @@ TEST(CudaModel, Bf16SensitivityOfTinyModels) {
 // format of a synthetic model's linears (CudaRunnerOptions::synthetic_format; none for a checkpoint's weights).
 void check_batched_decode(const Model& model, const std::string& name, const std::string& source, int B, int steps,
                           double within = 0.9, bool short_prompts = false,
-                          std::optional<GemvWeight> synthetic = std::nullopt) {
+                          std::optional<GemvWeight> synthetic = std::nullopt, double median_rel = 1e-4,
+                          double max_rel = 1.0) {
   const ModelConfig& c = model.config();
   const int V = c.vocab_size, max_context = 70 + 3 * B + steps + 8;
   CudaRunnerOptions options;
@@ -789,7 +790,8 @@ void check_batched_decode(const Model& model, const std::string& name, const std
               diff.fraction_within(1e-3 * scale), (long long)stats.graph_kernels,
               int(stats.last_forward_replayed_graph));
   EXPECT_TRUE(stats.last_forward_replayed_graph);
-  EXPECT_LE(diff.quantile(0.5), 1e-4 * scale);
+  EXPECT_LE(diff.quantile(0.5), median_rel * scale);
+  EXPECT_LE(diff.max_abs, max_rel * scale);
   EXPECT_GE(diff.fraction_within(1e-3 * scale), within);
 
   // Copies: every sequence becomes sequence 0, and all decode the same token.
@@ -825,11 +827,17 @@ TEST(CudaModel, BatchedDecodeFortySequences) {  // more rows than one mma n-tile
   check_batched_decode("tiny-flash", kDefault, 40, 6);
 }
 ModelConfig k512_synthetic_config();
+// Runners that differ only in fp32 summation order, on the synthetic model without discrete choices
+// (k512_synthetic_config): every GEMV input is rounded to bf16, so a reordered sum crosses bf16 rounding boundaries
+// and moves its logits by a per-row max of ~4e-3 of max|logit| at the median and ~6e-3 at most (register split 1
+// against the default splits, BulkGemvMatchesRegisterGemv's floor, H100 2026-12-07). Such switches are held to twice
+// that; a wrong row, expert or mix moves rows by 1e-1 and more.
+constexpr double kSumOrderMedian = 8e-3, kSumOrderMax = 1.2e-2;
 // Every GEMM of a batched step on the tiled tensor-core kernel (16- and 64-row activation tiles) against the
-// sequences alone on the skinny one: fp32 summation order only, the same bounds. 40 sequences on the synthetic
-// model without discrete choices (k512_synthetic_config, fp32 numerics, contexts under its indexer's top-k), where
-// every row must agree: on tiny-flash 10 % of its rows were a flipped top-k choice away (0.900 within 1e-3 at
-// stop 32's start, 0.892 after a change of linear_f32's prefill sums), so the bound tested the prompt's near-ties.
+// sequences alone on the skinny one: fp32 summation order only. 40 sequences on the synthetic model without discrete
+// choices (contexts under its indexer's top-k), held to the summation-order bounds (H100: median 2.0e-3, max 5.7e-3):
+// on tiny-flash 10 % of its rows were a flipped top-k choice away (0.900 within 1e-3 at stop 32's start, 0.892 after
+// a change of linear_f32's prefill sums), so a bound there tested the prompt's near-ties.
 TEST(CudaModel, BatchedDecodeOnTheTiledKernel) {
   DSV4_REQUIRE_CUDA();
   struct Restore {
@@ -840,7 +848,8 @@ TEST(CudaModel, BatchedDecodeOnTheTiledKernel) {
   check_batched_decode("tiny-flash", kDefault, 5, 12);
   const ModelConfig c = k512_synthetic_config();
   const Model synthetic(c, synthetic_weights(c, 9), kF32);
-  check_batched_decode(synthetic, "k512-synthetic", "synthetic NVFP4 weights", 40, 6, 1.0, true, GemvWeight::NVFP4);
+  check_batched_decode(synthetic, "k512-synthetic", "synthetic NVFP4 weights", 40, 6, 0.0, true, GemvWeight::NVFP4,
+                       kSumOrderMedian, kSumOrderMax);
 }
 
 // Programmatic dependent launch (launch.cuh) lets a kernel start before its predecessor ends; every kernel waits
@@ -907,13 +916,13 @@ void check_fused_mhc(const Model& model, const std::string& name, const std::str
     std::printf("%s%.0f", r == size_t(n) || r == size_t(n + steps) ? " | " : " ", 1e4 * diff.row_max[r] / scale);
   std::printf("\n");
   if (!bounded) return;
-  EXPECT_LE(diff.quantile(0.5), 1e-4 * scale);
-  EXPECT_LE(diff.max_abs, 5e-3 * scale);
+  EXPECT_LE(diff.quantile(0.5), kSumOrderMedian * scale);
+  EXPECT_LE(diff.max_abs, kSumOrderMax * scale);
 }
 
 // The bounds on the synthetic model without discrete choices (k512_synthetic_config, fp32 numerics, a prompt of 36
-// tokens: every context stays under its indexer's top-k): a wrong mix moves every row, a reordered sum none by more
-// than fp32 rounding. The golden tiny models only have to be reproducible, in both orders of the indexer's picks:
+// tokens: every context stays under its indexer's top-k): a wrong mix moves every row by far more than the
+// summation-order bounds (H100: median 2.6e-3, max 3.6e-3 of max|logit|). The golden tiny models only have to be reproducible, in both orders of the indexer's picks:
 // their random routers and indexers meet near-ties on which the fused mix's last-bit differences flip a choice, and
 // the difference then spreads to every later row at ~1e-3 of max|logit| (H100: in index order at row 27 of
 // tiny-flash since stop 29; in score order at row 8 after stop 32 changed linear_f32's prefill sums), which says
@@ -1409,8 +1418,8 @@ TEST(CudaModel, StagedPrefillForms) {
   std::printf("[cuda-model] linear_f32 tiles vs 4-row blocks, k512-synthetic prefill of 64: per-row max |diff| median "
               "%.3g, max %.3g of max|logit| %.3g\n", diff.quantile(0.5), diff.max_abs, diff.max_ref);
   ASSERT_EQ(diff.row_max.size(), prompt64.size());
-  EXPECT_LE(diff.quantile(0.5), 1e-4 * diff.max_ref);
-  EXPECT_LE(diff.max_abs, 5e-3 * diff.max_ref);
+  EXPECT_LE(diff.quantile(0.5), kSumOrderMedian * diff.max_ref);
+  EXPECT_LE(diff.max_abs, kSumOrderMax * diff.max_ref);
 }
 
 TEST(CudaModel, DependentLaunchChangesNoBits) {

@@ -87,6 +87,7 @@ TEST(CudaMemoryNeed, WorkspacesFollowThePrefillChunk) {
   const ModelConfig c = flash_shaped_config(32);
   const Model model(c, synthetic_weights(c, 1), Numerics{});
   CudaRunnerOptions o = nvfp4_synthetic();
+  o.prefill_chunk = 512;
   const CudaMemoryNeed at512 = cuda_memory_need(model, 8192, o);
   EXPECT_EQ(at512.prefill_chunk, 512);
   o.prefill_chunk = 4096;

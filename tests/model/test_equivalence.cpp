@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <random>
 
@@ -133,4 +134,43 @@ TEST(Context, PromptLongerThanContextIsRejected) {
   const std::vector<int32_t> bad = {3, 100000};
   EXPECT_THROW(model.forward(state, bad, true), Error);
   EXPECT_EQ(state.n_tokens, 0);
+}
+
+namespace {
+
+// The state stores its entries in the bytes the rounding leaves (formats/kv_entry.h): the same chunks over a state
+// of fp32 entries must give the same logits bit for bit, in a fraction of the memory.
+void check_compact_state(const std::string& name, int length, Numerics numerics, double max_bytes_ratio) {
+  const Model model = Model::load(model_dir(name), numerics);
+  std::mt19937 rng(5);
+  std::uniform_int_distribution<int32_t> token(0, model.config().vocab_size - 1);
+  std::vector<int32_t> ids(length);
+  for (auto& id : ids) id = token(rng);
+  SequenceState compact = model.new_sequence(length);
+  SequenceState floats = SequenceState::create(model.config(), length, model.has_mtp(), StateCodecs{});
+  ASSERT_NE(compact.layers[0].window.codec, KvCodec::F32);
+  std::vector<float> a, b;
+  for (size_t at = 0, c = 0; at < ids.size(); ++c) {
+    const size_t n = std::min<size_t>(std::vector<int>{5, 1, 3, 64, 2, 130, 7}[c % 7], ids.size() - at);
+    const std::span<const int32_t> chunk(ids.data() + at, n);
+    const std::vector<float> ra = model.forward(compact, chunk, false), rb = model.forward(floats, chunk, false);
+    a.insert(a.end(), ra.begin(), ra.end());
+    b.insert(b.end(), rb.begin(), rb.end());
+    at += n;
+  }
+  ASSERT_EQ(a.size(), b.size());
+  EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << "max diff " << max_diff(a, b);
+  const double ratio = double(compact.bytes()) / double(floats.bytes());
+  std::printf("[compact-state] %s len=%d kv=%d idx=%d: state %zu bytes against %zu as fp32 (%.3f)\n", name.c_str(),
+              length, int(numerics.kv), int(numerics.indexer), compact.bytes(), floats.bytes(), ratio);
+  EXPECT_LE(ratio, max_bytes_ratio);
+}
+
+}  // namespace
+
+// 300 tokens: the window wraps, CSA entries past the indexer's top-k and two HCA entries, all read back from bytes.
+TEST(CompactState, SameLogitsAsFp32EntriesTiny) { check_compact_state("tiny", 300, Numerics{}, 0.8); }
+TEST(CompactState, SameLogitsAsFp32EntriesTinyPro) { check_compact_state("tiny-pro", 120, Numerics{}, 0.8); }
+TEST(CompactState, SameLogitsAsFp32EntriesBf16) {
+  check_compact_state("tiny", 300, {cpu::KvStorage::BF16, cpu::IndexerStorage::BF16}, 0.8);
 }
