@@ -44,8 +44,13 @@ EarlyWeights early_weights() {
 void set_early_weights(EarlyWeights mode) { g_early_weights.store(int(mode), std::memory_order_relaxed); }
 
 bool linear_f32_tiles() {
-  return read_once(g_linear_f32_tiles, "DSV4_LINEAR_F32_TILES", 0, 1,
-                   "linear_f32: prefill-sized calls on the 32-row cluster tiles") == 1;
+  int v = g_linear_f32_tiles.load(std::memory_order_relaxed);
+  if (v < 0) {  // on unless DSV4_LINEAR_F32_TILES=0
+    v = env_switch("DSV4_LINEAR_F32_TILES").value_or(true) ? 1 : 0;
+    if (!v) spdlog::info("linear_f32: prefill-sized calls on the 4-row blocks (DSV4_LINEAR_F32_TILES=0)");
+    g_linear_f32_tiles.store(v, std::memory_order_relaxed);
+  }
+  return v == 1;
 }
 void set_linear_f32_tiles(bool on) { g_linear_f32_tiles.store(on ? 1 : 0, std::memory_order_relaxed); }
 

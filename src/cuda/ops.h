@@ -87,8 +87,8 @@ struct LinearF32Params {
   float scale = 1.0f;
 };
 void linear_f32(const LinearF32Params& p, cudaStream_t stream);
-// The 32-row cluster tiles for prefill-sized linear_f32 calls instead of the 4-row blocks. Off by default: written
-// at stop 32 and not yet run on a GPU against the 4-row kernel (docs/perf.md). Process-wide, read at launch;
+// The 32-row cluster tiles for prefill-sized linear_f32 calls instead of the 4-row blocks. On by default (prefill
+// +3–5 % at chunks of 2048, H100, docs/perf.md twenty-second round). Process-wide, read at launch;
 // DSV4_LINEAR_F32_TILES=0/1 in the environment sets it at the first call (bench switch f32tiles).
 void set_linear_f32_tiles(bool on);
 bool linear_f32_tiles();
