@@ -15,12 +15,13 @@ std::atomic<int> g_early_weights{-1};  // -1: not yet read from the environment
 std::atomic<int> g_linear_f32_tiles{-1};  // likewise
 std::atomic<int> g_row_op_stream{-1};     // likewise (a RowStream)
 
-// A staged form's switch: its value, read from `env` (0 / 1 -> `off` / `on`) at the first call and logged when on.
-int read_once(std::atomic<int>& state, const char* env, int off, int on, const char* what) {
+// A staged form's switch: its value, read from `env` (0 / 1 -> `off` / `on`; unset -> `on` when `on_by_default`) at
+// the first call, and `what` logged when it is not the default.
+int read_once(std::atomic<int>& state, const char* env, int off, int on, const char* what, bool on_by_default = false) {
   int v = state.load(std::memory_order_relaxed);
   if (v < 0) {
-    v = env_switch(env).value_or(false) ? on : off;
-    if (v != off) spdlog::info("{} ({})", what, env);
+    v = env_switch(env).value_or(on_by_default) ? on : off;
+    if ((v == on) != on_by_default) spdlog::info("{} ({})", what, env);
     state.store(v, std::memory_order_relaxed);
   }
   return v;
@@ -44,13 +45,8 @@ EarlyWeights early_weights() {
 void set_early_weights(EarlyWeights mode) { g_early_weights.store(int(mode), std::memory_order_relaxed); }
 
 bool linear_f32_tiles() {
-  int v = g_linear_f32_tiles.load(std::memory_order_relaxed);
-  if (v < 0) {  // on unless DSV4_LINEAR_F32_TILES=0
-    v = env_switch("DSV4_LINEAR_F32_TILES").value_or(true) ? 1 : 0;
-    if (!v) spdlog::info("linear_f32: prefill-sized calls on the 4-row blocks (DSV4_LINEAR_F32_TILES=0)");
-    g_linear_f32_tiles.store(v, std::memory_order_relaxed);
-  }
-  return v == 1;
+  return read_once(g_linear_f32_tiles, "DSV4_LINEAR_F32_TILES", 0, 1,
+                   "linear_f32: prefill-sized calls on the 4-row blocks", true) == 1;
 }
 void set_linear_f32_tiles(bool on) { g_linear_f32_tiles.store(on ? 1 : 0, std::memory_order_relaxed); }
 

@@ -37,11 +37,16 @@ DSV4_HD uint8_t f32_to_e2m1(float x) {
 
 DSV4_HD float round_e2m1(float x) { return e2m1_to_f32(f32_to_e2m1(x)); }
 
-// In-place FP4 simulation of one block (DeepSeek fp4 act_quant): s = 2^ceil(log2(max(amax, 6*2^-126)/6)).
-DSV4_HD void fp4_simulate_block(float* x, int n) {
+// The power-of-two scale of one FP4 block (DeepSeek fp4 act_quant): s = 2^ceil(log2(max(amax, 6*2^-126)/6)).
+DSV4_HD float fp4_block_scale(const float* x, int n) {
   float amax = 0.0f;
   for (int i = 0; i < n; ++i) amax = std::fmax(amax, std::fabs(x[i]));
-  const float s = pow2_scale(amax, kE2M1Max, kE2M1Max * 1.1754943508222875e-38f);
+  return pow2_scale(amax, kE2M1Max, kE2M1Max * 1.1754943508222875e-38f);
+}
+
+// In-place FP4 simulation of one block: x = e2m1(x/s) * s.
+DSV4_HD void fp4_simulate_block(float* x, int n) {
+  const float s = fp4_block_scale(x, n);
   for (int i = 0; i < n; ++i) x[i] = round_e2m1(x[i] / s) * s;
 }
 

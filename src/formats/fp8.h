@@ -68,11 +68,16 @@ DSV4_HD float pow2_scale(float amax, float fmax, float floor_value) {
   return std::exp2(std::ceil(std::log2(a / fmax)));
 }
 
-// In-place FP8 simulation of one block (DeepSeek act_quant with ue8m0 scale): x = e4m3(x/s) * s.
-DSV4_HD void fp8_simulate_block(float* x, int n) {
+// The power-of-two scale of one FP8 block (DeepSeek act_quant with ue8m0 scale, |max| floored at 1e-4).
+DSV4_HD float fp8_block_scale(const float* x, int n) {
   float amax = 0.0f;
   for (int i = 0; i < n; ++i) amax = std::fmax(amax, std::fabs(x[i]));
-  const float s = pow2_scale(amax, kE4M3Max, 1e-4f);
+  return pow2_scale(amax, kE4M3Max, 1e-4f);
+}
+
+// In-place FP8 simulation of one block: x = e4m3(x/s) * s.
+DSV4_HD void fp8_simulate_block(float* x, int n) {
+  const float s = fp8_block_scale(x, n);
   for (int i = 0; i < n; ++i) x[i] = round_e4m3(x[i] / s) * s;
 }
 

@@ -40,20 +40,8 @@ DSV4_HD constexpr int kv_entry_bytes(KvCodec codec, int dim, int rope) {
   return 0;
 }
 
-// The e8m0 byte of a power-of-two scale >= 2^-126 (both rules below floor theirs far above that).
+// The e8m0 byte of a power-of-two scale >= 2^-126 (fp8_block_scale and fp4_block_scale floor theirs far above that).
 DSV4_HD uint8_t kv_scale_byte(float pow2) { return uint8_t((f32_to_bits(pow2) >> 23) & 0xff); }
-
-// The scales are those of fp8_simulate_block / fp4_simulate_block, computed from the block's |max|.
-DSV4_HD float kv_fp8_block_scale(const float* x) {
-  float amax = 0.0f;
-  for (int i = 0; i < kKvFp8Block; ++i) amax = std::fmax(amax, std::fabs(x[i]));
-  return pow2_scale(amax, kE4M3Max, 1e-4f);
-}
-DSV4_HD float kv_fp4_block_scale(const float* x) {
-  float amax = 0.0f;
-  for (int i = 0; i < kKvFp4Block; ++i) amax = std::fmax(amax, std::fabs(x[i]));
-  return pow2_scale(amax, kE2M1Max, kE2M1Max * 1.1754943508222875e-38f);
-}
 
 // Fp8: the nope dims need dim - rope to be a multiple of 64; Fp4: dim a multiple of 32 (callers check).
 DSV4_HD void encode_kv_entry(KvCodec codec, const float* x, int dim, int rope, uint8_t* entry) {
@@ -74,7 +62,7 @@ DSV4_HD void encode_kv_entry(KvCodec codec, const float* x, int dim, int rope, u
     uint8_t* scales = entry + nope + 2 * rope;
     for (int b = 0; b < nope / kKvFp8Block; ++b) {
       const float* xb = x + b * kKvFp8Block;
-      const float s = kv_fp8_block_scale(xb);
+      const float s = fp8_block_scale(xb, kKvFp8Block);  // fp8_simulate_block's scale
       scales[b] = kv_scale_byte(s);
       for (int i = 0; i < kKvFp8Block; ++i) entry[b * kKvFp8Block + i] = f32_to_e4m3(xb[i] / s);
     }
@@ -88,7 +76,7 @@ DSV4_HD void encode_kv_entry(KvCodec codec, const float* x, int dim, int rope, u
   uint8_t* scales = entry + dim / 2;
   for (int b = 0; b < dim / kKvFp4Block; ++b) {
     const float* xb = x + b * kKvFp4Block;
-    const float s = kv_fp4_block_scale(xb);
+    const float s = fp4_block_scale(xb, kKvFp4Block);  // fp4_simulate_block's scale
     scales[b] = kv_scale_byte(s);
     for (int i = 0; i < kKvFp4Block; i += 2)
       entry[(b * kKvFp4Block + i) / 2] = pack_fp4_pair(f32_to_e2m1(xb[i] / s), f32_to_e2m1(xb[i + 1] / s));

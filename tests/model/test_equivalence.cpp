@@ -16,8 +16,9 @@ using namespace dsv4;
 
 namespace {
 
-std::vector<float> run_chunked(const Model& model, const std::vector<int32_t>& ids, const std::vector<int>& chunks) {
-  SequenceState state = model.new_sequence(int(ids.size()));
+// Feeds ids to `state` in chunks of the given sizes (cycled) and returns every row's logits.
+std::vector<float> run_chunked(const Model& model, SequenceState& state, const std::vector<int32_t>& ids,
+                               const std::vector<int>& chunks) {
   std::vector<float> all;
   size_t at = 0;
   for (size_t c = 0; at < ids.size(); ++c) {
@@ -27,6 +28,19 @@ std::vector<float> run_chunked(const Model& model, const std::vector<int32_t>& i
     at += n;
   }
   return all;
+}
+
+std::vector<float> run_chunked(const Model& model, const std::vector<int32_t>& ids, const std::vector<int>& chunks) {
+  SequenceState state = model.new_sequence(int(ids.size()));
+  return run_chunked(model, state, ids, chunks);
+}
+
+std::vector<int32_t> random_ids(const Model& model, int length, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int32_t> token(0, model.config().vocab_size - 1);
+  std::vector<int32_t> ids(length);
+  for (auto& id : ids) id = token(rng);
+  return ids;
 }
 
 double max_diff(const std::vector<float>& a, const std::vector<float>& b) {
@@ -44,10 +58,7 @@ std::string model_dir(const std::string& name) {
 void check_equivalence(const std::string& name, int length, Numerics numerics, double tol) {
   const std::string dir = model_dir(name);
   const Model model = Model::load(dir, numerics);
-  std::mt19937 rng(7);
-  std::uniform_int_distribution<int32_t> token(0, model.config().vocab_size - 1);
-  std::vector<int32_t> ids(length);
-  for (auto& id : ids) id = token(rng);
+  const std::vector<int32_t> ids = random_ids(model, length, 7);
   const std::vector<float> full = run_chunked(model, ids, {length});
   const double d_decode = max_diff(full, run_chunked(model, ids, {1}));
   const double d_chunks = max_diff(full, run_chunked(model, ids, {5, 1, 3, 64, 2, 130, 7}));
@@ -142,22 +153,12 @@ namespace {
 // of fp32 entries must give the same logits bit for bit, in a fraction of the memory.
 void check_compact_state(const std::string& name, int length, Numerics numerics, double max_bytes_ratio) {
   const Model model = Model::load(model_dir(name), numerics);
-  std::mt19937 rng(5);
-  std::uniform_int_distribution<int32_t> token(0, model.config().vocab_size - 1);
-  std::vector<int32_t> ids(length);
-  for (auto& id : ids) id = token(rng);
+  const std::vector<int32_t> ids = random_ids(model, length, 5);
   SequenceState compact = model.new_sequence(length);
   SequenceState floats = SequenceState::create(model.config(), length, model.has_mtp(), StateCodecs{});
   ASSERT_NE(compact.layers[0].window.codec, KvCodec::F32);
-  std::vector<float> a, b;
-  for (size_t at = 0, c = 0; at < ids.size(); ++c) {
-    const size_t n = std::min<size_t>(std::vector<int>{5, 1, 3, 64, 2, 130, 7}[c % 7], ids.size() - at);
-    const std::span<const int32_t> chunk(ids.data() + at, n);
-    const std::vector<float> ra = model.forward(compact, chunk, false), rb = model.forward(floats, chunk, false);
-    a.insert(a.end(), ra.begin(), ra.end());
-    b.insert(b.end(), rb.begin(), rb.end());
-    at += n;
-  }
+  const std::vector<int> chunks{5, 1, 3, 64, 2, 130, 7};
+  const std::vector<float> a = run_chunked(model, compact, ids, chunks), b = run_chunked(model, floats, ids, chunks);
   ASSERT_EQ(a.size(), b.size());
   EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * sizeof(float)), 0) << "max diff " << max_diff(a, b);
   const double ratio = double(compact.bytes()) / double(floats.bytes());
