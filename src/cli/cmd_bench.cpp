@@ -46,7 +46,7 @@ constexpr int kDecodeWarmupSteps = 2;  // the first 1-token step captures the CU
 #ifdef DSV4_HAVE_CUDA
 constexpr int kPlanPrefillChunk = kCudaPrefillChunk;
 #else
-constexpr int kPlanPrefillChunk = 2048;  // the CUDA runner's default (kCudaPrefillChunk), for --plan-only in CPU builds
+constexpr int kPlanPrefillChunk = 4096;  // the CUDA runner's default (kCudaPrefillChunk), for --plan-only in CPU builds
 #endif
 
 enum class BenchFormat { NVFP4, BF16 };
@@ -85,7 +85,8 @@ struct BenchArgs {
   // Decode is also timed once per set of step switches: "default" (as the runner was built, environment included),
   // or '+'-joined names turned on: bulk (fp4 / fp8 GEMVs through the copy engine, set_gemv_bulk), bulkdense (the same
   // for the plain and batched launches only, the grouped experts stay on the register kernel), overlap
-  // (CudaRunnerOptions::overlap_branches; serial turns it off), mhc (fuse_mhc_mix), routing (fuse_moe_routing), qnorm (fuse_q_norm_rope),
+  // (CudaRunnerOptions::overlap_branches; serial turns it off), mhc (fuse_mhc_mix), routing (fuse_moe_routing),
+  // qnorm / noqnorm (q's norm inside the attention kernel in every chunk / in none: q_norm_in_attention_rows),
   // heads16 / heads64 (the decode attention's heads per block, gpu::set_attention_decode_block_heads), hcblock
   // (hc_pre's decode collapse in one block per token, gpu::set_hc_collapse_cluster), now4a8 (act fp8 at m = 1
   // through act_quant + the bf16 kernel instead of the W4A8 kernel, set_gemv_w4a8), early / earlyall / late (the
@@ -101,15 +102,14 @@ struct BenchArgs {
   // wgmma kernel in its warp-specialised form or not: set_gemv_wgmma_ws), cublasdense (every prefill-sized dense
   // linear through the weight decode + cuBLASLt, none on the wgmma kernel: set_gemv_over_gemm(false)), f32tiles
   // (prefill's fp32 linears on 32-row cluster tiles: gpu::set_linear_f32_tiles), slotwarps (moe_slots placed by every
-  // warp: set_moe_slots_by_warps), rowstream (prefill-sized row ops on resident blocks that walk their rows:
-  // gpu::set_row_op_stream).
+  // warp: set_moe_slots_by_warps).
   // Prefill is timed with each set too; --profile uses the first.
   std::vector<std::string> switches = {"default"};
 };
 
 // One entry of --switches.
 struct StepSwitches {
-  bool bulk = false, bulk_dense = false, overlap = false, serial = false, mhc = false, routing = false, qnorm = false;
+  bool bulk = false, bulk_dense = false, overlap = false, serial = false, mhc = false, routing = false;
   int attention_heads = 0;  // heads16 / heads64: the tensor-core attention's heads per block at decode (0: its rule)
   bool hc_block = false;    // hcblock: hc_pre's decode collapse in one block per token, not a cluster
   bool no_w4a8 = false;     // now4a8: act fp8 at m = 1 quantises x first and runs the bf16 kernel (set_gemv_w4a8)
@@ -117,13 +117,13 @@ struct StepSwitches {
   // -1: as built; 0 / 1: off / on (nogate / gate: fuse_moe_gate, nopost / post: fuse_mhc_post, noswiglu / swiglu:
   // fuse_swiglu, scoreorder / indexorder: set_indexer_select_index_order).
   int gate = -1, post = -1, swiglu = -1, index_order = -1, early_w2 = -1;  // earlyw2 / noearlyw2: early_w2_weights
+  int qnorm = -1;  // qnorm / noqnorm: q_norm_in_attention_rows 1 / never (-1: as built)
   int tiled_min = 0;  // tiledN: the tiled tensor-core GEMM from N rows (set_gemv_tiled_min_rows; 0: as built)
   int split = 0;      // splitN: every skinny GEMV launch at split_k N (set_gemv_forced_split; 0: the heuristic)
   int wgmma_ws = -1;  // ws / nows: set_gemv_wgmma_ws (-1: as built)
   bool cublas_dense = false;  // cublasdense: set_gemv_over_gemm(false)
   bool f32_tiles = false;     // f32tiles: gpu::set_linear_f32_tiles(true)
   bool slot_warps = false;    // slotwarps: set_moe_slots_by_warps(true)
-  bool row_stream = false;    // rowstream: gpu::set_row_op_stream(RowStream::Large)
 };
 
 StepSwitches parse_switches(const std::string& spec) {
@@ -139,7 +139,7 @@ StepSwitches parse_switches(const std::string& spec) {
     else if (name == "serial") s.serial = true;
     else if (name == "mhc") s.mhc = true;
     else if (name == "routing") s.routing = true;
-    else if (name == "qnorm") s.qnorm = true;
+    else if (name == "qnorm" || name == "noqnorm") s.qnorm = name == "qnorm";
     else if (name == "heads16") s.attention_heads = 16;
     else if (name == "heads64") s.attention_heads = 64;
     else if (name == "hcblock") s.hc_block = true;
@@ -162,16 +162,15 @@ StepSwitches parse_switches(const std::string& spec) {
     else if (name == "cublasdense") s.cublas_dense = true;
     else if (name == "f32tiles") s.f32_tiles = true;
     else if (name == "slotwarps") s.slot_warps = true;
-    else if (name == "rowstream") s.row_stream = true;
     else if (name.rfind("tiled", 0) == 0 && name.size() > 5 &&
              name.find_first_not_of("0123456789", 5) == std::string::npos)
       s.tiled_min = std::stoi(name.substr(5));
     else if (name == "split1" || name == "split2" || name == "split4" || name == "split8")
       s.split = name[5] - '0';
     else DSV4_FAIL("dsv4 bench: --switches entry '{}' has '{}' (expected default, or bulk, bulkdense, overlap, "
-                   "serial, mhc, routing, qnorm, heads16, heads64, hcblock, now4a8, early, earlyall, late, [no]gate, "
-                   "[no]post, [no]swiglu, [no]earlyw2, scoreorder, indexorder, tiledN, split1/2/4/8, [no]ws, "
-                   "cublasdense, f32tiles, slotwarps and rowstream joined by '+')",
+                   "serial, mhc, routing, [no]qnorm, heads16, heads64, hcblock, now4a8, early, earlyall, late, "
+                   "[no]gate, [no]post, [no]swiglu, [no]earlyw2, scoreorder, indexorder, tiledN, split1/2/4/8, [no]ws, "
+                   "cublasdense, f32tiles and slotwarps joined by '+')",
                    spec, name);
     from = to + 1;
   }
@@ -563,7 +562,6 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
   const int built_tiled_min = gemv_tiled_min_rows(), built_tiled_blocks = gemv_tiled_min_blocks_per_sm();
   const bool built_wgmma_ws = gemv_wgmma_ws_enabled();
   const bool built_f32_tiles = gpu::linear_f32_tiles(), built_slot_warps = moe_slots_by_warps();
-  const gpu::RowStream built_row_stream = gpu::row_op_stream();
   auto use_switches = [&](const std::string& spec) {
     const StepSwitches s = parse_switches(spec);
     CudaRunnerOptions o = built_options;
@@ -574,7 +572,7 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
     if (s.post >= 0) o.fuse_mhc_post = s.post == 1;
     if (s.swiglu >= 0) o.fuse_swiglu = s.swiglu == 1;
     if (s.early_w2 >= 0) o.early_w2_weights = s.early_w2 == 1;
-    o.fuse_q_norm_rope = o.fuse_q_norm_rope || s.qnorm;
+    if (s.qnorm >= 0) o.q_norm_in_attention_rows = s.qnorm == 1 ? 1 : CudaRunnerOptions::kNever;
     gpu::set_attention_decode_block_heads(s.attention_heads);
     gpu::set_hc_collapse_cluster(!s.hc_block);
     gpu::set_indexer_select_index_order(s.index_order >= 0 ? s.index_order == 1 : built_index_order);
@@ -585,7 +583,6 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
     set_gemv_over_gemm(!s.cublas_dense);
     gpu::set_linear_f32_tiles(built_f32_tiles || s.f32_tiles);
     set_moe_slots_by_warps(built_slot_warps || s.slot_warps);
-    gpu::set_row_op_stream(s.row_stream ? gpu::RowStream::Large : built_row_stream);
     gpu::set_early_weights(s.late ? gpu::EarlyWeights::Off
                            : s.early_all ? gpu::EarlyWeights::All
                            : s.early && built_early == gpu::EarlyWeights::Off ? gpu::EarlyWeights::Gemv
@@ -850,9 +847,9 @@ void add_bench_command(CLI::App& app, Handler& handler) {
                   "joined by '+': "
                   "bulk (fp4 / fp8 GEMVs through the copy engine), bulkdense (the same but not for the grouped "
                   "experts), overlap (the attention state side on a second "
-                  "stream; serial: off), mhc (hc_post with the next mix), routing (router + slots in one launch), qnorm (q norm + "
-                  "RoPE inside attention), heads16 / heads64 (decode attention blocks of 16 / 64 heads), hcblock (hc_pre's "
-                  "decode collapse in one block per token), now4a8 (--act-quant fp8 at batch 1 without the W4A8 "
+                  "stream; serial: off), mhc (hc_post with the next mix), routing (router + slots in one launch), "
+                  "qnorm / noqnorm (q norm + RoPE inside attention in every chunk / in none), heads16 / heads64 "
+                  "(decode attention blocks of 16 / 64 heads), hcblock (hc_pre's decode collapse in one block per token), now4a8 (--act-quant fp8 at batch 1 without the W4A8 "
                   "kernel: x quantised first, then the bf16 kernel), early / earlyall / late (GEMVs / also linear_f32 "
                   "and hc_pre's mix / nothing load their first weights before waiting for the previous kernel), "
                   "gate / nogate (router gate, router and moe_slots in one launch or three), post / nopost (mHC post "
@@ -862,9 +859,8 @@ void add_bench_command(CLI::App& app, Handler& handler) {
                   "on the tiled tensor-core GEMM where their grid fills the GPU), split1 / 2 / 4 / 8 (every skinny "
                   "GEMV at that split_k), ws / nows (the fp4 prefill GEMMs' wgmma kernel warp-specialised or not), "
                   "cublasdense (prefill's dense fp4 linears all through cuBLASLt), f32tiles (prefill's fp32 linears "
-                  "on 32-row cluster tiles), slotwarps (moe_slots placed by every warp), rowstream (prefill-sized row "
-                  "ops on resident blocks walking their rows); prefill is timed with each set as "
-                  "well, e.g. "
+                  "on 32-row cluster tiles), slotwarps (moe_slots placed by every warp); prefill is timed with each "
+                  "set as well, e.g. "
                   "default,bulk,overlap,mhc+routing+qnorm,bulk+overlap+mhc+routing+qnorm,heads64")
       ->delimiter(',')->capture_default_str();
   cmd->add_flag("--mtp", args->mtp,

@@ -31,9 +31,9 @@ void add_engine_options(CLI::App* cmd, EngineOptions& o) {
   cmd->add_option("--max-context", o.max_context, "Tokens of state preallocated per sequence")
       ->capture_default_str()->check(CLI::PositiveNumber);
   cmd->add_option("--cuda-prefill-chunk", o.cuda_prefill_chunk,
-                  "With --device cuda: prompt tokens per prefill chunk, a multiple of 64 up to 4096 (default 2048; "
-                  "each chunk reads the weights of every expert it touches once, larger chunks need more GPU "
-                  "workspace)")
+                  "With --device cuda: prompt tokens per prefill chunk, a multiple of 64 up to 4096 (default 4096, "
+                  "lowered to fit the GPU; each chunk reads the weights of every expert it touches once, larger "
+                  "chunks need more GPU workspace)")
       ->check([](const std::string& v) {
         int n = 0;
         const bool ok = CLI::detail::lexical_cast(v, n) && n >= 64 && n <= 4096 && n % 64 == 0;

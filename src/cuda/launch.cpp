@@ -13,7 +13,6 @@ namespace {
 std::atomic<bool> g_dependent_launch{true};
 std::atomic<int> g_early_weights{-1};  // -1: not yet read from the environment
 std::atomic<int> g_linear_f32_tiles{-1};  // likewise
-std::atomic<int> g_row_op_stream{-1};     // likewise (a RowStream)
 
 // A staged form's switch: its value, read from `env` (0 / 1 -> `off` / `on`; unset -> `on` when `on_by_default`) at
 // the first call, and `what` logged when it is not the default.
@@ -49,11 +48,5 @@ bool linear_f32_tiles() {
                    "linear_f32: prefill-sized calls on the 4-row blocks", true) == 1;
 }
 void set_linear_f32_tiles(bool on) { g_linear_f32_tiles.store(on ? 1 : 0, std::memory_order_relaxed); }
-
-RowStream row_op_stream() {
-  return RowStream(read_once(g_row_op_stream, "DSV4_ROW_OP_STREAM", int(RowStream::Off), int(RowStream::Large),
-                             "row_op: prefill-sized launches walk their rows on resident blocks"));
-}
-void set_row_op_stream(RowStream mode) { g_row_op_stream.store(int(mode), std::memory_order_relaxed); }
 
 }  // namespace dsv4::gpu

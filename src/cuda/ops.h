@@ -63,14 +63,6 @@ void row_op(const RowOpParams& p, cudaStream_t stream);
 // a and b (independent: neither reads what the other writes) in one launch; rows of <= 32 threads as row_op runs
 // them (several per block), wider ones one per block.
 void row_op_pair(const RowOpParams& a, const RowOpParams& b, cudaStream_t stream);
-// Large: launches of row_op / row_op_pair with at least twice as many row groups as the GPU holds blocks (prefill
-// chunks, the q pair of large decode batches) run on that many resident blocks, each walking row groups with the next
-// group's loads in flight (same arithmetic, same bits); Off: one block per row group always; Always: every launch walks, on a third as many blocks
-// (tests). Off by default: written at stop 33 and not yet run on a GPU (docs/perf.md). Process-wide, read at launch;
-// DSV4_ROW_OP_STREAM=0/1 in the environment sets Off / Large at the first call (bench switch rowstream).
-enum class RowStream { Off, Large, Always };
-void set_row_op_stream(RowStream mode);
-RowStream row_op_stream();
 
 // y[m, n] = scale · x[m, k] · W[n, k]ᵀ in fp32 (small fp32 matrices: mHC mixes, router gate, indexer weights).
 // The sums are reordered (per-thread FMA chains, then shuffle / block / cluster trees; the order depends only on

@@ -97,23 +97,9 @@ __device__ __forceinline__ float group_max(float v, int lanes) {
   return v;
 }
 
-// One thread's part of a row of one row op, split in two so that a block walking several rows (row_op_stream_kernel)
-// can have the next row's loads in flight while it finishes this one: row_start reads (x, weight, the RoPE angles),
-// row_finish computes (norm, RoPE, rounding) and stores. Block `block` of the op (row_op_kernel: blockIdx.x;
-// row_op_pair_kernel: the op's own block index).
-struct RowStart {
-  bool skip = false;  // an emit_ratio step that finishes no entry: the block does nothing (uniform over it)
-  bool live = false, full = false;
-  int g = 0, r = 0, tt = 0, h = 0, first = 0;
-  int64_t entry = 0;
-  float* y_base = nullptr;
-  float v[kRowValues], weight[kRowValues];
-  float cos_a[2], sin_a[2];
-  bool rotate[2];
-};
-
-__device__ __forceinline__ RowStart row_start(const RowOpParams& p, int lanes, int rows_per_block, int block) {
-  RowStart s;
+// Block `block` of one row op (row_op_kernel: blockIdx.x; row_op_pair_kernel: the op's own block index).
+__device__ __forceinline__ void row_op_block(const RowOpParams& p, int lanes, int rows_per_block, int block) {
+  extern __shared__ float exchange[];  // [dim]: Hadamard stages across warps (IndexerFp4, dim > 128)
   const int rows = p.tokens * p.heads;
   const int g = threadIdx.x % lanes, row_raw = block * rows_per_block + threadIdx.x / lanes;
   // Rows past the end (a partly filled last block) redo the last row without storing it: every lane must reach
@@ -130,10 +116,7 @@ __device__ __forceinline__ RowStart row_start(const RowOpParams& p, int lanes, i
       x_base = y_base = p.rows_base[t];
       tt = 0;
     }
-    if ((pos0 + 1) % p.emit_ratio != 0) {  // uniform over the block (one row)
-      s.skip = true;
-      return s;
-    }
+    if ((pos0 + 1) % p.emit_ratio != 0) return;  // uniform over the block (one row)
     entry = pos0 / p.emit_ratio;
     pos0 = entry * p.emit_ratio;
   }
@@ -142,7 +125,7 @@ __device__ __forceinline__ RowStart row_start(const RowOpParams& p, int lanes, i
   const bool full = first >= 0 && first + 3 < dim;  // all four values inside the row
   const float* x = x_base + (tt + entry) * p.x_token_stride + h * p.x_head_stride;
 
-  float* v = s.v;
+  float v[kRowValues];
   if (full && aligned_dev(x + first, 16)) {
     const float4 q = *reinterpret_cast<const float4*>(x + first);
     v[0] = q.x, v[1] = q.y, v[2] = q.z, v[3] = q.w;
@@ -153,7 +136,7 @@ __device__ __forceinline__ RowStart row_start(const RowOpParams& p, int lanes, i
       v[j] = i >= 0 && i < dim ? x[i] : 0.0f;
     }
   }
-  float* weight = s.weight;
+  float weight[kRowValues];
 #pragma unroll
   for (int j = 0; j < kRowValues; ++j) {
     const int i = first + j;
@@ -161,9 +144,8 @@ __device__ __forceinline__ RowStart row_start(const RowOpParams& p, int lanes, i
   }
   // RoPE angles (fp32 like the reference, cos / sin in fp64 then rounded) do not depend on the data: computed
   // while the loads and the norm's reduction are in flight.
-  float* cos_a = s.cos_a;
-  float* sin_a = s.sin_a;
-  bool* rotate = s.rotate;
+  float cos_a[2], sin_a[2];
+  bool rotate[2];
 #pragma unroll
   for (int k = 0; k < 2; ++k) {
     const int pair = (first + 2 * k - nope) / 2;  // first - nope is even by the choice of shift
@@ -172,21 +154,13 @@ __device__ __forceinline__ RowStart row_start(const RowOpParams& p, int lanes, i
     if (rotate[k]) {
       const int64_t position = p.pos_rows && !p.rows_base ? p.pos_rows[t] : pos0 + int64_t(tt) * p.pos_step;
       const float angle = __fmul_rn(float(position), p.inv_freq[pair]);
-      double sn, c;
-      sincos(double(angle), &sn, &c);
+      double s, c;
+      sincos(double(angle), &s, &c);
       cos_a[k] = float(c);
-      sin_a[k] = p.inverse ? -float(sn) : float(sn);
+      sin_a[k] = p.inverse ? -float(s) : float(s);
     }
   }
-  s.live = live, s.full = full, s.g = g, s.r = r, s.tt = tt, s.h = h, s.first = first, s.entry = entry;
-  s.y_base = y_base;
-  return s;
-}
 
-__device__ __forceinline__ void row_finish(const RowOpParams& p, int lanes, RowStart& s) {
-  extern __shared__ float exchange[];  // [dim]: Hadamard stages across warps (IndexerFp4, dim > 128)
-  const int dim = p.dim, g = s.g, first = s.first;
-  float* v = s.v;
   if (p.norm) {
     double ss = 0;
 #pragma unroll
@@ -194,14 +168,14 @@ __device__ __forceinline__ void row_finish(const RowOpParams& p, int lanes, RowS
     ss = row_sum(ss, lanes);
     const float inv_rms = 1.0f / sqrtf(float(ss / dim) + p.eps);
 #pragma unroll
-    for (int j = 0; j < kRowValues; ++j) v[j] = __fmul_rn(__fmul_rn(v[j], inv_rms), s.weight[j]);
+    for (int j = 0; j < kRowValues; ++j) v[j] = __fmul_rn(__fmul_rn(v[j], inv_rms), weight[j]);
   }
 #pragma unroll
   for (int k = 0; k < 2; ++k)
-    if (s.rotate[k]) {
+    if (rotate[k]) {
       const float a = v[2 * k], b = v[2 * k + 1];
-      v[2 * k] = __fsub_rn(__fmul_rn(a, s.cos_a[k]), __fmul_rn(b, s.sin_a[k]));
-      v[2 * k + 1] = __fadd_rn(__fmul_rn(a, s.sin_a[k]), __fmul_rn(b, s.cos_a[k]));
+      v[2 * k] = __fsub_rn(__fmul_rn(a, cos_a[k]), __fmul_rn(b, sin_a[k]));
+      v[2 * k + 1] = __fadd_rn(__fmul_rn(a, sin_a[k]), __fmul_rn(b, cos_a[k]));
     }
 
   switch (p.round) {
@@ -212,15 +186,15 @@ __device__ __forceinline__ void row_finish(const RowOpParams& p, int lanes, RowS
       break;
     case RowRound::KvFp8: {
       // nope % 64 == 0, so shift is 0 and a thread's four values are all nope (one FP8 block) or all RoPE.
-      const bool in_nope = first < dim - p.rope_dim;
+      const bool in_nope = first < nope;
       float amax = 0.0f;
 #pragma unroll
       for (int j = 0; j < kRowValues; ++j) amax = in_nope ? fmaxf(amax, fabsf(v[j])) : amax;
       amax = group_max(amax, 64 / kRowValues);
       if (in_nope) {
-        const float sc = pow2_scale(amax, kE4M3Max, 1e-4f);
+        const float s = pow2_scale(amax, kE4M3Max, 1e-4f);
 #pragma unroll
-        for (int j = 0; j < kRowValues; ++j) v[j] = round_e4m3(v[j] / sc) * sc;
+        for (int j = 0; j < kRowValues; ++j) v[j] = round_e4m3(v[j] / s) * s;
       } else {
 #pragma unroll
         for (int j = 0; j < kRowValues; ++j) v[j] = round_bf16(v[j]);
@@ -264,18 +238,18 @@ __device__ __forceinline__ void row_finish(const RowOpParams& p, int lanes, RowS
 #pragma unroll
       for (int j = 0; j < kRowValues; ++j) amax = fmaxf(amax, fabsf(v[j]));
       amax = group_max(amax, 32 / kRowValues);
-      const float sc = pow2_scale(amax, kE2M1Max, kE2M1Max * 1.1754943508222875e-38f);
+      const float s = pow2_scale(amax, kE2M1Max, kE2M1Max * 1.1754943508222875e-38f);
 #pragma unroll
-      for (int j = 0; j < kRowValues; ++j) v[j] = round_e2m1(v[j] / sc) * sc;
+      for (int j = 0; j < kRowValues; ++j) v[j] = round_e2m1(v[j] / s) * s;
       break;
     }
   }
 
-  if (!s.live) return;
+  if (!live) return;
   const float4 out = make_float4(v[0], v[1], v[2], v[3]);
-  if (s.y_base) {
-    float* y = s.y_base + (s.tt + s.entry) * p.y_token_stride + s.h * p.y_head_stride;
-    if (s.full && aligned_dev(y + first, 16)) {
+  if (y_base) {
+    float* y = y_base + (tt + entry) * p.y_token_stride + h * p.y_head_stride;
+    if (full && aligned_dev(y + first, 16)) {
       *reinterpret_cast<float4*>(y + first) = out;
     } else {
 #pragma unroll
@@ -284,8 +258,8 @@ __device__ __forceinline__ void row_finish(const RowOpParams& p, int lanes, RowS
     }
   }
   if (p.y_bf16) {
-    uint16_t* yb = p.y_bf16 + int64_t(s.r) * dim;
-    if (s.full && aligned_dev(yb + first, 8)) {
+    uint16_t* yb = p.y_bf16 + int64_t(r) * dim;
+    if (full && aligned_dev(yb + first, 8)) {
       store4_bf16(yb, first, dim, true, out);
     } else {
 #pragma unroll
@@ -293,11 +267,6 @@ __device__ __forceinline__ void row_finish(const RowOpParams& p, int lanes, RowS
         if (first + j >= 0 && first + j < dim) yb[first + j] = f32_to_bf16(v[j]);
     }
   }
-}
-
-__device__ __forceinline__ void row_op_block(const RowOpParams& p, int lanes, int rows_per_block, int block) {
-  RowStart s = row_start(p, lanes, rows_per_block, block);
-  if (!s.skip) row_finish(p, lanes, s);
 }
 
 __global__ void row_op_kernel(__grid_constant__ const RowOpParams p, int lanes, int rows_per_block) {
@@ -317,34 +286,6 @@ __global__ void row_op_pair_kernel(__grid_constant__ const RowOpParams a, __grid
     row_op_block(a, shape_a.lanes, shape_a.rows_per_block, blockIdx.x);
   else
     row_op_block(b, shape_b.lanes, shape_b.rows_per_block, blockIdx.x - blocks_a);
-}
-
-// The same blocks of one op (b == a, blocks_a == blocks) or a pair, walked by a grid of resident blocks: block
-// blockIdx.x takes op blocks blockIdx.x, + gridDim.x, .., and issues the next one's loads (row_start) before it
-// finishes the current one, so a thread always has a row's values in flight (row_op_kernel's block reads one row,
-// then spends its life on the reductions and the fp64 angles with nothing in flight). The same arithmetic per row:
-// the same bits. Not for emit_ratio (a block may skip its row).
-__global__ void row_op_stream_kernel(__grid_constant__ const RowOpParams a, __grid_constant__ const RowOpParams b,
-                                     int blocks_a, int blocks, RowShape shape_a, RowShape shape_b) {
-  gpu::dependent_enter();
-  auto start = [&](int block) {
-    return block < blocks_a ? row_start(a, shape_a.lanes, shape_a.rows_per_block, block)
-                            : row_start(b, shape_b.lanes, shape_b.rows_per_block, block - blocks_a);
-  };
-  int block = blockIdx.x;
-  RowStart current = start(block);
-  for (;;) {
-    const int next = block + int(gridDim.x);
-    RowStart ahead;
-    if (next < blocks) ahead = start(next);
-    if (block < blocks_a)
-      row_finish(a, shape_a.lanes, current);
-    else
-      row_finish(b, shape_b.lanes, current);
-    if (next >= blocks) break;
-    current = ahead;
-    block = next;
-  }
 }
 
 // ---- linear_f32 (the block: cuda/linear_f32.cuh) -----------------------------------------------------------------
@@ -1234,21 +1175,6 @@ size_t row_smem(const RowOpParams& p) {
   return p.round == RowRound::IndexerFp4 && p.dim > 32 * kRowValues ? p.dim * sizeof(float) : 0;
 }
 
-// The grid of row_op_stream_kernel for `blocks` op blocks of `threads` (0: launch one block per op block instead):
-// every SM's resident blocks when that leaves each at least two op blocks to walk (RowStream::Large), a third as
-// many blocks as op blocks under RowStream::Always (tests: each block walks several).
-int stream_grid(int blocks, int threads, size_t smem, bool walkable) {
-  const RowStream mode = row_op_stream();
-  if (mode == RowStream::Off || !walkable) return 0;
-  if (mode == RowStream::Always) return std::max(1, blocks / 3);
-  int per_sm = 0;
-  const cudaError_t err =
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, row_op_stream_kernel, threads, smem);
-  OPS_CHECK(err == cudaSuccess, "row_op: occupancy query failed: %s", cudaGetErrorString(err));
-  const int resident = std::max(1, per_sm) * current_sm_count();
-  return blocks >= 2 * resident ? resident : 0;
-}
-
 }  // namespace
 
 void row_op(const RowOpParams& p, cudaStream_t stream) {
@@ -1266,15 +1192,8 @@ void row_op(const RowOpParams& p, cudaStream_t stream) {
     lanes = (lanes + 31) / 32 * 32;  // lanes past the row's values hold zeros and store nothing
     rows_per_block = 1;
   }
-  const int blocks = (rows + rows_per_block - 1) / rows_per_block, threads_per_block = lanes * rows_per_block;
-  if (const int grid = stream_grid(blocks, threads_per_block, row_smem(p), p.emit_ratio == 0)) {
-    const RowShape shape{lanes, rows_per_block};
-    gpu::launch(row_op_stream_kernel, grid, threads_per_block, row_smem(p), stream, p, p, blocks, blocks, shape,
-                shape);
-    DSV4_CUDA_LAUNCHED();
-    return;
-  }
-  gpu::launch(row_op_kernel, blocks, threads_per_block, row_smem(p), stream, p, lanes, rows_per_block);
+  const int blocks = (rows + rows_per_block - 1) / rows_per_block;
+  gpu::launch(row_op_kernel, blocks, lanes * rows_per_block, row_smem(p), stream, p, lanes, rows_per_block);
   DSV4_CUDA_LAUNCHED();
 }
 
@@ -1306,12 +1225,6 @@ void row_op_pair(const RowOpParams& a, const RowOpParams& b, cudaStream_t stream
   const int blocks_a = (rows_a + shape_a.rows_per_block - 1) / shape_a.rows_per_block;
   const int blocks_b = (rows_b + shape_b.rows_per_block - 1) / shape_b.rows_per_block;
   const size_t smem = std::max(rows_a ? row_smem(a) : 0, rows_b ? row_smem(b) : 0);
-  if (const int grid = stream_grid(blocks_a + blocks_b, block, smem, a.emit_ratio == 0 && b.emit_ratio == 0)) {
-    gpu::launch(row_op_stream_kernel, grid, block, smem, stream, a, b, blocks_a, blocks_a + blocks_b, shape_a,
-                shape_b);
-    DSV4_CUDA_LAUNCHED();
-    return;
-  }
   gpu::launch(row_op_pair_kernel, blocks_a + blocks_b, block, smem, stream, a, b, blocks_a, shape_a, shape_b);
   DSV4_CUDA_LAUNCHED();
 }

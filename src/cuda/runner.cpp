@@ -241,7 +241,7 @@ class CudaRunner final : public SequenceRunner {
       s.options_.fuse_swiglu = o.fuse_swiglu;
       s.options_.early_w2_weights = o.early_w2_weights;
       s.options_.overlap_branches = o.overlap_branches;
-      s.options_.fuse_q_norm_rope = o.fuse_q_norm_rope;
+      s.options_.q_norm_in_attention_rows = o.q_norm_in_attention_rows;
       if (o.overlap_branches) {
         DeviceScope scope(s.stage_.device);
         s.make_side_stream();
@@ -1697,8 +1697,8 @@ void CudaRunner::attention_block(int l, int n) {
 
   linear("attn: gemv q-side [wq_b|indexer wq_b]", d.w_q, qr_bf16_.data(), y_q, n, d.n_q);
 
-  // Per-head norm (no weight) + RoPE of q: in place, or (fuse_q_norm_rope) inside the attention kernel.
-  const bool q_in_attention = options_.fuse_q_norm_rope && gpu::attention_can_norm_q(hd, rd);
+  // Per-head norm (no weight) + RoPE of q: in place, or (q_norm_in_attention_rows) inside the attention kernel.
+  const bool q_in_attention = n >= options_.q_norm_in_attention_rows && gpu::attention_can_norm_q(hd, rd);
   RowOpParams q;
   if (!q_in_attention) {
     q.x = q.y = y_q;
@@ -2082,6 +2082,17 @@ void check_cuda_memory(const CudaMemoryNeed& need, size_t free_bytes, size_t tot
                          : "Lower --max-context (or --max-batch) so the state fits.");
 }
 
+int fit_prefill_chunk(int requested, size_t free_bytes, const std::function<CudaMemoryNeed(int chunk)>& need_at) {
+  const CudaMemoryNeed first = need_at(requested);
+  if (first.total() <= free_bytes || first.total() - first.workspaces > free_bytes) return requested;
+  int chunk = requested;
+  while (chunk > kCudaMinFitChunk) {
+    chunk = std::max(kCudaMinFitChunk, chunk / 2 / kCudaMaxChunk * kCudaMaxChunk);
+    if (need_at(chunk).total() <= free_bytes) return chunk;
+  }
+  return chunk;  // does not fit: check_cuda_memory says so with these sizes
+}
+
 int cuda_prefill_chunk(int requested, int pairs_per_token, int max_entries, int max_context) {
   DSV4_CHECK(requested >= kCudaMaxChunk && requested <= 4096 && requested % kCudaMaxChunk == 0,
              "cuda runner: prefill_chunk = {} must be a multiple of {} in [{}, 4096]", requested, kCudaMaxChunk,
@@ -2165,10 +2176,11 @@ std::unique_ptr<SequenceRunner> make_cuda_runner(const Model& model, int max_con
                                  {"DSV4_FUSED_SWIGLU", &options.fuse_swiglu},
                                  {"DSV4_EARLY_W2", &options.early_w2_weights},
                                  {"DSV4_OVERLAP", &options.overlap_branches},
-                                 {"DSV4_FUSED_QNORM", &options.fuse_q_norm_rope},
                                  {"DSV4_GROUP_SHARED", &options.group_shared_expert},
                                  {"DSV4_GEMV_TILES", &options.fp4_tiles}})
     if (const std::optional<bool> env = env_switch(name)) *on = *env;
+  if (const std::optional<bool> env = env_switch("DSV4_FUSED_QNORM"))
+    options.q_norm_in_attention_rows = *env ? 1 : CudaRunnerOptions::kNever;
   DSV4_CHECK(cuda_available(), "--device cuda: no usable CUDA device or driver");
   DSV4_CHECK(max_context > 0, "--max-context must be positive, got {}", max_context);
   int current = 0, count = 0;
@@ -2179,20 +2191,36 @@ std::unique_ptr<SequenceRunner> make_cuda_runner(const Model& model, int max_con
     DSV4_CHECK(s.device < count, "--gpus: GPU {} does not exist (this machine has {})", s.device, count);
   // Before any upload: a model larger than its GPUs fails now, not after minutes of copying. A device holding
   // several stages (tests) needs their sum.
-  std::map<int, CudaMemoryNeed> per_device;
+  auto per_device_at = [&](int chunk) {
+    CudaRunnerOptions o = options;
+    o.prefill_chunk = chunk;
+    std::map<int, CudaMemoryNeed> per_device;
+    for (const CudaStage& s : stages) {
+      const CudaMemoryNeed need = cuda_memory_need(model, max_context, o, s.layer_begin, s.layer_end);
+      CudaMemoryNeed& sum = per_device[s.device];
+      sum.weights += need.weights;
+      sum.state_per_sequence += need.state_per_sequence;
+      sum.workspaces += need.workspaces;  // each stage has its own
+      sum.sequences = need.sequences;
+      sum.prefill_chunk = need.prefill_chunk;
+    }
+    return per_device;
+  };
+  std::map<int, std::pair<size_t, size_t>> memory;  // free and total bytes per device
   for (const CudaStage& s : stages) {
-    const CudaMemoryNeed need = cuda_memory_need(model, max_context, options, s.layer_begin, s.layer_end);
-    CudaMemoryNeed& sum = per_device[s.device];
-    sum.weights += need.weights;
-    sum.state_per_sequence += need.state_per_sequence;
-    sum.workspaces += need.workspaces;  // each stage has its own
-    sum.sequences = need.sequences;
-    sum.prefill_chunk = need.prefill_chunk;
+    DeviceScope scope(s.device);
+    DSV4_CUDA_CHECK(cudaMemGetInfo(&memory[s.device].first, &memory[s.device].second));
   }
-  for (const auto& [device, need] : per_device) {
-    DeviceScope scope(device);
-    size_t free_bytes = 0, total_bytes = 0;
-    DSV4_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+  int chunk = options.prefill_chunk;
+  for (const auto& [device, bytes] : memory)
+    chunk = std::min(chunk, fit_prefill_chunk(chunk, bytes.first, [&](int c) { return per_device_at(c)[device]; }));
+  if (chunk != options.prefill_chunk) {
+    spdlog::info("cuda runner: prefill chunks of {} tokens instead of {}, so that their workspaces fit the GPU's free "
+                 "memory next to the weights and state", chunk, options.prefill_chunk);
+    options.prefill_chunk = chunk;
+  }
+  for (const auto& [device, need] : per_device_at(chunk)) {
+    const auto [free_bytes, total_bytes] = memory[device];
     try {
       check_cuda_memory(need, free_bytes, total_bytes, max_context);
     } catch (const Error& e) {

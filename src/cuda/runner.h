@@ -22,6 +22,8 @@
 //             back, all inside the captured decode graph.
 #pragma once
 #include <cstdint>
+#include <functional>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <span>
@@ -36,8 +38,9 @@ namespace dsv4 {
 
 constexpr int kCudaMaxChunk = 64;       // rows of a decode batch, and of the logits buffers
 // Default tokens per prefill chunk: each chunk streams the weights of every expert it touches, and the grouped
-// experts get more rows per tile (2048 against 512: prefill +17 % at 8K and 32K, H100, docs/perf.md).
-constexpr int kCudaPrefillChunk = 2048;
+// experts get more rows per tile (H100, docs/perf.md: 2048 against 512 +17 % at 8K and 32K, 4096 against 2048 +6 %).
+// Lowered to fit the GPU's memory (fit_prefill_chunk, logged).
+constexpr int kCudaPrefillChunk = 4096;
 // With the MTP block: the main model's final streams kept per sequence for it (its mtp_pending() never exceeds this;
 // older positions are skipped, which SequenceRunner allows).
 constexpr int kMtpRows = kCudaMaxChunk;
@@ -99,10 +102,12 @@ struct CudaRunnerOptions {
   // same bits as one stream. DSV4_OVERLAP=1 / 0 in the environment sets it. Profiled steps run everything on one
   // stream.
   bool overlap_branches = true;
-  // The attention kernel applies q's per-head norm and RoPE while it loads q (AttentionParams::q_norm_rope; head
-  // dims 512 and 128), so the q row op no longer runs on its own: one launch fewer per layer. Same arithmetic as the
-  // row op. Off until measured; DSV4_FUSED_QNORM=1 / 0 sets it.
-  bool fuse_q_norm_rope = false;
+  // Chunks of at least this many rows: the attention kernel applies q's per-head norm and RoPE while it loads q
+  // (AttentionParams::q_norm_rope; head dims 512 and 128) instead of a row op that reads and writes all of q first.
+  // Same arithmetic as the row op. Prefill-sized chunks only by default: +7 % at 8K on the Flash shape, while decode
+  // steps lost ~1 % with it (H100, docs/perf.md). DSV4_FUSED_QNORM=1 / 0: every chunk / none.
+  int q_norm_in_attention_rows = kCudaMaxChunk + 1;
+  static constexpr int kNever = std::numeric_limits<int>::max();
   // Decided at construction: the shared expert as one more expert of the grouped launches when its shape and
   // encoding match the routed ones' (the default: one launch fewer per projection), or apart, through its own
   // gemvs (which overlap_branches can run beside the routing). DSV4_GROUP_SHARED=0 / 1 sets it.
@@ -165,6 +170,11 @@ CudaMemoryNeed cuda_memory_need(const Model& model, int max_context, const CudaR
 // The check make_cuda_runner does before uploading anything: throws dsv4::Error, with the sizes and what to change,
 // when `need` exceeds `free_bytes` (so a checkpoint larger than the GPU fails in a second, not after the upload).
 void check_cuda_memory(const CudaMemoryNeed& need, size_t free_bytes, size_t total_bytes, int max_context);
+// The prefill chunk make_cuda_runner uses on a GPU with free_bytes: `requested` while need_at(requested) fits, else
+// halved (multiples of kCudaMaxChunk, not below kCudaMinFitChunk) until the workspaces fit next to the weights and
+// state. Unchanged when the weights and state alone do not fit (check_cuda_memory then says what to change).
+constexpr int kCudaMinFitChunk = 512;
+int fit_prefill_chunk(int requested, size_t free_bytes, const std::function<CudaMemoryNeed(int chunk)>& need_at);
 
 // Throws dsv4::Error when no CUDA device is usable, the model does not fit its free memory (check_cuda_memory; with
 // several stages, each device against the stages it holds) or has a shape the kernels do not support.
@@ -202,8 +212,8 @@ bool cuda_runner_draws_on_device(const SequenceRunner& runner);
 void cuda_runner_set_draw_on_device(SequenceRunner& runner, bool on);
 // The options the runner holds (after the environment's overrides), and a change of the ones it reads at every
 // step: draw_on_device, fuse_mhc_mix, fuse_moe_routing, fuse_moe_gate, fuse_mhc_post, fuse_swiglu,
-// early_w2_weights, overlap_branches and fuse_q_norm_rope (the others of
-// `switches` are ignored). Drops the captured decode graphs. For A/B timing in one process (dsv4 bench --switches).
+// early_w2_weights, overlap_branches and q_norm_in_attention_rows (the others
+// of `switches` are ignored). Drops the captured decode graphs. For A/B timing in one process (dsv4 bench --switches).
 CudaRunnerOptions cuda_runner_options(const SequenceRunner& runner);
 void cuda_runner_set_step_switches(SequenceRunner& runner, const CudaRunnerOptions& switches);
 // The MTP block (a runner of a model loaded with it) on the selected sequence's next next_tokens.size() pending pairs,

@@ -1174,9 +1174,9 @@ TEST(CudaModel, OverlappedBranchesChangeNoBits) {
   }
 }
 
-// CudaRunnerOptions::fuse_q_norm_rope: the attention kernel normalises and rotates q while loading it, with the q
-// row op's arithmetic, so the q row op no longer runs (one kernel fewer per layer without an indexer). Prefill chunks (64 rows and one
-// chunk of 100) and graph-replayed decode at batch 1 and 5; the sum of squares is reduced in another order (fp64),
+// CudaRunnerOptions::q_norm_in_attention_rows (1 against never): the attention kernel normalises and rotates q while
+// loading it, with the q row op's arithmetic, so the q row op no longer runs (one kernel fewer per layer without an
+// indexer). Prefill chunks (64 rows and one chunk of 100) and graph-replayed decode at batch 1 and 5; the sum of squares is reduced in another order (fp64),
 // so bits may differ in rare rows: the median row must match to 1e-6 of the largest logit.
 TEST(CudaModel, FusedQNormMatchesRowOp) {
   DSV4_REQUIRE_CUDA();
@@ -1190,7 +1190,7 @@ TEST(CudaModel, FusedQNormMatchesRowOp) {
     for (const int chunk : {64, 512}) {
       auto run = [&](bool fused) {
         CudaRunnerOptions options;
-        options.fuse_q_norm_rope = fused;
+        options.q_norm_in_attention_rows = fused ? 1 : CudaRunnerOptions::kNever;
         options.sequences = B;
         options.prefill_chunk = chunk;
         std::unique_ptr<SequenceRunner> r = make_cuda_runner(model, n + 2 * steps + 1, options);
@@ -1237,7 +1237,7 @@ TEST(CudaModel, AllStagedSwitchesTogether) {
     o.fuse_moe_routing = on & kRouting;
     o.fuse_moe_gate = false;  // it would take precedence over routing (FusedGateChangesNoBits covers it)
     o.overlap_branches = on & kOverlap;
-    o.fuse_q_norm_rope = on & kQnorm;
+    o.q_norm_in_attention_rows = on & kQnorm ? 1 : CudaRunnerOptions::kNever;
     // The shared expert stays grouped: synthetic weights are drawn per upload (WeightUploader's seed counts
     // uploads), so a runner that uploads it apart holds other weights, from that expert on (the H100 run compared
     // such a runner and saw a different model). OverlappedBranchesChangeNoBits covers it apart.
@@ -1376,8 +1376,7 @@ TEST(CudaModel, EarlyWeightLoadsChangeNoBits) {
 }
 
 // The staged prefill forms (off by default until measured, docs/perf.md): moe_slots placed by every warp must give
-// the same slots and order, and row ops on walking blocks the same arithmetic, so the same logits bit for bit
-// (tiny-flash, a 100-token prefill chunk: 700 pairs).
+// the same slots and order, so the same logits bit for bit (tiny-flash, a 100-token prefill chunk: 700 pairs).
 // linear_f32's 32-row cluster tiles only reorder the fp32 sums of the prefill mixes, router gate and indexer
 // weights: on the synthetic model without discrete choices (a 64-token prompt fills but does not pass its indexer's
 // top-k) the bounds of FusedMhcMixMatchesSeparateMix, median row within 1e-4 of max|logit| and every row within
@@ -1387,8 +1386,7 @@ TEST(CudaModel, StagedPrefillForms) {
   DSV4_REQUIRE_CUDA();
   struct Restore {
     bool slots = moe_slots_by_warps(), tiles = gpu::linear_f32_tiles();
-    gpu::RowStream rows = gpu::row_op_stream();
-    ~Restore() { set_moe_slots_by_warps(slots), gpu::set_linear_f32_tiles(tiles), gpu::set_row_op_stream(rows); }
+    ~Restore() { set_moe_slots_by_warps(slots), gpu::set_linear_f32_tiles(tiles); }
   } restore;
   auto prefill = [](const Model& model, const std::vector<int32_t>& prompt, std::optional<GemvWeight> synthetic,
                     bool by_warps, bool tiles) {
@@ -1405,9 +1403,6 @@ TEST(CudaModel, StagedPrefillForms) {
   const std::vector<float> one_warp = prefill(tiny, prompt, std::nullopt, false, false);
   ASSERT_FALSE(one_warp.empty());
   EXPECT_TRUE(prefill(tiny, prompt, std::nullopt, true, false) == one_warp) << "moe_slots by warps changed the logits";
-  gpu::set_row_op_stream(gpu::RowStream::Always);  // every row op on blocks that walk their rows: the same bits
-  EXPECT_TRUE(prefill(tiny, prompt, std::nullopt, false, false) == one_warp) << "walking row ops changed the logits";
-  gpu::set_row_op_stream(gpu::RowStream::Off);
   const std::vector<float> tiles = prefill(tiny, prompt, std::nullopt, false, true);
   EXPECT_TRUE(prefill(tiny, prompt, std::nullopt, false, true) == tiles) << "linear_f32 tiles not reproducible";
 
@@ -1466,6 +1461,32 @@ TEST(CudaRunnerChunk, PrefillChunkLimits) {
   EXPECT_THROW(cuda_prefill_chunk(100, 7, 2048, 32768), Error);  // not a multiple of 64
   EXPECT_THROW(cuda_prefill_chunk(8192, 7, 2048, 32768), Error);
   EXPECT_THROW(cuda_prefill_chunk(512, 0, 2048, 32768), Error);
+}
+
+// fit_prefill_chunk on a made-up need: 10 GB of weights and state, 1 MB of workspace per chunk row.
+TEST(CudaRunnerChunk, PrefillChunkFitsFreeMemory) {
+  constexpr size_t kGB = 1000 * 1000 * 1000, kMB = 1000 * 1000;
+  std::vector<int> asked;
+  auto need_at = [&](int chunk) {
+    asked.push_back(chunk);
+    CudaMemoryNeed need;
+    need.weights = 9 * kGB;
+    need.state_per_sequence = kGB / 2;
+    need.sequences = 2;
+    need.workspaces = size_t(chunk) * kMB;
+    need.prefill_chunk = chunk;
+    return need;
+  };
+  EXPECT_EQ(fit_prefill_chunk(4096, 20 * kGB, need_at), 4096);  // fits as asked
+  EXPECT_EQ(asked, std::vector<int>{4096});
+  asked.clear();
+  EXPECT_EQ(fit_prefill_chunk(4096, 10 * kGB + 3000 * kMB, need_at), 2048);  // 4096 rows do not fit, 2048 do
+  EXPECT_EQ(asked, (std::vector<int>{4096, 2048}));
+  EXPECT_EQ(fit_prefill_chunk(4096, 10 * kGB + 600 * kMB, need_at), 512);
+  EXPECT_EQ(fit_prefill_chunk(4096, 10 * kGB + 100 * kMB, need_at), kCudaMinFitChunk);  // floor: the check fails
+  EXPECT_EQ(fit_prefill_chunk(3584, 10 * kGB + 1800 * kMB, need_at), 1792);  // halves stay multiples of 64
+  EXPECT_EQ(fit_prefill_chunk(4096, 9 * kGB, need_at), 4096);  // weights + state do not fit: left to the check
+  EXPECT_EQ(fit_prefill_chunk(256, 10 * kGB, need_at), 256);   // below the floor: never lowered
 }
 
 TEST(CudaModel, NoDeviceIsAnError) {

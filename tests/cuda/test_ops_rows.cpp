@@ -812,13 +812,6 @@ void run_row_op(const RowShape& s, gpu::RowRound round, const std::vector<float>
   *y_bf16 = to_host<uint16_t>(dyb, y->size());
 }
 
-// gpu::set_row_op_stream for a scope, restored after.
-struct RowStreamScope {
-  const gpu::RowStream built = gpu::row_op_stream();
-  explicit RowStreamScope(gpu::RowStream mode) { gpu::set_row_op_stream(mode); }
-  ~RowStreamScope() { gpu::set_row_op_stream(built); }
-};
-
 void check_row(const RowShape& s, uint32_t seed) {
   std::mt19937 rng(seed);
   const int rows = s.tokens * s.heads, stride = s.dim + s.x_pad;
@@ -839,18 +832,7 @@ void check_row(const RowShape& s, uint32_t seed) {
   }
   std::vector<float> got;
   std::vector<uint16_t> got_bf16;
-  {
-    const RowStreamScope one_block_per_group(gpu::RowStream::Off);
-    run_row_op(s, s.round, x, weight, inv_freq, pos0, pos_step, &got, &got_bf16);
-  }
-  {  // resident blocks walking the row groups (row_op_stream_kernel): the same bits
-    const RowStreamScope walk(gpu::RowStream::Always);
-    std::vector<float> walked;
-    std::vector<uint16_t> walked_bf16;
-    run_row_op(s, s.round, x, weight, inv_freq, pos0, pos_step, &walked, &walked_bf16);
-    EXPECT_EQ(bits_differ(walked, got), 0) << "the walking blocks changed y";
-    EXPECT_EQ(walked_bf16, got_bf16) << "the walking blocks changed y_bf16";
-  }
+  run_row_op(s, s.round, x, weight, inv_freq, pos0, pos_step, &got, &got_bf16);
   const int bad = count_mismatches(s.fp32_out ? got : bf16_values(got_bf16), want, s.fp32_out ? 1e-5 : 4e-3);
   // A last-bit difference (fp64 sum order, cos / sin) can move a value across a rounding boundary.
   EXPECT_LE(bad, s.round == gpu::RowRound::None ? 0 : int(want.size()) / 200)
@@ -945,16 +927,11 @@ void check_pair(int tokens, int dim_a, int dim_b, int rope_b, uint32_t seed) {
     run_row_ops(a, b, paired);
     return std::pair{to_host<uint16_t>(ya, xa.size()), to_host<float>(yb, xb.size())};
   };
-  const RowStreamScope one_block_per_group(gpu::RowStream::Off);
   const auto [alone_a, alone_b] = outputs(false);
   const auto [pair_a, pair_b] = outputs(true);
   EXPECT_EQ(pair_a, alone_a);
   EXPECT_EQ(bits_differ(pair_b, alone_b), 0);
   for (float v : pair_b) ASSERT_FALSE(std::isnan(v)) << "an output of b was not written";
-  gpu::set_row_op_stream(gpu::RowStream::Always);  // the pair on walking blocks: the same bits
-  const auto [walked_a, walked_b] = outputs(true);
-  EXPECT_EQ(walked_a, alone_a);
-  EXPECT_EQ(bits_differ(walked_b, alone_b), 0);
 }
 
 TEST(OpsRowsRowOp, PairMatchesTwoLaunches) {
@@ -989,13 +966,9 @@ void check_q_pair(int tokens, int heads_a, int dim_a, int heads_b, int dim_b, in
     run_row_ops(a, b, paired);
     return to_host<float>(dx, x.size());
   };
-  const RowStreamScope one_block_per_group(gpu::RowStream::Off);
   const std::vector<float> alone = output(false), pair = output(true);
   EXPECT_EQ(bits_differ(pair, alone), 0);
   EXPECT_GT(bits_differ(pair, x), x.size() / 2) << "the ops changed too little: were they run?";
-  gpu::set_row_op_stream(gpu::RowStream::Always);  // walking blocks, paired and alone: the same bits
-  EXPECT_EQ(bits_differ(output(true), alone), 0);
-  EXPECT_EQ(bits_differ(output(false), alone), 0);
 }
 
 TEST(OpsRowsRowOp, QPairMatchesTwoLaunches) {
