@@ -248,6 +248,9 @@ TEST(CudaAttention, PrefillChunkTensorCores) {
   check_attention({"prefill_hca_tc_start", 200, 64, 8, 512, 64, 128, 128, 0, 0, 8});
   check_attention({"prefill_sliding_tc_dim128", 70, 6, 2, 128, 64, 16, 0, 0, 40, 0});
   check_attention({"prefill_csa_tc_dim128_all", 150, 4, 1, 128, 64, 128, 4, 0, 0, 40});
+  // Long rows (ten key tiles) with the ring, the picks and all entries.
+  check_attention({"prefill_csa_tc_long", 96, 64, 8, 512, 64, 128, 4, 512, 5000, 1300});
+  check_attention({"prefill_hca_tc_all_long", 80, 64, 8, 512, 64, 128, 128, 0, 60000, 480});
 }
 
 }  // namespace
