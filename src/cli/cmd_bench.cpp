@@ -605,7 +605,9 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
     if (a.switches.size() > 1) fmt::print("  [switches {}]\n", switches);
     for (int len : a.prefill) {
       runner->reset();
-      runner->forward(random_tokens(rng, std::min(len, 512), c.vocab_size), true);  // warm-up
+      // Warm-up with the first chunk's shape: a shorter one left the first timed 1K prefill ~4 % slow (H100: the
+      // same switches gave 9366 and 9802 tok/s first and last in one process, docs/perf.md).
+      runner->forward(random_tokens(rng, std::min(len, chunk), c.vocab_size), true);
       runner->reset();
       const std::vector<int32_t> prompt = random_tokens(rng, len, c.vocab_size);
       start = std::chrono::steady_clock::now();
