@@ -4,6 +4,7 @@
 #include "cuda/gemv.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <string_view>
@@ -12,6 +13,7 @@
 #include "cuda/cuda_check.h"
 #include "cuda/device.h"
 #include "cuda/gemv_launch.h"
+#include "cuda/switches.h"
 #include "spdlog/spdlog.h"
 
 namespace dsv4 {
@@ -402,17 +404,14 @@ int gemv_grouped(const GemvGroupedParams& g) {
 }
 
 namespace {
-int slots_by_warps_mode = -1;  // set_moe_slots_by_warps; -1 = not yet read from the environment
+std::atomic<int> slots_by_warps_mode{-1};  // set_moe_slots_by_warps; -1 = not yet read from the environment
 }
 
-void set_moe_slots_by_warps(bool on) { slots_by_warps_mode = on ? 1 : 0; }
+void set_moe_slots_by_warps(bool on) { slots_by_warps_mode.store(on ? 1 : 0, std::memory_order_relaxed); }
 
 bool moe_slots_by_warps() {
-  if (slots_by_warps_mode < 0) {
-    slots_by_warps_mode = env_switch("DSV4_MOE_SLOTS_BY_WARPS").value_or(true) ? 1 : 0;
-    if (!slots_by_warps_mode) spdlog::info("moe_slots: pairs placed by one warp (DSV4_MOE_SLOTS_BY_WARPS=0)");
-  }
-  return slots_by_warps_mode == 1;
+  return gpu::read_once(slots_by_warps_mode, "DSV4_MOE_SLOTS_BY_WARPS", 0, 1, "moe_slots: pairs placed by one warp",
+                        true) == 1;
 }
 
 void moe_slots(const MoeSlotsParams& p) {

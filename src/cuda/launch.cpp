@@ -6,6 +6,7 @@
 #include "core/env.h"
 #include "cuda/launch.cuh"
 #include "cuda/ops.h"
+#include "cuda/switches.h"
 #include "spdlog/spdlog.h"
 
 namespace dsv4::gpu {
@@ -13,10 +14,9 @@ namespace {
 std::atomic<bool> g_dependent_launch{true};
 std::atomic<int> g_early_weights{-1};  // -1: not yet read from the environment
 std::atomic<int> g_linear_f32_tiles{-1};  // likewise
+}  // namespace
 
-// A staged form's switch: its value, read from `env` (0 / 1 -> `off` / `on`; unset -> `on` when `on_by_default`) at
-// the first call, and `what` logged when it is not the default.
-int read_once(std::atomic<int>& state, const char* env, int off, int on, const char* what, bool on_by_default = false) {
+int read_once(std::atomic<int>& state, const char* env, int off, int on, const char* what, bool on_by_default) {
   int v = state.load(std::memory_order_relaxed);
   if (v < 0) {
     v = env_switch(env).value_or(on_by_default) ? on : off;
@@ -24,7 +24,6 @@ int read_once(std::atomic<int>& state, const char* env, int off, int on, const c
     state.store(v, std::memory_order_relaxed);
   }
   return v;
-}
 }
 
 bool dependent_launch() { return g_dependent_launch.load(std::memory_order_relaxed); }

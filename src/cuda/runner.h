@@ -212,8 +212,8 @@ bool cuda_runner_draws_on_device(const SequenceRunner& runner);
 void cuda_runner_set_draw_on_device(SequenceRunner& runner, bool on);
 // The options the runner holds (after the environment's overrides), and a change of the ones it reads at every
 // step: draw_on_device, fuse_mhc_mix, fuse_moe_routing, fuse_moe_gate, fuse_mhc_post, fuse_swiglu,
-// early_w2_weights, overlap_branches and q_norm_in_attention_rows (the others
-// of `switches` are ignored). Drops the captured decode graphs. For A/B timing in one process (dsv4 bench --switches).
+// early_w2_weights, overlap_branches and q_norm_in_attention_rows (the others of `switches` are ignored). Drops the
+// captured decode graphs. For A/B timing in one process (dsv4 bench --switches).
 CudaRunnerOptions cuda_runner_options(const SequenceRunner& runner);
 void cuda_runner_set_step_switches(SequenceRunner& runner, const CudaRunnerOptions& switches);
 // The MTP block (a runner of a model loaded with it) on the selected sequence's next next_tokens.size() pending pairs,
