@@ -94,8 +94,8 @@ struct BenchArgs {
   // gpu::set_early_weights), gate / nogate
   // (the router gate, router and slots in one launch or three: CudaRunnerOptions::fuse_moe_gate), post / nopost (each
   // mHC post inside the next hc_pre or its own launch: fuse_mhc_post), swiglu / noswiglu (the experts' SwiGLU inside
-  // the grouped w1 + w3 or its own launch: fuse_swiglu), earlyw2 / noearlyw2 (the experts' w2 issues weight loads
-  // before its wait: early_w2_weights), indexorder / scoreorder (the indexer's picks in index order
+  // the grouped w1 + w3 in every chunk / in none: swiglu_in_w1_w3_rows), earlyw2 / noearlyw2 (the experts' w2 issues
+  // weight loads before its wait: early_w2_weights), indexorder / scoreorder (the indexer's picks in index order
   // or sorted by score: set_indexer_select_index_order), tiledN (N = 2..65: calls of >= N rows whose grid fills the
   // GPU, decode batches included, on the tiled tensor-core GEMM: set_gemv_tiled_min_rows), split1 / 2 / 4 / 8 (every
   // skinny GEMV at that split_k instead of the heuristic's: set_gemv_forced_split), ws / nows (the fp4 prefill GEMMs'
@@ -115,7 +115,7 @@ struct StepSwitches {
   bool no_w4a8 = false;     // now4a8: act fp8 at m = 1 quantises x first and runs the bf16 kernel (set_gemv_w4a8)
   bool early = false, early_all = false, late = false;  // gpu::set_early_weights: Gemv (at least), All, Off
   // -1: as built; 0 / 1: off / on (nogate / gate: fuse_moe_gate, nopost / post: fuse_mhc_post, noswiglu / swiglu:
-  // fuse_swiglu, scoreorder / indexorder: set_indexer_select_index_order).
+  // swiglu_in_w1_w3_rows 1 / never, scoreorder / indexorder: set_indexer_select_index_order).
   int gate = -1, post = -1, swiglu = -1, index_order = -1, early_w2 = -1;  // earlyw2 / noearlyw2: early_w2_weights
   int qnorm = -1;  // qnorm / noqnorm: q_norm_in_attention_rows 1 / never (-1: as built)
   int tiled_min = 0;  // tiledN: the tiled tensor-core GEMM from N rows (set_gemv_tiled_min_rows; 0: as built)
@@ -570,7 +570,7 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
     o.fuse_moe_routing = o.fuse_moe_routing || s.routing;
     if (s.gate >= 0) o.fuse_moe_gate = s.gate == 1;
     if (s.post >= 0) o.fuse_mhc_post = s.post == 1;
-    if (s.swiglu >= 0) o.fuse_swiglu = s.swiglu == 1;
+    if (s.swiglu >= 0) o.swiglu_in_w1_w3_rows = s.swiglu == 1 ? 1 : CudaRunnerOptions::kNever;
     if (s.early_w2 >= 0) o.early_w2_weights = s.early_w2 == 1;
     if (s.qnorm >= 0) o.q_norm_in_attention_rows = s.qnorm == 1 ? 1 : CudaRunnerOptions::kNever;
     gpu::set_attention_decode_block_heads(s.attention_heads);

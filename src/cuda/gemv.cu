@@ -16,8 +16,8 @@
 #include "cuda/gemv_slot.cuh"
 #include "cuda/launch.cuh"
 #include "cuda/moe_route.cuh"
+#include "cuda/swiglu.cuh"
 #include "cuda/weight_tiles.h"
-#include "formats/bf16.h"
 
 namespace dsv4::detail {
 namespace {
@@ -25,7 +25,7 @@ namespace {
 constexpr int kThreads = kGemvWarps * 32;
 
 // Grouped w1 + w3 (KernelArgs::swiglu_h): the last block of the slot to store its tile sums computes the SwiGLU of
-// the slot's pairs from both projections' fp32 outputs, gpu::swiglu's arithmetic (ops_attention.cu swiglu_kernel).
+// the slot's pairs from both projections' fp32 outputs (swiglu_bf16).
 __device__ __forceinline__ void swiglu_after_slot(const KernelArgs& a, const BlockRows& rows) {
   if (!gpu::detail::last_block_to_arrive(a.slot_tickets + blockIdx.y, gridDim.x * gridDim.z)) return;
   const float* gate = static_cast<const float*>(a.y);
@@ -33,13 +33,9 @@ __device__ __forceinline__ void swiglu_after_slot(const KernelArgs& a, const Blo
   const int inter = a.n;
   for (int idx = threadIdx.x; idx < rows.m_rows * inter; idx += blockDim.x) {
     const int r = a.row_order[rows.order0 + idx / inter], j = idx % inter;
-    float g = __ldcg(gate + int64_t(r) * a.ldy + j), u = __ldcg(up + int64_t(r) * a.ldy + j);
-    if (a.swiglu_limit > 0) {  // gate clamped from above only, up on both sides
-      g = fminf(g, a.swiglu_limit);
-      u = fminf(fmaxf(u, -a.swiglu_limit), a.swiglu_limit);
-    }
     const float w = a.swiglu_weights ? a.swiglu_weights[r] : 1.0f;
-    a.swiglu_h[int64_t(r) * inter + j] = f32_to_bf16(g / (1.0f + expf(-g)) * u * w);
+    a.swiglu_h[int64_t(r) * inter + j] =
+        swiglu_bf16(__ldcg(gate + int64_t(r) * a.ldy + j), __ldcg(up + int64_t(r) * a.ldy + j), a.swiglu_limit, w);
   }
 }
 constexpr int kUnroll = 4;       // chunks loaded per thread before the first is used (8 x 16 B in flight; 6 or 8
@@ -300,19 +296,21 @@ cudaError_t gemv_grouped_launch(const GemvGroupedParams& g, int split_k, bool* s
   a.scale_2_second = g.base.weight == GemvWeight::NVFP4 ? g.second.scale_2 : nullptr;
   a.y_second = g.second.y;
   const dim3 grid(1, g.max_slots, g.second.w ? 2 : 1);
-  switch (grouped_kernel(g)) {
-    case GroupedKernel::Tiled: return gemv_tiled_launch(a, g.base, grid, true);
-    case GroupedKernel::W4a8: return gemv_w4a8_launch(a, g.base, grid, true);
-    case GroupedKernel::Bulk: return gemv_bulk_launch(a, g.base, grid, true);
-    case GroupedKernel::Register: break;
-  }
-  if (g.swiglu.h) {
+  const GroupedKernel kernel = grouped_kernel(g);
+  // The register kernel and the tiled kernel's paired wgmma blocks compute the SwiGLU; the others leave it.
+  if (g.swiglu.h && (kernel == GroupedKernel::Register || kernel == GroupedKernel::Tiled)) {
     a.swiglu_h = g.swiglu.h;
     a.swiglu_weights = g.swiglu.weights;
     a.swiglu_limit = g.swiglu.limit;
     a.slot_tickets = g.slot_tickets;
-    *swiglu_done = true;
   }
+  switch (kernel) {
+    case GroupedKernel::Tiled: return gemv_tiled_launch(a, g.base, grid, true, swiglu_done);
+    case GroupedKernel::W4a8: return gemv_w4a8_launch(a, g.base, grid, true);
+    case GroupedKernel::Bulk: return gemv_bulk_launch(a, g.base, grid, true);
+    case GroupedKernel::Register: break;
+  }
+  *swiglu_done = a.swiglu_h != nullptr;
   return launch<true>(g.base, a, grid);
 }
 

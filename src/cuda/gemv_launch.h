@@ -95,14 +95,20 @@ bool gemv_tiled_supported(const GemvParams& p, int64_t matrices = 1);
 // every SM two blocks, else 2), or forced to 2 (256 rows per block, one block per SM) or 1 (128 rows, two blocks
 // per SM). Benchmarks and tests force it to compare; the engine leaves 0.
 extern int tiled_weight_tiles;
-cudaError_t gemv_tiled_launch(const KernelArgs& a, const GemvParams& p, dim3 grid, bool grouped);
+// Grouped with a.swiglu_h set: *swiglu_done (when given) says whether the kernel it chose computed the SwiGLU (the
+// wgmma kernel's warp-specialised shapes, gemv_wgmma_computes_swiglu); the others ignore swiglu_h.
+cudaError_t gemv_tiled_launch(const KernelArgs& a, const GemvParams& p, dim3 grid, bool grouped,
+                              bool* swiglu_done = nullptr);
 
 // FP4 weights (w MXFP4 / NVFP4) in 64-row activation tiles on wgmma (gemv_wgmma.cu), called by gemv_tiled.cu when
 // gemv_wgmma_enabled() and gemv_wgmma_pick_shape() > 0, with its grid (plain, batched, grouped); a.m as for
 // gemv_tiled_launch. Block shapes (weight rows x activation rows): 1 = 256 x 64, 2 = 128 x 128, 3 = 256 x 128;
 // warp-specialised (a producer warpgroup beside the two that multiply): 4 = 256 x 128, 5 = 256 x 64.
+// Grouped with a.swiglu_h set, shapes 4 and 5 compute w1 and w3 of the same rows in each block and store only
+// their SwiGLU (gemv_wgmma_computes_swiglu; base.y and second.y are not written); the other shapes ignore it.
 cudaError_t gemv_wgmma_launch(const KernelArgs& a, GemvWeight w, int shape, dim3 grid, cudaStream_t stream,
                               bool grouped);
+bool gemv_wgmma_computes_swiglu(int shape);
 // The shape for a launch: forced by wgmma_shape, else 256 x 128 above 64 rows when that grid has a block for ~every
 // SM, else 256 x 64 when that one has, else 0: the mma.sync kernel (its 128-row blocks, two per SM, were faster on
 // such small grids in dsv4_gemm_bench; grid.y x grid.z counts the matrices side by side). Under

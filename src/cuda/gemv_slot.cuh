@@ -36,6 +36,19 @@ __device__ __forceinline__ bool grouped_slot(const KernelArgs& a, GroupedSlot& s
   return true;
 }
 
+// The second projection's weights of slot blockIdx.y (w3 beside w1), for blocks that compute both projections of
+// the same rows (the wgmma kernel's w1 + w3 + SwiGLU tiles); the slot must hold an expert (grouped_slot true).
+struct SecondWeights {
+  const uint8_t* w;
+  const uint8_t* w_scale;
+  float y_factor;
+};
+__device__ __forceinline__ SecondWeights grouped_second(const KernelArgs& a) {
+  const int e = a.slot_expert[blockIdx.y];
+  return {a.w_second + size_t(e) * a.w_stride, a.w_scale_second + size_t(e) * a.scale_stride,
+          a.scale_2_second ? __ldg(a.scale_2_second + e) * a.nvfp4_factor : a.y_factor};
+}
+
 // One block's share of a launch: the weights (row 0 of its matrix; the block adds w_row0 rows), x, the output
 // factor, its activation rows (grouped: row_order[order0 .. order0 + m_rows)) and its offset into y.
 struct BlockRows {

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: MIT
 // For the two tiled prefill kernels (gemv_tiled.cu on mma.sync, gemv_wgmma.cu on wgmma): the cp.async stage copies,
-// the raw scale bits of an fp4 weight piece in either layout, and the epilogue that stores a block's [token][row]
-// output tile coalesced (gemv_tiled.cu writes the last two out: see there).
+// the raw scale bits of an fp4 weight piece in either layout, and the epilogues that store a block's [token][row]
+// output tile coalesced (gemv_tiled.cu writes the last two out: see there) or its paired w1 + w3 SwiGLU.
 #pragma once
 #include <cuda_bf16.h>
 
@@ -11,6 +11,7 @@
 #include "cuda/gemv_slot.cuh"
 #include "cuda/mma.cuh"
 #include "cuda/weight_tiles.h"
+#include "cuda/swiglu.cuh"
 
 namespace dsv4::detail {
 
@@ -46,6 +47,24 @@ __device__ __forceinline__ void store_output_tile(const KernelArgs& a, const Blo
         static_cast<__nv_bfloat16*>(y)[out_row + col] = __float2bfloat16_rn(v);
       else
         static_cast<float*>(y)[out_row + col] = v;
+    }
+  }
+}
+
+// The paired w1 + w3 epilogue (KernelArgs::swiglu_h): tile columns [0, cols) hold the first projection's outputs
+// of columns row_block0 .. of the token's row, [cols, 2 · cols) the second's of the same columns. Stores
+// h[pair, row_block0 + col] = swiglu_bf16 of the two for col < min(cols, n - row_block0), kWarps warps by token.
+template <int kWarps, class PairOf>
+__device__ __forceinline__ void store_swiglu_tile(const KernelArgs& a, const float* tile, int out_stride, int cols,
+                                                  int tokens, int tok0, int row_block0, PairOf pair_of) {
+  const int inter = a.n, valid = min(cols, inter - row_block0);
+  const float limit = a.swiglu_limit;
+  for (int tok = threadIdx.x >> 5; tok < tokens; tok += kWarps) {
+    const int r = pair_of(tok0 + tok);
+    const float w = a.swiglu_weights ? a.swiglu_weights[r] : 1.0f;
+    uint16_t* h = a.swiglu_h + int64_t(r) * inter + row_block0;
+    for (int col = threadIdx.x & 31; col < valid; col += 32) {
+      h[col] = swiglu_bf16(tile[tok * out_stride + col], tile[tok * out_stride + cols + col], limit, w);
     }
   }
 }

@@ -116,6 +116,8 @@ __global__ void __launch_bounds__(kThreads, kWeightTiles == 1 ? 2 : 1) gemv_tile
 
   BlockRows rows;
   if (!block_rows<kGrouped>(a, rows)) return;  // an empty slot: the whole block, before any barrier
+  // Grouped grids give every slot the token blocks of the most rows any slot may hold: most find no rows.
+  if (tok_first >= rows.m_rows) return;
   auto pair_of = [&](int row) { return kGrouped ? a.row_order[rows.order0 + row] : row; };
 
   // fp4 weights in the tile layout (weight_tiles.h): a row's 64-byte slice of chunk c is 4 pieces of 16 bytes
@@ -350,15 +352,17 @@ cudaError_t launch_tokens(const KernelArgs& a, dim3 grid, cudaStream_t stream, b
 }
 
 template <Fmt F>
-cudaError_t launch_any(const KernelArgs& a, dim3 grid, cudaStream_t stream, bool grouped) {
+cudaError_t launch_any(const KernelArgs& a, dim3 grid, cudaStream_t stream, bool grouped, bool* swiglu_done) {
   // The narrowest activation tile that holds the call's rows (grouped: the most any slot holds) in one pass.
   if (a.m <= 16) return launch_tokens<F, 2>(a, grid, stream, grouped);
   if (a.m <= 32) return launch_tokens<F, 4>(a, grid, stream, grouped);
   if constexpr (F == Fmt::MXFP4 || F == Fmt::NVFP4)
     if (gemv_wgmma_enabled())
-      if (const int shape = gemv_wgmma_pick_shape(a, grid))
+      if (const int shape = gemv_wgmma_pick_shape(a, grid)) {
+        if (swiglu_done) *swiglu_done = grouped && a.swiglu_h && gemv_wgmma_computes_swiglu(shape);
         return gemv_wgmma_launch(a, F == Fmt::NVFP4 ? GemvWeight::NVFP4 : GemvWeight::MXFP4, shape, grid, stream,
                                  grouped);
+      }
   return launch_tokens<F, 8>(a, grid, stream, grouped);
 }
 
@@ -375,12 +379,13 @@ bool gemv_tiled_supported(const GemvParams& p, int64_t matrices) {
   return blocks >= int64_t(gemv_tiled_min_blocks_per_sm()) * current_sm_count();
 }
 
-cudaError_t gemv_tiled_launch(const KernelArgs& a, const GemvParams& p, dim3 grid, bool grouped) {
+cudaError_t gemv_tiled_launch(const KernelArgs& a, const GemvParams& p, dim3 grid, bool grouped, bool* swiglu_done) {
+  if (swiglu_done) *swiglu_done = false;
   switch (p.weight) {
-    case GemvWeight::BF16: return launch_any<Fmt::BF16>(a, grid, p.stream, grouped);
-    case GemvWeight::FP8_BLOCK: return launch_any<Fmt::FP8>(a, grid, p.stream, grouped);
-    case GemvWeight::MXFP4: return launch_any<Fmt::MXFP4>(a, grid, p.stream, grouped);
-    case GemvWeight::NVFP4: return launch_any<Fmt::NVFP4>(a, grid, p.stream, grouped);
+    case GemvWeight::BF16: return launch_any<Fmt::BF16>(a, grid, p.stream, grouped, swiglu_done);
+    case GemvWeight::FP8_BLOCK: return launch_any<Fmt::FP8>(a, grid, p.stream, grouped, swiglu_done);
+    case GemvWeight::MXFP4: return launch_any<Fmt::MXFP4>(a, grid, p.stream, grouped, swiglu_done);
+    case GemvWeight::NVFP4: return launch_any<Fmt::NVFP4>(a, grid, p.stream, grouped, swiglu_done);
   }
   return cudaErrorInvalidValue;
 }

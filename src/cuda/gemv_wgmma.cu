@@ -254,6 +254,8 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_wgmma_kernel(const KernelArg
 
   BlockRows rows;
   if (!block_rows<kGrouped>(a, rows)) return;  // an empty slot: the whole block, before any barrier
+  // Grouped grids give every slot the token blocks of the most rows any slot may hold: most find no rows.
+  if (tok_first >= rows.m_rows) return;
   auto pair_of = [&](int row) { return kGrouped ? a.row_order[rows.order0 + row] : row; };
 
   const bool tiles = a.tiles;
@@ -428,11 +430,18 @@ __device__ __forceinline__ void named_barrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
-template <bool kNvfp4, bool kGrouped, int kTiles, int kN>
+// kPaired (grouped w1 + w3 with the SwiGLU, KernelArgs::swiglu_h): a block computes kBlockRows / 2 rows of both
+// projections (warpgroup 0 the first's, 1 the second's, so both halves of the output tile hold the same columns)
+// and stores only h = SwiGLU(first, second) of its columns, gpu::swiglu's arithmetic on the fp32 values the
+// unpaired launch would store: the same bits, without the round trip of both projections' fp32 outputs
+// (2 · pairs · n · 4 bytes written and read again) and without the SwiGLU's own launch.
+template <bool kNvfp4, bool kGrouped, int kTiles, int kN, bool kPaired = false>
 __global__ void __launch_bounds__(kWsThreads, 1) gemv_wgmma_ws_kernel(const KernelArgs a) {
   using S = WgmmaShape<kTiles, kN>;
   using W = WsShape<kTiles, kN>;
+  static_assert(!kPaired || kGrouped, "paired projections are the grouped w1 + w3");
   constexpr int kStages = W::kStages, kBlockRows = S::kBlockRows, kOutStride = S::kOutStride;
+  constexpr int kBlockCols = kPaired ? kBlockRows / 2 : kBlockRows;  // output columns per block
   constexpr int kPassBarrier = 1, kConsumerBarrier = 2;  // named barriers (0 is __syncthreads)
   gpu::allow_dependents();
   extern __shared__ __align__(16) uint8_t smem_raw[];
@@ -443,16 +452,20 @@ __global__ void __launch_bounds__(kWsThreads, 1) gemv_wgmma_ws_kernel(const Kern
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + W::kBarrierOffset);
   uint64_t* empty = full + kStages;
 
-  const int token_blocks = int(gridDim.x) / ((a.n + kBlockRows - 1) / kBlockRows);
+  const int token_blocks = int(gridDim.x) / ((a.n + kBlockCols - 1) / kBlockCols);
   const int tok_first = int(blockIdx.x) % token_blocks * kN;
-  const int row_block0 = int(blockIdx.x) / token_blocks * kBlockRows;
+  const int row_block0 = int(blockIdx.x) / token_blocks * kBlockCols;
   const size_t row_bytes = size_t(a.k) / 2;
   const int n_chunks = (a.k + kChunkK - 1) / kChunkK;
   const int pass_tokens = token_blocks * kN;
 
   BlockRows rows;
   if (!block_rows<kGrouped>(a, rows)) return;  // an empty slot: the whole block, before any barrier
+  // Grouped grids give every slot the token blocks of the most rows any slot may hold: most find no rows.
+  if (tok_first >= rows.m_rows) return;
   auto pair_of = [&](int row) { return kGrouped ? a.row_order[rows.order0 + row] : row; };
+  SecondWeights second{};
+  if constexpr (kPaired) second = grouped_second(a);
   if (threadIdx.x == 0)
     for (int s = 0; s < kStages; ++s) {
       mbar_init(full + s, 2 * 128);  // each producer thread: its copies (noinc), then its activation stores
@@ -468,11 +481,13 @@ __global__ void __launch_bounds__(kWsThreads, 1) gemv_wgmma_ws_kernel(const Kern
     const int pt = int(threadIdx.x) - 256;
     // Raw weight pieces: unit pt + 128 i of a stage is row pt / 4 + 32 i of the block, piece pt % 4 (the layout
     // mma_chunk reads); rows 32 apart are 32 rows of bytes apart in both layouts (two whole 16-row tiles).
-    constexpr int kWCopies = kBlockRows * 4 / 128;
+    // Paired: copies past the first half are the second projection's rows r0 + 32 (i - half).
+    constexpr int kWCopies = kBlockRows * 4 / 128, kHalfCopies = kPaired ? kWCopies / 2 : kWCopies;
     const int piece = pt & 3, r0 = row_block0 + (pt >> 2);
-    const uint8_t* w_src0 = rows.w + size_t(rows.w_row0) * row_bytes +
-                            (a.tiles ? weight_tiles::offset(size_t(r0), size_t(piece) * 16, row_bytes, 16)
-                                     : size_t(r0) * row_bytes + piece * 16);
+    const size_t w_at = a.tiles ? weight_tiles::offset(size_t(r0), size_t(piece) * 16, row_bytes, 16)
+                                : size_t(r0) * row_bytes + piece * 16;
+    const uint8_t* w_src0 = rows.w + size_t(rows.w_row0) * row_bytes + w_at;
+    const uint8_t* w_src1 = kPaired ? second.w + w_at : nullptr;
     const size_t w_chunk_stride = a.tiles ? 16 * 64 : 64;
     // Scales: in the tile layout a chunk's scales of a 16-row tile are 16 x 4 pieces, contiguous and in the
     // stage's [row][piece] order (128 bytes for NVFP4, 64 for MXFP4: copied whole, 16 bytes per thread); the
@@ -482,17 +497,22 @@ __global__ void __launch_bounds__(kWsThreads, 1) gemv_wgmma_ws_kernel(const Kern
     static_assert(kScaleUnits <= 128, "one 16-byte scale copy per producer thread at most");
     const size_t scale_row_bytes = size_t(a.k) / (kNvfp4 ? 16 : 32);
     const uint8_t* w_scale = rows.w_scale + size_t(rows.w_row0) * scale_row_bytes;
-    const int scale_tile = pt / kScaleUnitsPerTile;
-    const bool scale_ok = pt < kScaleUnits && row_block0 + 16 * scale_tile < a.n;
-    const uint8_t* scale_src =
-        w_scale + size_t(row_block0 / 16 + scale_tile) * 16 * scale_row_bytes + (pt % kScaleUnitsPerTile) * 16;
+    // The block's 16-row tile of this thread's scale copy: paired, the second half's tiles are the second's.
+    constexpr int kHalfTiles = kPaired ? kBlockRows / 32 : kBlockRows / 16;
+    const int scale_tile = pt / kScaleUnitsPerTile, scale_matrix_tile = scale_tile % kHalfTiles;
+    const uint8_t* scale_matrix = kPaired && scale_tile >= kHalfTiles ? second.w_scale : w_scale;
+    const bool scale_ok = pt < kScaleUnits && row_block0 + 16 * scale_matrix_tile < a.n;
+    const uint8_t* scale_src = scale_matrix + size_t(row_block0 / 16 + scale_matrix_tile) * 16 * scale_row_bytes +
+                               (pt % kScaleUnitsPerTile) * 16;
     auto copy_w = [&](int c, int s) {
       uint4* ws = w_stage(s);
       const bool k_ok = c * kChunkK + piece * 32 < a.k;
 #pragma unroll
       for (int i = 0; i < kWCopies; ++i) {
-        const bool valid = k_ok && r0 + 32 * i < a.n;
-        cp_async_16(ws + pt + 128 * i, valid ? w_src0 + size_t(i) * 32 * row_bytes + size_t(c) * w_chunk_stride : a.w,
+        const int ih = i % kHalfCopies;
+        const uint8_t* src = kPaired && i >= kHalfCopies ? w_src1 : w_src0;
+        const bool valid = k_ok && r0 + 32 * ih < a.n;
+        cp_async_16(ws + pt + 128 * i, valid ? src + size_t(ih) * 32 * row_bytes + size_t(c) * w_chunk_stride : a.w,
                     valid);
       }
       uint8_t* ss = scale_stage(s);
@@ -502,8 +522,10 @@ __global__ void __launch_bounds__(kWsThreads, 1) gemv_wgmma_ws_kernel(const Kern
       } else {
 #pragma unroll
         for (int i = 0; i < kBlockRows * 4 / 128; ++i) {
-          const int idx = pt + 128 * i, r = row_block0 + idx / 4, kk = c * kChunkK + (idx % 4) * 32;
-          const uint32_t v = r < a.n && kk < a.k ? fp4_piece_scale<kNvfp4>(w_scale, false, r, kk, a.k) : 0;
+          const int idx = pt + 128 * i, lr = idx / 4, kk = c * kChunkK + (idx % 4) * 32;
+          const int r = row_block0 + lr % kBlockCols;
+          const uint8_t* matrix = kPaired && lr >= kBlockCols ? second.w_scale : w_scale;
+          const uint32_t v = r < a.n && kk < a.k ? fp4_piece_scale<kNvfp4>(matrix, false, r, kk, a.k) : 0;
           if constexpr (kNvfp4) reinterpret_cast<uint16_t*>(ss)[idx] = uint16_t(v);
           else ss[idx] = uint8_t(v);
         }
@@ -597,14 +619,18 @@ __global__ void __launch_bounds__(kWsThreads, 1) gemv_wgmma_ws_kernel(const Kern
     if (lane == 0) mbar_arrive(empty + (chunk0 + n_chunks - 1) % kStages);
     named_barrier(kConsumerBarrier, 256);  // every stage of the pass read: the output tile reuses them
     float* tile = reinterpret_cast<float*>(smem);
+    const float y_factor = kPaired && wg == 1 ? second.y_factor : rows.y_factor;
 #pragma unroll
     for (int wt = 0; wt < kTiles; ++wt)
 #pragma unroll
       for (int i = 0; i < kN / 2; ++i)
-        tile[(8 * (i >> 2) + 2 * t + (i & 1)) * kOutStride + local[wt][(i >> 1) & 1]] = acc[wt][i] * rows.y_factor;
+        tile[(8 * (i >> 2) + 2 * t + (i & 1)) * kOutStride + local[wt][(i >> 1) & 1]] = acc[wt][i] * y_factor;
     named_barrier(kConsumerBarrier, 256);
     wait();
-    store_output_tile<kGrouped, 8>(a, rows, tile, kOutStride, tokens, tok0, row_block0, kBlockRows, pair_of);
+    if constexpr (kPaired)
+      store_swiglu_tile<8>(a, tile, kOutStride, kBlockCols, tokens, tok0, row_block0, pair_of);
+    else
+      store_output_tile<kGrouped, 8>(a, rows, tile, kOutStride, tokens, tok0, row_block0, kBlockRows, pair_of);
     if (tok0 + pass_tokens < rows.m_rows) named_barrier(kPassBarrier, kWsThreads);  // the producer may refill
   }
 }
@@ -631,6 +657,12 @@ cudaError_t launch_plain(const KernelArgs& a, dim3 grid, cudaStream_t stream) {
 template <bool kNvfp4, bool kGrouped, int kTiles, int kN>
 cudaError_t launch_ws(const KernelArgs& a, dim3 grid, cudaStream_t stream) {
   using W = WsShape<kTiles, kN>;
+  if constexpr (kGrouped)
+    if (a.swiglu_h) {  // both projections in each block: the grid has no projection dimension
+      grid.z = 1;
+      return launch<gemv_wgmma_ws_kernel<kNvfp4, true, kTiles, kN, true>, W::S::kBlockRows / 2, kN, kWsThreads,
+                    W::kSmemBytes>(a, grid, stream);
+    }
   return launch<gemv_wgmma_ws_kernel<kNvfp4, kGrouped, kTiles, kN>, W::S::kBlockRows, kN, kWsThreads,
                 W::kSmemBytes>(a, grid, stream);
 }
@@ -654,6 +686,8 @@ int gemv_wgmma_rule_shape(int64_t m, int64_t n, int64_t matrices) {
   if (blocks(256, 64) >= enough) return ws ? 5 : 1;
   return 0;
 }
+
+bool gemv_wgmma_computes_swiglu(int shape) { return shape == 4 || shape == 5; }
 
 int gemv_wgmma_pick_shape(const KernelArgs& a, dim3 grid) {
   if (const int forced = wgmma_forced_shape()) return forced;

@@ -11,6 +11,7 @@
 #include "cuda/moe_route.cuh"
 #include "cuda/ops.h"
 #include "cuda/ops_common.cuh"
+#include "cuda/swiglu.cuh"
 #include "formats/float_key.h"
 
 namespace dsv4::gpu {
@@ -549,13 +550,8 @@ __global__ void swiglu_kernel(SwigluParams p) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= int64_t(p.rows) * p.inter) return;
   const int r = int(i / p.inter), j = int(i % p.inter);
-  float g = p.gate[r * p.ld + j], u = p.up[r * p.ld + j];
-  if (p.limit > 0) {  // gate clamped from above only, up on both sides
-    g = fminf(g, p.limit);
-    u = fminf(fmaxf(u, -p.limit), p.limit);
-  }
   const float w = p.weights ? p.weights[r] : 1.0f;
-  p.h[i] = f32_to_bf16(g / (1.0f + expf(-g)) * u * w);
+  p.h[i] = ::dsv4::detail::swiglu_bf16(p.gate[r * p.ld + j], p.up[r * p.ld + j], p.limit, w);
 }
 
 }  // namespace

@@ -238,7 +238,7 @@ class CudaRunner final : public SequenceRunner {
       s.options_.fuse_moe_routing = o.fuse_moe_routing;
       s.options_.fuse_moe_gate = o.fuse_moe_gate;
       s.options_.fuse_mhc_post = o.fuse_mhc_post;
-      s.options_.fuse_swiglu = o.fuse_swiglu;
+      s.options_.swiglu_in_w1_w3_rows = o.swiglu_in_w1_w3_rows;
       s.options_.early_w2_weights = o.early_w2_weights;
       s.options_.overlap_branches = o.overlap_branches;
       s.options_.q_norm_in_attention_rows = o.q_norm_in_attention_rows;
@@ -1917,7 +1917,7 @@ void CudaRunner::ffn_block(int l, int n) {
   sw.limit = c.swiglu_limit;
   sw.h = h_.as<uint16_t>();
   GemvGroupedParams w2 = grouped_params(d.w2, h_.data(), 1, n * pairs, y_pairs_.data(), n, n * pairs, GemvOut::F32);
-  if (options_.fuse_swiglu) {  // inside the grouped launch where its kernel can (decode), else right after it
+  if (n >= options_.swiglu_in_w1_w3_rows) {  // inside the grouped launch where its kernel can, else right after it
     linear_grouped("ffn: grouped gemv w1 + w3 + swiglu", d.w1, normed_bf16_.data(), pairs, n, expert_gate_.data(), n,
                    n * pairs, GemvOut::F32, &d.w3, expert_up_.data(), &sw);
   } else {
@@ -2173,7 +2173,6 @@ std::unique_ptr<SequenceRunner> make_cuda_runner(const Model& model, int max_con
                                  {"DSV4_FUSED_ROUTING", &options.fuse_moe_routing},
                                  {"DSV4_FUSED_GATE", &options.fuse_moe_gate},
                                  {"DSV4_FUSED_POST", &options.fuse_mhc_post},
-                                 {"DSV4_FUSED_SWIGLU", &options.fuse_swiglu},
                                  {"DSV4_EARLY_W2", &options.early_w2_weights},
                                  {"DSV4_OVERLAP", &options.overlap_branches},
                                  {"DSV4_GROUP_SHARED", &options.group_shared_expert},
@@ -2181,6 +2180,8 @@ std::unique_ptr<SequenceRunner> make_cuda_runner(const Model& model, int max_con
     if (const std::optional<bool> env = env_switch(name)) *on = *env;
   if (const std::optional<bool> env = env_switch("DSV4_FUSED_QNORM"))
     options.q_norm_in_attention_rows = *env ? 1 : CudaRunnerOptions::kNever;
+  if (const std::optional<bool> env = env_switch("DSV4_FUSED_SWIGLU"))
+    options.swiglu_in_w1_w3_rows = *env ? 1 : CudaRunnerOptions::kNever;
   DSV4_CHECK(cuda_available(), "--device cuda: no usable CUDA device or driver");
   DSV4_CHECK(max_context > 0, "--max-context must be positive, got {}", max_context);
   int current = 0, count = 0;

@@ -83,14 +83,18 @@ struct CudaRunnerOptions {
   // first), one launch fewer per sublayer at decode; the same bits. On: +2.2 % at batch 1 on the H100, level at 8
   // and 32 (docs/perf.md sixteenth round); DSV4_FUSED_POST=1 / 0 sets it.
   bool fuse_mhc_post = true;
-  // The routed experts' SwiGLU inside the grouped w1 + w3 launch (GemvGroupedParams::swiglu: the last block of each
-  // slot computes it at decode; other kernels are followed by the swiglu launch), one launch fewer per MoE layer at
-  // decode; the same bits. Off: measured 1.8 % slower at batch 1 and 8 / 13 % at 8 / 32 on the H100 (one block per
-  // slot computes the slot's pairs alone; docs/perf.md sixteenth round); DSV4_FUSED_SWIGLU=1 / 0 sets it.
-  bool fuse_swiglu = false;
+  // Chunks of at least this many rows: the routed experts' SwiGLU inside the grouped w1 + w3 launch
+  // (GemvGroupedParams::swiglu; the same bits). Prefill chunks on the wgmma kernel compute w1 and w3 of the same
+  // columns in each block and store only h, so neither projection's fp32 output goes through memory and the SwiGLU
+  // has no launch of its own; at decode the register kernel's last block of each slot computes it (one launch fewer,
+  // but measured 1.8 % slower at batch 1 and 8 / 13 % at 8 / 32 on the H100: that block computes the slot's pairs
+  // alone, docs/perf.md sixteenth round); other kernels are followed by the swiglu launch. Off until the paired
+  // tiles have run on a GPU; DSV4_FUSED_SWIGLU=1 / 0: every chunk / none.
+  int swiglu_in_w1_w3_rows = std::numeric_limits<int>::max();
   // The routed experts' w2 launch reads its slots and issues its first weight loads before it waits for the SwiGLU
   // (GemvGroupedParams::slots_settled; the SwiGLU lets it start only after its own wait, when moe_slots is long
-  // done); the same bits. Register kernel only (decode batches below the tiled kernel's rows). Not with fuse_swiglu.
+  // done); the same bits. Register kernel only (decode batches below the tiled kernel's rows). Not where the SwiGLU
+  // runs inside w1 + w3 (swiglu_in_w1_w3_rows).
   // DSV4_EARLY_W2=1 / 0 sets it.
   bool early_w2_weights = true;
   // Independent chains on a second stream (parallel branches of the captured graph), same arithmetic and results:
@@ -211,7 +215,7 @@ std::vector<int32_t> cuda_runner_decode_batch_draw(SequenceRunner& runner, std::
 bool cuda_runner_draws_on_device(const SequenceRunner& runner);
 void cuda_runner_set_draw_on_device(SequenceRunner& runner, bool on);
 // The options the runner holds (after the environment's overrides), and a change of the ones it reads at every
-// step: draw_on_device, fuse_mhc_mix, fuse_moe_routing, fuse_moe_gate, fuse_mhc_post, fuse_swiglu,
+// step: draw_on_device, fuse_mhc_mix, fuse_moe_routing, fuse_moe_gate, fuse_mhc_post, swiglu_in_w1_w3_rows,
 // early_w2_weights, overlap_branches and q_norm_in_attention_rows (the others of `switches` are ignored). Drops the
 // captured decode graphs. For A/B timing in one process (dsv4 bench --switches).
 CudaRunnerOptions cuda_runner_options(const SequenceRunner& runner);

@@ -35,6 +35,7 @@
 #include "cpu/ops.h"
 #include "cuda/device.h"
 #include "cuda/gemv.h"
+#include "cuda/gemv_launch.h"
 #include "cuda_test_util.h"
 #include "model_test_util.h"
 #include "cuda/ops.h"
@@ -1060,13 +1061,52 @@ TEST(CudaModel, FusedPostChangesNoBits) {
         [](const ModelConfig& c) { return c.hidden_size % 64 == 0 ? 2 * c.n_layers - 1 : 0; }, 41);
 }
 
-// fuse_swiglu: the experts' SwiGLU in the grouped w1 + w3 launch (its last block per slot at decode; prefill chunks
-// launch it after): one kernel fewer per layer per decode step.
+// swiglu_in_w1_w3_rows 1 against never: the experts' SwiGLU in the grouped w1 + w3 launch (its last block per slot
+// at decode; these prefill chunks of 40 rows launch it after): one kernel fewer per layer per decode step.
 TEST(CudaModel, FusedSwigluChangesNoBits) {
   DSV4_REQUIRE_CUDA();
   expect_option_keeps_bits(
-      "fuse_swiglu", [](CudaRunnerOptions& o, bool on) { o.fuse_swiglu = on; },
+      "swiglu_in_w1_w3_rows",
+      [](CudaRunnerOptions& o, bool on) { o.swiglu_in_w1_w3_rows = on ? 1 : CudaRunnerOptions::kNever; },
       [](const ModelConfig& c) { return c.n_layers; }, 47);
+}
+
+// The same on prefill chunks whose experts run on the wgmma kernel (forced: the synthetic model's grids are too small
+// to be chosen), where w1 and w3 of the same columns share a block that stores only their SwiGLU: a 300-row prompt
+// in one chunk and in chunks of 128, both warp-specialised shapes (a slot's 300 rows in three token blocks of 128 or
+// five of 64), NVFP4 and MXFP4, the shared expert grouped (its pair weights of 1) and apart. The logits of the
+// prefill and of the decode after it keep every bit of the runner that launches the SwiGLU on its own.
+TEST(CudaModel, SwigluInWgmmaTilesChangesNoBits) {
+  DSV4_REQUIRE_CUDA();
+  const ModelConfig c = k512_synthetic_config();
+  const Model model(c, synthetic_weights(c, 9), kF32);
+  const int V = c.vocab_size, n = 300, steps = 3, B = 2;
+  const auto [prompt, fed] = random_prompt_and_fed(V, n, steps, 53);
+  struct Restore {
+    ~Restore() { detail::wgmma_shape = 0; }
+  } restore;
+  for (const GemvWeight format : {GemvWeight::NVFP4, GemvWeight::MXFP4})
+    for (const int shape : {4, 5})
+      for (const int chunk : {512, 128})
+        for (const bool grouped_shared : {true, false}) {
+          detail::wgmma_shape = shape;
+          auto run = [&](bool fused) {
+            CudaRunnerOptions o;
+            o.synthetic_format = format;
+            o.sequences = B;
+            o.prefill_chunk = chunk;
+            o.group_shared_expert = grouped_shared;
+            o.swiglu_in_w1_w3_rows = fused ? kCudaMaxChunk + 1 : CudaRunnerOptions::kNever;
+            std::unique_ptr<SequenceRunner> r = make_cuda_runner(model, n + 2 * steps + 2, o);
+            return prefill_and_decode(*r, prompt, fed, B);
+          };
+          const DecodeRun alone = run(false), fused = run(true);
+          const std::string what = std::string(gemv_weight_name(format)) + " shape " + std::to_string(shape) +
+                                   " chunk " + std::to_string(chunk) + (grouped_shared ? " shared grouped" : "");
+          ASSERT_FALSE(alone.logits.empty()) << what;
+          EXPECT_EQ(alone.graph_kernels, fused.graph_kernels) << what << ": decode must not change";
+          EXPECT_TRUE(alone.logits == fused.logits) << what << ": the paired SwiGLU must keep every bit";
+        }
 }
 
 // What a change of fp32 summation order alone does to this model's logits: the register GEMV kernel with every
