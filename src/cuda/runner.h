@@ -88,9 +88,10 @@ struct CudaRunnerOptions {
   // columns in each block and store only h, so neither projection's fp32 output goes through memory and the SwiGLU
   // has no launch of its own; at decode the register kernel's last block of each slot computes it (one launch fewer,
   // but measured 1.8 % slower at batch 1 and 8 / 13 % at 8 / 32 on the H100: that block computes the slot's pairs
-  // alone, docs/perf.md sixteenth round); other kernels are followed by the swiglu launch. Off until the paired
-  // tiles have run on a GPU; DSV4_FUSED_SWIGLU=1 / 0: every chunk / none.
-  int swiglu_in_w1_w3_rows = std::numeric_limits<int>::max();
+  // alone, docs/perf.md sixteenth round); other kernels are followed by the swiglu launch. Prefill-sized chunks
+  // only by default (+2.5 % at 8K and 32K on the H100, docs/perf.md twenty-fourth round); DSV4_FUSED_SWIGLU=1 / 0:
+  // every chunk / none.
+  int swiglu_in_w1_w3_rows = kCudaMaxChunk + 1;
   // The routed experts' w2 launch reads its slots and issues its first weight loads before it waits for the SwiGLU
   // (GemvGroupedParams::slots_settled; the SwiGLU lets it start only after its own wait, when moe_slots is long
   // done); the same bits. Register kernel only (decode batches below the tiled kernel's rows). Not where the SwiGLU
