@@ -148,8 +148,9 @@ struct GemvGroupedParams {
   // swiglu.h set (w1 + w3 of an MoE: fp32 outputs, a second projection): then h = gpu::swiglu(swiglu) with gate =
   // base.y, up = second.y, ld = the outputs' row stride, inter = n. The register kernel (decode) computes it in the
   // last block of each slot to finish, for the slot's pairs (a ticket per slot: slot_tickets, max_slots uint32 of
-  // device memory, 0 before the first launch and left at 0); other kernels are followed by a swiglu launch. The
-  // same bits either way.
+  // device memory, 0 before the first launch and left at 0); the warp-specialised wgmma kernel (prefill chunks)
+  // computes both projections of the same columns in each block and stores only h, leaving base.y and second.y
+  // unwritten; other kernels are followed by a swiglu launch. The same bits every way.
   gpu::SwigluParams swiglu;
   uint32_t* slot_tickets = nullptr;
 };
