@@ -13,40 +13,40 @@
 
 namespace dsv4::detail {
 
-struct GroupedSlot {
+// Expert e's weights of projection `second` (0 the base, 1 the second: w3 beside w1) in a grouped launch.
+struct ExpertWeights {
   const uint8_t* w;        // the expert's weight bytes (row 0)
   const uint8_t* w_scale;  // its scale bytes
   float y_factor;          // output multiplier (NVFP4: the expert's weight_scale_2 times the decoder's bias gap)
+};
+__device__ __forceinline__ ExpertWeights expert_weights(const KernelArgs& a, int e, bool second) {
+  const float* scale_2 = second ? a.scale_2_second : a.scale_2;
+  return {(second ? a.w_second : a.w) + size_t(e) * a.w_stride,
+          (second ? a.w_scale_second : a.w_scale) + size_t(e) * a.scale_stride,
+          scale_2 ? __ldg(scale_2 + e) * a.nvfp4_factor : a.y_factor};
+}
+
+struct GroupedSlot {
+  const uint8_t* w;        // ExpertWeights of the block's projection
+  const uint8_t* w_scale;
+  float y_factor;
   int order0, m_rows;      // its pairs: row_order[order0 .. order0 + m_rows)
 };
 
 // Slot blockIdx.y, projection blockIdx.z (0 base, 1 second) of a grouped launch. False when the slot holds no
-// expert this step: the whole block must return (before any barrier).
+// expert this step: the whole block must return (before any barrier). Blocks that compute both projections of the
+// same rows (the wgmma kernel's w1 + w3 + SwiGLU tiles) take the second's from expert_weights.
 __device__ __forceinline__ bool grouped_slot(const KernelArgs& a, GroupedSlot& slot) {
   const int s = blockIdx.y;
   if (s >= *a.slot_count) return false;
   const int e = a.slot_expert[s];
   slot.order0 = a.slot_offset[s];
   slot.m_rows = a.slot_offset[s + 1] - slot.order0;
-  const bool second = blockIdx.z == 1;
-  const float* scale_2 = second ? a.scale_2_second : a.scale_2;
-  slot.w = (second ? a.w_second : a.w) + size_t(e) * a.w_stride;
-  slot.w_scale = (second ? a.w_scale_second : a.w_scale) + size_t(e) * a.scale_stride;
-  slot.y_factor = scale_2 ? __ldg(scale_2 + e) * a.nvfp4_factor : a.y_factor;
+  const ExpertWeights w = expert_weights(a, e, blockIdx.z == 1);
+  slot.w = w.w;
+  slot.w_scale = w.w_scale;
+  slot.y_factor = w.y_factor;
   return true;
-}
-
-// The second projection's weights of slot blockIdx.y (w3 beside w1), for blocks that compute both projections of
-// the same rows (the wgmma kernel's w1 + w3 + SwiGLU tiles); the slot must hold an expert (grouped_slot true).
-struct SecondWeights {
-  const uint8_t* w;
-  const uint8_t* w_scale;
-  float y_factor;
-};
-__device__ __forceinline__ SecondWeights grouped_second(const KernelArgs& a) {
-  const int e = a.slot_expert[blockIdx.y];
-  return {a.w_second + size_t(e) * a.w_stride, a.w_scale_second + size_t(e) * a.scale_stride,
-          a.scale_2_second ? __ldg(a.scale_2_second + e) * a.nvfp4_factor : a.y_factor};
 }
 
 // One block's share of a launch: the weights (row 0 of its matrix; the block adds w_row0 rows), x, the output

@@ -464,8 +464,8 @@ __global__ void __launch_bounds__(kWsThreads, 1) gemv_wgmma_ws_kernel(const Kern
   // Grouped grids give every slot the token blocks of the most rows any slot may hold: most find no rows.
   if (tok_first >= rows.m_rows) return;
   auto pair_of = [&](int row) { return kGrouped ? a.row_order[rows.order0 + row] : row; };
-  SecondWeights second{};
-  if constexpr (kPaired) second = grouped_second(a);
+  ExpertWeights second{};
+  if constexpr (kPaired) second = expert_weights(a, a.slot_expert[blockIdx.y], true);
   if (threadIdx.x == 0)
     for (int s = 0; s < kStages; ++s) {
       mbar_init(full + s, 2 * 128);  // each producer thread: its copies (noinc), then its activation stores
