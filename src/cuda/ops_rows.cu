@@ -84,7 +84,6 @@ __device__ __forceinline__ void store4_bf16(uint16_t* row, int d, int count, boo
 // src/formats functions, so the result is bit-identical to fp8_simulate_block / fp4_simulate_block.
 
 constexpr int kRowValues = 4;  // values per thread
-constexpr int kRowSharedPairs = 64;  // RoPE pairs a block of same-token rows shares (rope_dim <= 128)
 
 __device__ __forceinline__ double row_sum(double v, int lanes) {
   if (lanes > 32) return block_sum(v);
@@ -144,12 +143,7 @@ __device__ __forceinline__ void row_op_block(const RowOpParams& p, int lanes, in
     weight[j] = p.norm && p.weight && i >= 0 && i < dim ? p.weight[i] : 1.0f;
   }
   // RoPE angles (fp32 like the reference, cos / sin in fp64 then rounded) do not depend on the data: computed
-  // while the loads and the norm's reduction are in flight. When every row of the block is a head of the same token
-  // (prefill's q rows, several per block), the first row's lanes compute them for all rows: the fp64 sincos was
-  // most of the indexer's q RoPE at prefill.
-  __shared__ float2 shared_angles[kRowSharedPairs];
-  const bool share = rows_per_block > 1 && p.heads % rows_per_block == 0 && !p.pos_rows && p.emit_ratio == 0 &&
-                     half_rope <= kRowSharedPairs;  // uniform over the block
+  // while the loads and the norm's reduction are in flight.
   float cos_a[2], sin_a[2];
   bool rotate[2];
 #pragma unroll
@@ -157,24 +151,14 @@ __device__ __forceinline__ void row_op_block(const RowOpParams& p, int lanes, in
     const int pair = (first + 2 * k - nope) / 2;  // first - nope is even by the choice of shift
     rotate[k] = first + 2 * k >= nope && pair < half_rope;
     cos_a[k] = 1.0f, sin_a[k] = 0.0f;
-    if (rotate[k] && (!share || threadIdx.x < lanes)) {
+    if (rotate[k]) {
       const int64_t position = p.pos_rows && !p.rows_base ? p.pos_rows[t] : pos0 + int64_t(tt) * p.pos_step;
       const float angle = __fmul_rn(float(position), p.inv_freq[pair]);
       double s, c;
       sincos(double(angle), &s, &c);
       cos_a[k] = float(c);
       sin_a[k] = p.inverse ? -float(s) : float(s);
-      if (share) shared_angles[pair] = make_float2(cos_a[k], sin_a[k]);
     }
-  }
-  if (share) {
-    __syncthreads();
-#pragma unroll
-    for (int k = 0; k < 2; ++k)
-      if (rotate[k] && threadIdx.x >= lanes) {
-        const float2 cs = shared_angles[(first + 2 * k - nope) / 2];
-        cos_a[k] = cs.x, sin_a[k] = cs.y;
-      }
   }
 
   if (p.norm) {
