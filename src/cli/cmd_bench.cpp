@@ -85,8 +85,7 @@ struct BenchArgs {
   // Decode is also timed once per set of step switches: "default" (as the runner was built, environment included),
   // or '+'-joined names turned on: bulk (fp4 / fp8 GEMVs through the copy engine, set_gemv_bulk), bulkdense (the same
   // for the plain and batched launches only, the grouped experts stay on the register kernel), overlap
-  // (CudaRunnerOptions::overlap_branches; serial turns it off), mhc / nomhc (the mHC mix inside the previous hc_post
-  // in every chunk / in none: mix_in_post_rows), routing (fuse_moe_routing),
+  // (CudaRunnerOptions::overlap_branches; serial turns it off), mhc (fuse_mhc_mix), routing (fuse_moe_routing),
   // qnorm / noqnorm (q's norm inside the attention kernel in every chunk / in none: q_norm_in_attention_rows),
   // heads16 / heads64 (the decode attention's heads per block, gpu::set_attention_decode_block_heads), hcblock
   // (hc_pre's decode collapse in one block per token, gpu::set_hc_collapse_cluster), now4a8 (act fp8 at m = 1
@@ -103,16 +102,14 @@ struct BenchArgs {
   // wgmma kernel in its warp-specialised form or not: set_gemv_wgmma_ws), cublasdense (every prefill-sized dense
   // linear through the weight decode + cuBLASLt, none on the wgmma kernel: set_gemv_over_gemm(false)), f32tiles
   // (prefill's fp32 linears on 32-row cluster tiles: gpu::set_linear_f32_tiles), slotwarps (moe_slots placed by every
-  // warp: set_moe_slots_by_warps), warps8 (prefill attention blocks of 8 warps instead of 16, no key tile staged:
-  // gpu::set_attention_prefill_block_warps).
+  // warp: set_moe_slots_by_warps).
   // Prefill is timed with each set too; --profile uses the first.
   std::vector<std::string> switches = {"default"};
 };
 
 // One entry of --switches.
 struct StepSwitches {
-  bool bulk = false, bulk_dense = false, overlap = false, serial = false, routing = false;
-  int mhc = -1;  // mhc / nomhc: mix_in_post_rows 1 / never (-1: as built)
+  bool bulk = false, bulk_dense = false, overlap = false, serial = false, mhc = false, routing = false;
   int attention_heads = 0;  // heads16 / heads64: the tensor-core attention's heads per block at decode (0: its rule)
   bool hc_block = false;    // hcblock: hc_pre's decode collapse in one block per token, not a cluster
   bool no_w4a8 = false;     // now4a8: act fp8 at m = 1 quantises x first and runs the bf16 kernel (set_gemv_w4a8)
@@ -127,7 +124,6 @@ struct StepSwitches {
   bool cublas_dense = false;  // cublasdense: set_gemv_over_gemm(false)
   bool f32_tiles = false;     // f32tiles: gpu::set_linear_f32_tiles(true)
   bool slot_warps = false;    // slotwarps: set_moe_slots_by_warps(true)
-  bool warps8 = false;        // warps8: gpu::set_attention_prefill_block_warps(8)
 };
 
 StepSwitches parse_switches(const std::string& spec) {
@@ -141,7 +137,7 @@ StepSwitches parse_switches(const std::string& spec) {
     else if (name == "bulkdense") s.bulk_dense = true;
     else if (name == "overlap") s.overlap = true;
     else if (name == "serial") s.serial = true;
-    else if (name == "mhc" || name == "nomhc") s.mhc = name == "mhc";
+    else if (name == "mhc") s.mhc = true;
     else if (name == "routing") s.routing = true;
     else if (name == "qnorm" || name == "noqnorm") s.qnorm = name == "qnorm";
     else if (name == "heads16") s.attention_heads = 16;
@@ -166,16 +162,15 @@ StepSwitches parse_switches(const std::string& spec) {
     else if (name == "cublasdense") s.cublas_dense = true;
     else if (name == "f32tiles") s.f32_tiles = true;
     else if (name == "slotwarps") s.slot_warps = true;
-    else if (name == "warps8") s.warps8 = true;
     else if (name.rfind("tiled", 0) == 0 && name.size() > 5 &&
              name.find_first_not_of("0123456789", 5) == std::string::npos)
       s.tiled_min = std::stoi(name.substr(5));
     else if (name == "split1" || name == "split2" || name == "split4" || name == "split8")
       s.split = name[5] - '0';
     else DSV4_FAIL("dsv4 bench: --switches entry '{}' has '{}' (expected default, or bulk, bulkdense, overlap, "
-                   "serial, [no]mhc, routing, [no]qnorm, heads16, heads64, hcblock, now4a8, early, earlyall, late, "
+                   "serial, mhc, routing, [no]qnorm, heads16, heads64, hcblock, now4a8, early, earlyall, late, "
                    "[no]gate, [no]post, [no]swiglu, [no]earlyw2, scoreorder, indexorder, tiledN, split1/2/4/8, [no]ws, "
-                   "cublasdense, f32tiles, slotwarps and warps8 joined by '+')",
+                   "cublasdense, f32tiles and slotwarps joined by '+')",
                    spec, name);
     from = to + 1;
   }
@@ -567,12 +562,11 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
   const int built_tiled_min = gemv_tiled_min_rows(), built_tiled_blocks = gemv_tiled_min_blocks_per_sm();
   const bool built_wgmma_ws = gemv_wgmma_ws_enabled();
   const bool built_f32_tiles = gpu::linear_f32_tiles(), built_slot_warps = moe_slots_by_warps();
-  const int built_prefill_warps = gpu::attention_prefill_block_warps();
   auto use_switches = [&](const std::string& spec) {
     const StepSwitches s = parse_switches(spec);
     CudaRunnerOptions o = built_options;
     o.overlap_branches = (o.overlap_branches || s.overlap) && !s.serial;
-    if (s.mhc >= 0) o.mix_in_post_rows = s.mhc == 1 ? 1 : CudaRunnerOptions::kNever;
+    o.fuse_mhc_mix = o.fuse_mhc_mix || s.mhc;
     o.fuse_moe_routing = o.fuse_moe_routing || s.routing;
     if (s.gate >= 0) o.fuse_moe_gate = s.gate == 1;
     if (s.post >= 0) o.fuse_mhc_post = s.post == 1;
@@ -580,7 +574,6 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
     if (s.early_w2 >= 0) o.early_w2_weights = s.early_w2 == 1;
     if (s.qnorm >= 0) o.q_norm_in_attention_rows = s.qnorm == 1 ? 1 : CudaRunnerOptions::kNever;
     gpu::set_attention_decode_block_heads(s.attention_heads);
-    gpu::set_attention_prefill_block_warps(s.warps8 ? 8 : built_prefill_warps);
     gpu::set_hc_collapse_cluster(!s.hc_block);
     gpu::set_indexer_select_index_order(s.index_order >= 0 ? s.index_order == 1 : built_index_order);
     set_gemv_w4a8(built_w4a8 && !s.no_w4a8);
@@ -856,8 +849,7 @@ void add_bench_command(CLI::App& app, Handler& handler) {
                   "joined by '+': "
                   "bulk (fp4 / fp8 GEMVs through the copy engine), bulkdense (the same but not for the grouped "
                   "experts), overlap (the attention state side on a second "
-                  "stream; serial: off), mhc / nomhc (hc_post with the next mix in every chunk / in none), "
-                  "routing (router + slots in one launch), "
+                  "stream; serial: off), mhc (hc_post with the next mix), routing (router + slots in one launch), "
                   "qnorm / noqnorm (q norm + RoPE inside attention in every chunk / in none), heads16 / heads64 "
                   "(decode attention blocks of 16 / 64 heads), hcblock (hc_pre's decode collapse in one block per "
                   "token), now4a8 (--act-quant fp8 at batch 1 without the W4A8 kernel: x quantised first, then the "
@@ -870,8 +862,7 @@ void add_bench_command(CLI::App& app, Handler& handler) {
                   "on the tiled tensor-core GEMM where their grid fills the GPU), split1 / 2 / 4 / 8 (every skinny "
                   "GEMV at that split_k), ws / nows (the fp4 prefill GEMMs' wgmma kernel warp-specialised or not), "
                   "cublasdense (prefill's dense fp4 linears all through cuBLASLt), f32tiles (prefill's fp32 linears "
-                  "on 32-row cluster tiles), slotwarps (moe_slots placed by every warp), warps8 (prefill attention "
-                  "blocks of 8 warps, no key tile staged); prefill is timed with each "
+                  "on 32-row cluster tiles), slotwarps (moe_slots placed by every warp); prefill is timed with each "
                   "set as well, e.g. "
                   "default,bulk,overlap,mhc+routing+qnorm,bulk+overlap+mhc+routing+qnorm,heads64")
       ->delimiter(',')->capture_default_str();

@@ -411,16 +411,12 @@ constexpr int kMmaDecodeHeads = 16;
 // Decode: blocks of a row's cluster, the portable cluster size. 16 (non-portable; a CSA row's 10 tiles one per
 // block) measured 1.4 % faster at batch 1 and 3 % slower at batch 8 and 32 (fewer clusters fit the GPU at once).
 constexpr int kMaxMmaSplits = 8;
-// Prefill blocks of head dim 512: 16 warps (mma_block_warps).
-constexpr int kMmaPrefillWarps = 16;
 
-// kKeyBuffers 2: the 16-warp prefill blocks stage the next key tile while the current one's S runs.
-template <int kDim, int kHeads, int kKeyBuffers = 1>
+template <int kDim, int kHeads>
 struct MmaLayout {
   static constexpr int kStride = kDim + 8;          // bf16 per Q / K row (16 bytes of padding: no bank conflicts)
   static constexpr int kPStride = kMmaKeys + 8;     // bf16 per P row
-  static constexpr size_t kKeyTile = size_t(kMmaKeys) * kStride * 2;
-  static constexpr size_t kQ = 0, kK = kQ + size_t(kHeads) * kStride * 2, kP = kK + kKeyBuffers * kKeyTile;
+  static constexpr size_t kQ = 0, kK = kQ + size_t(kHeads) * kStride * 2, kP = kK + size_t(kMmaKeys) * kStride * 2;
   // P, later the merge's factors and rope table (cluster_merge)
   static constexpr size_t kPBytes = std::max(size_t(kHeads) * kPStride * 2,
                                              (size_t(kMaxMmaSplits + 1) * kHeads + kDim) * sizeof(float));
@@ -526,15 +522,15 @@ __device__ void cluster_merge(const AttentionParams& p, const float (&o)[kHeads 
   cluster.sync();  // the partials must outlive the other blocks' reads
 }
 
-// p.q_norm_rope: Q as the q-side projection left it. Warp w takes heads kHeads / kWarps · w .. (lane: elements
+// p.q_norm_rope: Q as the q-side projection left it. Warp w takes heads kHeads / 8 · w .. whole (lane: elements
 // 4·(lane + 32u)), and does what the q row op would (row_op_block in ops_rows.cu, norm without weight, then RoPE at
 // the query position): x · (mean(x²) + eps)^-½ with the sum of squares in fp64, the rotation of each pair of the
 // last rope_dim elements by the fp32 angle position · inv_freq (cos / sin through double); then bf16 into shared
 // memory.
 // All loads (8 heads x kDim / 128 float4 per lane) are issued before the first use, like the plain Q load.
-template <int kDim, int kHeads, int kWarps>
+template <int kDim, int kHeads>
 __device__ void load_q_normed(const AttentionParams& p, int t, int h0, int64_t pos, uint16_t* q_s) {
-  constexpr int kStride = MmaLayout<kDim, kHeads>::kStride, kPerLane = kDim / 128, kWarpHeads = kHeads / kWarps;
+  constexpr int kStride = MmaLayout<kDim, kHeads>::kStride, kPerLane = kDim / 128, kWarpHeads = kHeads / kMmaWarps;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nope = kDim - p.rope_dim;
   float4 v[kWarpHeads][kPerLane];
 #pragma unroll
@@ -584,65 +580,19 @@ __device__ void load_q_normed(const AttentionParams& p, int t, int h0, int64_t p
   }
 }
 
-// Keys j0 .. j0 + 63 of query t as bf16 rows of a key tile (zeros past n_keys; their logits are masked), stored by
-// kLoaders warps: loader w stores keys w, w + kLoaders, ...; lane e < 64 / kLoaders of it finds key w + kLoaders·e
-// (an indexer pick is one more load), then kBatch keys' loads at a time are in flight before their stores (the
-// global pointers could alias shared memory as far as the compiler knows, so it would not hoist them itself).
-template <int kDim, int kLoaders, int kBatch = 4>
-struct KeyTileLoader {
-  static constexpr int kPerLane = kDim / 128;  // float4 of one key per lane
-  static constexpr int kWarpKeys = kMmaKeys / kLoaders, kBatches = kWarpKeys / kBatch;
-  static constexpr int kStride = kDim + 8;  // MmaLayout::kStride
-  static_assert(kWarpKeys % kBatch == 0);
-  const float* my_key = nullptr;
-
-  __device__ void find(const AttentionParams& p, const KeyRange& r, int t, int j0, int n_keys, int loader,
-                       int lane) {
-    my_key = nullptr;
-    if (lane < kWarpKeys) {
-      const int j = j0 + loader + kLoaders * lane;
-      if (j < n_keys) my_key = key_ptr(p, r, t, j);
-    }
-  }
-  // Keys loader + kLoaders · (kBatch · b + e), e < kBatch.
-  __device__ void store_batch(int b, int loader, int lane, uint16_t* tile) const {
-    float4 v[kBatch][kPerLane];
-#pragma unroll
-    for (int e = 0; e < kBatch; ++e) {
-      const float* key =
-          reinterpret_cast<const float*>(__shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(my_key), kBatch * b + e));
-#pragma unroll
-      for (int u = 0; u < kPerLane; ++u)
-        v[e][u] = key ? reinterpret_cast<const float4*>(key)[lane + 32 * u] : make_float4(0, 0, 0, 0);
-    }
-#pragma unroll
-    for (int e = 0; e < kBatch; ++e)
-#pragma unroll
-      for (int u = 0; u < kPerLane; ++u)
-        *reinterpret_cast<uint2*>(tile + (loader + kLoaders * (kBatch * b + e)) * kStride + 4 * (lane + 32 * u)) =
-            make_uint2(pack_bf16(v[e][u].x, v[e][u].y), pack_bf16(v[e][u].z, v[e][u].w));
-  }
-  __device__ void store_all(int loader, int lane, uint16_t* tile) const {
-    for (int b = 0; b < kBatches; ++b) store_batch(b, loader, lane, tile);
-  }
-};
-
-template <int kDim, int kHeads, int kWarps>
-__global__ void __launch_bounds__(kWarps * 32, kHeads == kMmaHeads ? 1 : 2)
+template <int kDim, int kHeads>
+__global__ void __launch_bounds__(kMmaWarps * 32, kHeads == kMmaHeads ? 1 : 2)
     attention_mma_kernel(AttentionParams p, int splits) {
   gpu::dependent_enter();
-  // More warps than S tiles (16-warp prefill blocks, which never split): the warps without one stage the next key
-  // tile into the second buffer while S runs (the same data, so the same bits).
-  constexpr bool kStaged = kWarps == kMmaPrefillWarps;
-  using L = MmaLayout<kDim, kHeads, kStaged ? 2 : 1>;
+  using L = MmaLayout<kDim, kHeads>;
   constexpr int kStride = L::kStride, kPStride = L::kPStride;
-  constexpr int kWarpDims = kDim / kWarps, kDimTiles = kWarpDims / 8;  // PV: this warp's dims
+  constexpr int kWarpDims = kDim / kMmaWarps, kDimTiles = kWarpDims / 8;  // PV: this warp's dims
   constexpr int kHeadTiles = kHeads / 16;  // of 16 heads: the mma's rows
   // S = QKᵀ: warps of 16 heads x 32 keys (head tile warp % kHeadTiles, key half warp / kHeadTiles); with 16 heads
   // only warps 0 and 1 compute S, the others wait at the barriers (kMmaDecodeHeads: the same bits as 64 heads).
   constexpr int kSWarps = 2 * kHeadTiles;
   static_assert(kWarpDims % 16 == 0, "two dim tiles per ldmatrix");
-  static_assert(kHeads % 16 == 0 && kSWarps <= kWarps, "whole head tiles, at most one S tile per warp");
+  static_assert(kHeads % 16 == 0 && kSWarps <= kMmaWarps, "whole head tiles, at most one S tile per warp");
   extern __shared__ __align__(16) unsigned char smem[];
   uint16_t* q_s = reinterpret_cast<uint16_t*>(smem + L::kQ);
   uint16_t* k_s = reinterpret_cast<uint16_t*>(smem + L::kK);
@@ -660,23 +610,23 @@ __global__ void __launch_bounds__(kWarps * 32, kHeads == kMmaHeads ? 1 : 2)
   const int n_keys = r.n_window + r.n_comp;
   const bool has_keys = split * kMmaKeys < n_keys;
 
-  if (has_keys && p.q_norm_rope) load_q_normed<kDim, kHeads, kWarps>(p, t, h0, r.pos, q_s);
+  if (has_keys && p.q_norm_rope) load_q_normed<kDim, kHeads>(p, t, h0, r.pos, q_s);
   // Q rows (heads past p.heads are zero) as bf16. Loads are issued 32 at a time before their stores: the global
   // pointers could alias shared memory as far as the compiler knows, so it would not hoist them itself.
-  constexpr int kQLoads = kHeads * kDim / 4 / (kWarps * 32), kQBatch = kQLoads < 32 ? kQLoads : 32;
+  constexpr int kQLoads = kHeads * kDim / 4 / (kMmaWarps * 32), kQBatch = kQLoads < 32 ? kQLoads : 32;
   static_assert(kQLoads % kQBatch == 0);
   for (int i0 = 0; has_keys && !p.q_norm_rope && i0 < kQLoads; i0 += kQBatch) {
     float4 v[kQBatch];
 #pragma unroll
     for (int i = 0; i < kQBatch; ++i) {
-      const int idx = threadIdx.x + (i0 + i) * kWarps * 32, h = idx / (kDim / 4), d = (idx % (kDim / 4)) * 4;
+      const int idx = threadIdx.x + (i0 + i) * kMmaWarps * 32, h = idx / (kDim / 4), d = (idx % (kDim / 4)) * 4;
       v[i] = h0 + h < p.heads
                  ? *reinterpret_cast<const float4*>(p.q + t * p.q_token_stride + int64_t(h0 + h) * kDim + d)
                  : make_float4(0, 0, 0, 0);
     }
 #pragma unroll
     for (int i = 0; i < kQBatch; ++i) {
-      const int idx = threadIdx.x + (i0 + i) * kWarps * 32, h = idx / (kDim / 4), d = (idx % (kDim / 4)) * 4;
+      const int idx = threadIdx.x + (i0 + i) * kMmaWarps * 32, h = idx / (kDim / 4), d = (idx % (kDim / 4)) * 4;
       *reinterpret_cast<uint2*>(q_s + h * kStride + d) = make_uint2(pack_bf16(v[i].x, v[i].y), pack_bf16(v[i].z, v[i].w));
     }
   }
@@ -694,28 +644,35 @@ __global__ void __launch_bounds__(kWarps * 32, kHeads == kMmaHeads ? 1 : 2)
 #pragma unroll
     for (int nt = 0; nt < kDimTiles; ++nt) o[mt][nt][0] = o[mt][nt][1] = o[mt][nt][2] = o[mt][nt][3] = 0.0f;
 
-  static_assert(!kStaged || kWarps == 2 * kSWarps, "as many stagers as S warps");
-  // The stagers keep O in registers meanwhile: one key per batch (two per batch spill at 128 registers).
-  using StageLoader = KeyTileLoader<kDim, kStaged ? kWarps - kSWarps : kWarps, kStaged ? 1 : 4>;
-  if constexpr (kStaged) {  // the first tile, by every warp
-    KeyTileLoader<kDim, kWarps, 2> first;
-    first.find(p, r, t, split * kMmaKeys, n_keys, warp, lane);
-    first.store_all(warp, lane, k_s);
-  }
-  for (int j0 = split * kMmaKeys, tile = 0; j0 < n_keys; j0 += splits * kMmaKeys, ++tile) {
-    uint16_t* const k_tile = kStaged ? k_s + (tile & 1) * (L::kKeyTile / 2) : k_s;
-    uint16_t* const k_next = kStaged ? k_s + (~tile & 1) * (L::kKeyTile / 2) : k_s;
-    const bool stages = kStaged && !s_warp && j0 + kMmaKeys < n_keys;  // its buffer's P·V ended at (D)
-    StageLoader next;
-    if constexpr (!kStaged) {
-      next.find(p, r, t, j0, n_keys, warp, lane);
-      next.store_all(warp, lane, k_s);
+  for (int j0 = split * kMmaKeys; j0 < n_keys; j0 += splits * kMmaKeys) {
+    // Keys j0 .. j0 + 63 (zeros past n_keys; their logits are masked below). Warp w loads keys w, w + 8, ...: lane
+    // e < 8 finds key w + 8e (an indexer pick is one more load), then four keys' loads at a time are in flight
+    // before their stores (see the Q loads).
+    constexpr int kPerLane = kDim / 128;  // float4 of one key per lane
+    constexpr int kWarpKeys = kMmaKeys / kMmaWarps, kBatch = 4;
+    const float* my_key = nullptr;
+    if (lane < kWarpKeys) {
+      const int j = j0 + warp + kMmaWarps * lane;
+      if (j < n_keys) my_key = key_ptr(p, r, t, j);
+    }
+    for (int i0 = 0; i0 < kWarpKeys; i0 += kBatch) {
+      float4 v[kBatch][kPerLane];
+#pragma unroll
+      for (int e = 0; e < kBatch; ++e) {
+        const float* key = reinterpret_cast<const float*>(
+            __shfl_sync(0xffffffffu, reinterpret_cast<uintptr_t>(my_key), i0 + e));
+#pragma unroll
+        for (int u = 0; u < kPerLane; ++u)
+          v[e][u] = key ? reinterpret_cast<const float4*>(key)[lane + 32 * u] : make_float4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int e = 0; e < kBatch; ++e)
+#pragma unroll
+        for (int u = 0; u < kPerLane; ++u)
+          *reinterpret_cast<uint2*>(k_s + (warp + kMmaWarps * (i0 + e)) * kStride + 4 * (lane + 32 * u)) =
+              make_uint2(pack_bf16(v[e][u].x, v[e][u].y), pack_bf16(v[e][u].z, v[e][u].w));
     }
     __syncthreads();  // (A) the tile, Q, and the running max / sum of the previous tile
-    if (stages) {  // half of the next tile now, the rest after (B)
-      next.find(p, r, t, j0 + kMmaKeys, n_keys, warp - kSWarps, lane);
-      for (int b = 0; b < StageLoader::kBatches / 2; ++b) next.store_batch(b, warp - kSWarps, lane, k_next);
-    }
 
     // S = Q Kᵀ for heads s_heads.. and keys s_keys.. (4 key tiles of 8).
     float s[4][4];
@@ -728,7 +685,7 @@ __global__ void __launch_bounds__(kWarps * 32, kHeads == kMmaHeads ? 1 : 2)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {  // key tiles 2·half, 2·half + 1: matrices (tile, dims 0-7 / 8-15)
         const int mat = lane >> 3, key = s_keys + 16 * half + (mat >> 1) * 8 + (lane & 7);
-        ldmatrix_x4(b[half], k_tile + key * kStride + ks * 16 + (mat & 1) * 8);
+        ldmatrix_x4(b[half], k_s + key * kStride + ks * 16 + (mat & 1) * 8);
       }
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt) mma_bf16(s[nt], a, b[nt >> 1][2 * (nt & 1)], b[nt >> 1][2 * (nt & 1) + 1]);
@@ -750,9 +707,6 @@ __global__ void __launch_bounds__(kWarps * 32, kHeads == kMmaHeads ? 1 : 2)
       if (tq == 0 && s_warp) red_max[(warp / kHeadTiles) * kHeads + s_heads + g + 8 * hr] = row_max[hr];
     }
     __syncthreads();  // (B) both key halves' maxima
-    if (stages)
-      for (int b = StageLoader::kBatches / 2; b < StageLoader::kBatches; ++b)
-        next.store_batch(b, warp - kSWarps, lane, k_next);
     float row_sum[2] = {0.0f, 0.0f};
 #pragma unroll
     for (int hr = 0; hr < 2 && s_warp; ++hr) {
@@ -791,7 +745,7 @@ __global__ void __launch_bounds__(kWarps * 32, kHeads == kMmaHeads ? 1 : 2)
       for (int np = 0; np < kDimTiles / 2; ++np) {  // dim tiles 2·np, 2·np + 1: matrices (keys 0-7 / 8-15, tile)
         const int mat = lane >> 3, key = ks * 16 + (mat & 1) * 8 + (lane & 7);
         uint32_t b[4];
-        ldmatrix_x4_trans(b, k_tile + key * kStride + d0 + 16 * np + (mat >> 1) * 8);
+        ldmatrix_x4_trans(b, k_s + key * kStride + d0 + 16 * np + (mat >> 1) * 8);
 #pragma unroll
         for (int mt = 0; mt < kHeadTiles; ++mt) {
           mma_bf16(o[mt][2 * np], a[mt], b[0], b[1]);
@@ -809,11 +763,9 @@ __global__ void __launch_bounds__(kWarps * 32, kHeads == kMmaHeads ? 1 : 2)
   }
   __syncthreads();
 
-  if constexpr (kWarps == kMmaWarps) {  // the wider prefill blocks never split (launch_mma)
-    if (splits > 1) {
-      cluster_merge<kDim, kHeads>(p, o, m_s, l_s, smem, split, splits, t, h0, r.pos);
-      return;
-    }
+  if (splits > 1) {
+    cluster_merge<kDim, kHeads>(p, o, m_s, l_s, smem, split, splits, t, h0, r.pos);
+    return;
   }
 
   // Sink (a virtual key with zero value), normalisation, inverse RoPE on the last rope_dim dims, bf16 out.
@@ -877,23 +829,14 @@ int mma_block_heads(const AttentionParams& p, int splits) {
   return blocks <= 2 * current_sm_count() ? kMmaDecodeHeads : kMmaHeads;
 }
 
-int g_prefill_block_warps = kMmaPrefillWarps;  // set_attention_prefill_block_warps
-
-// Warps per block of the tensor-core kernel: prefill blocks of head dim 512 (one per SM, all of a token's keys, no
-// split) take 16, so each warp's P·V covers 32 dims and each key tile's loads are one round trip per warp; the S
-// tiles stay on the first 8 warps (the same bits as 8 warps). Decode rows and head dim 128 keep 8.
-int mma_block_warps(const AttentionParams& p, int splits) {
-  return p.dim == 512 && splits == 1 && p.n >= kMmaMinRows ? g_prefill_block_warps : kMmaWarps;
-}
-
-template <int kDim, int kHeads, int kWarps>
+template <int kDim, int kHeads>
 void launch_mma(const AttentionParams& p, int splits, cudaStream_t stream) {
-  const size_t smem = MmaLayout<kDim, kHeads, kWarps == kMmaPrefillWarps ? 2 : 1>::kBytes;
-  const cudaError_t configured = gpu::allow_dynamic_smem<attention_mma_kernel<kDim, kHeads, kWarps>>(int(smem));
+  const size_t smem = MmaLayout<kDim, kHeads>::kBytes;
+  const cudaError_t configured = gpu::allow_dynamic_smem<attention_mma_kernel<kDim, kHeads>>(int(smem));
   OPS_CHECK(configured == cudaSuccess, "attention: cannot give the tensor-core kernel %zu bytes of shared memory",
             smem);
-  const cudaError_t err = gpu::launch_ex(attention_mma_kernel<kDim, kHeads, kWarps>,
-                                         dim3(splits, p.n, (p.heads + kHeads - 1) / kHeads), kWarps * 32, smem,
+  const cudaError_t err = gpu::launch_ex(attention_mma_kernel<kDim, kHeads>,
+                                         dim3(splits, p.n, (p.heads + kHeads - 1) / kHeads), kMmaWarps * 32, smem,
                                          unsigned(splits), stream, p, splits);
   OPS_CHECK(err == cudaSuccess, "attention: tensor-core launch (%d-block clusters of %d heads) failed: %s", splits,
             kHeads, cudaGetErrorString(err));
@@ -903,11 +846,9 @@ template <int kDim>
 void launch_mma(const AttentionParams& p, cudaStream_t stream) {
   const int splits = attention_splits(p);
   if (mma_block_heads(p, splits) == kMmaDecodeHeads)
-    launch_mma<kDim, kMmaDecodeHeads, kMmaWarps>(p, splits, stream);
-  else if (kDim == 512 && mma_block_warps(p, splits) == kMmaPrefillWarps)
-    launch_mma<kDim, kMmaHeads, kDim == 512 ? kMmaPrefillWarps : kMmaWarps>(p, splits, stream);
+    launch_mma<kDim, kMmaDecodeHeads>(p, splits, stream);
   else
-    launch_mma<kDim, kMmaHeads, kMmaWarps>(p, splits, stream);
+    launch_mma<kDim, kMmaHeads>(p, splits, stream);
 }
 
 }  // namespace
@@ -938,18 +879,6 @@ void set_attention_decode_block_heads(int heads) {
   OPS_CHECK(heads == 0 || heads == kMmaDecodeHeads || heads == kMmaHeads,
             "set_attention_decode_block_heads: %d heads (0, %d or %d)", heads, kMmaDecodeHeads, kMmaHeads);
   g_decode_block_heads = heads;
-}
-
-void set_attention_prefill_block_warps(int warps) {
-  OPS_CHECK(warps == kMmaWarps || warps == kMmaPrefillWarps, "set_attention_prefill_block_warps: %d warps (%d or %d)",
-            warps, kMmaWarps, kMmaPrefillWarps);
-  g_prefill_block_warps = warps;
-}
-
-int attention_prefill_block_warps() { return g_prefill_block_warps; }
-
-int attention_block_warps(const AttentionParams& p) {
-  return attention_uses_tensor_cores(p) ? mma_block_warps(p, attention_splits(p)) : 0;
 }
 
 int attention_block_heads(const AttentionParams& p) {

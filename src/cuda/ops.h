@@ -146,13 +146,11 @@ void set_hc_collapse_cluster(bool on);
 void hc_post(const float* out, int out_k, const float* out2, const float* post, const float* comb, int n, int hc,
              int D, float* streams, cudaStream_t stream);
 
-// hc_post and the next mHC mix in one launch: streams updated as hc_post does, then
+// hc_post and the next mHC mix in one launch, for decode-sized chunks: streams updated as hc_post does, then
 // partials[t, m, b] = Σ over block b's columns of streams[t] · fn[m]ᵀ (the updated streams; fn [n_mix, hc·D] fp32,
-// the next sublayer's mHC mix weights), one 32-thread block per 128 columns of every stream and token (decode: the
-// 1.5 MB of fn are read by D / 128 SMs at once); prefill chunks (n >= 64) give a block 32 tokens of the same
-// columns, so fn comes from L2 once per block; both give the same bits per token. hc_pre
-// (HcPreParams::mix_partials) adds the blocks in order: the mix costs no launch and no pass over the streams of its
-// own. hc == 4, n_mix <= 24, D % 4 == 0 and 16-byte aligned out / out2 / streams / fn.
+// the next sublayer's mHC mix weights), one 32-thread block per 128 columns of every stream and token, so the 1.5 MB
+// of fn are read by D / 128 SMs at once. hc_pre (HcPreParams::mix_partials) adds the blocks in order: the mix costs
+// no launch of its own. hc == 4, n_mix <= 24, D % 4 == 0 and 16-byte aligned out / out2 / streams / fn.
 struct HcPostMixParams {
   const float* out = nullptr;
   int out_k = 1;
@@ -317,12 +315,6 @@ size_t attention_scratch_floats(const AttentionParams& p);
 // 16 or 64 for decode rows (0: the rule), for tests and A/B timing (process-wide).
 int attention_block_heads(const AttentionParams& p);
 void set_attention_decode_block_heads(int heads);
-// Warps per block of the tensor-core kernel for p (0: a CUDA-core kernel runs): 16 for prefill chunks of head dim
-// 512, else 8; both give the same bits. set_attention_prefill_block_warps(8) keeps prefill at 8 (A/B timing, tests;
-// process-wide).
-int attention_block_warps(const AttentionParams& p);
-void set_attention_prefill_block_warps(int warps);
-int attention_prefill_block_warps();
 
 // 3.4 window ring: window[(pos0 + t) % slots] = kv_chunk[t] for the last min(n, slots) rows of the chunk
 // (pos0 read from pos_device when that is set).

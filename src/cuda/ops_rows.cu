@@ -1097,59 +1097,6 @@ __global__ void __launch_bounds__(kHcMixThreads) hc_post_mix_kernel(HcPostMixPar
   }
 }
 
-// Prefill chunks (n >= kHcPrefillRows): hc_post_mix_kernel's work for kHcMixBlockTokens tokens per block, so the
-// column block's fn slice (n_mix x 4 x 128 floats, 48 KB for Flash) is read from L2 once per block and then from L1,
-// not once per token. Warp w takes tokens 2w, 2w + 1 (+ 2 · kHcMixTokenWarps, ...) of the block, both from the same
-// fn loads; per (token, column block) the arithmetic and the sums' order are hc_post_mix_kernel's, so the partials
-// are the same bits.
-constexpr int kHcMixTokenWarps = 4;
-constexpr int kHcMixBlockTokens = 32;
-
-__global__ void __launch_bounds__(kHcMixTokenWarps * 32) hc_post_mix_tokens_kernel(HcPostMixParams p) {
-  constexpr int kHc = 4;
-  gpu::dependent_enter();
-  const int D = p.D, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int d = (int(blockIdx.x) * kHcMixThreads + lane) * 4, blocks = gridDim.x;
-  const int t_end = min(p.n, int(blockIdx.y + 1) * kHcMixBlockTokens);
-  for (int t = int(blockIdx.y) * kHcMixBlockTokens + 2 * warp; t < t_end; t += 2 * kHcMixTokenWarps) {
-    const bool second = t + 1 < t_end;  // uniform over the warp
-    float4 fresh[2][kHc];
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-#pragma unroll
-      for (int k = 0; k < kHc; ++k) fresh[i][k] = make_float4(0, 0, 0, 0);
-    if (d < D) {
-      hc_post_group<kHc>(p.out, p.out_k, p.out2, p.post, p.comb, kHc, D, t, d, p.streams, fresh[0]);
-      if (second) hc_post_group<kHc>(p.out, p.out_k, p.out2, p.post, p.comb, kHc, D, t + 1, d, p.streams, fresh[1]);
-    }
-#pragma unroll 2  // unrolled fully, the fn loads of all 24 outputs take 252 registers (2 blocks per SM)
-    for (int m = 0; m < kHcMixMax; ++m) {
-      if (m >= p.n_mix) break;  // uniform over the block
-      float acc[2] = {0.0f, 0.0f};
-      if (d < D) {
-        const float* f = p.fn + int64_t(m) * kHc * D + d;
-#pragma unroll
-        for (int k = 0; k < kHc; ++k) {
-          const float4 w = __ldg(reinterpret_cast<const float4*>(f + int64_t(k) * D));
-#pragma unroll
-          for (int i = 0; i < 2; ++i) {
-            acc[i] = fmaf(fresh[i][k].x, w.x, acc[i]);
-            acc[i] = fmaf(fresh[i][k].y, w.y, acc[i]);
-            acc[i] = fmaf(fresh[i][k].z, w.z, acc[i]);
-            acc[i] = fmaf(fresh[i][k].w, w.w, acc[i]);
-          }
-        }
-      }
-      acc[0] = detail::warp_sum(acc[0]);
-      acc[1] = detail::warp_sum(acc[1]);
-      if (lane == 0) {
-        p.partials[(int64_t(t) * p.n_mix + m) * blocks + blockIdx.x] = acc[0];
-        if (second) p.partials[(int64_t(t + 1) * p.n_mix + m) * blocks + blockIdx.x] = acc[1];
-      }
-    }
-  }
-}
-
 // ---- the rest ----------------------------------------------------------------------------------------------------
 
 __global__ void embed_kernel(const uint16_t* embed, const int32_t* tokens, int n, int D, int hc, float* streams) {
@@ -1422,13 +1369,8 @@ void hc_post_mix(const HcPostMixParams& p, cudaStream_t stream) {
                 aligned(p.streams, 16) && aligned(p.fn, 16),
             "hc_post_mix: D %d must be a multiple of 4 and out / out2 / streams / fn 16-byte aligned", p.D);
   if (p.n == 0) return;
-  const unsigned column_blocks = unsigned(hc_post_mix_blocks(p.D));
-  if (p.n >= kHcPrefillRows)
-    gpu::launch(hc_post_mix_tokens_kernel,
-                dim3(column_blocks, unsigned((p.n + kHcMixBlockTokens - 1) / kHcMixBlockTokens)),
-                kHcMixTokenWarps * 32, 0, stream, p);
-  else
-    gpu::launch(hc_post_mix_kernel, dim3(column_blocks, unsigned(p.n)), kHcMixThreads, 0, stream, p);
+  gpu::launch(hc_post_mix_kernel, dim3(unsigned(hc_post_mix_blocks(p.D)), unsigned(p.n)), kHcMixThreads, 0, stream,
+              p);
   DSV4_CUDA_LAUNCHED();
 }
 

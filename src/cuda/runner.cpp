@@ -234,7 +234,7 @@ class CudaRunner final : public SequenceRunner {
     for_each_stage([&o](CudaRunner& s) {
       s.drop_stage_graphs();
       s.options_.draw_on_device = o.draw_on_device;
-      s.options_.mix_in_post_rows = o.mix_in_post_rows;
+      s.options_.fuse_mhc_mix = o.fuse_mhc_mix;
       s.options_.fuse_moe_routing = o.fuse_moe_routing;
       s.options_.fuse_moe_gate = o.fuse_moe_gate;
       s.options_.fuse_mhc_post = o.fuse_mhc_post;
@@ -498,10 +498,10 @@ class CudaRunner final : public SequenceRunner {
     }
     launched(site, gemv_grouped(g));
   }
-  // Chunks of CudaRunnerOptions::mix_in_post_rows or more: each hc_post also computes the next sublayer's mix
+  // Decode-sized chunks with CudaRunnerOptions::fuse_mhc_mix: each hc_post also computes the next sublayer's mix
   // (gpu::hc_post_mix) and hc_pre adds its partials, one launch fewer per sublayer.
   bool fused_mix(int n) const {
-    return n >= options_.mix_in_post_rows && c_.hc_mult == 4 && c_.hidden_size % 4 == 0;
+    return options_.fuse_mhc_mix && n <= kCudaMaxChunk && c_.hc_mult == 4 && c_.hidden_size % 4 == 0;
   }
   enum class Sublayer { Attention, Ffn };
   // 2.3 mHC mix + pre + the sublayer's norm; mix_ready: the previous hc_post_mix left the mix partials. Otherwise
@@ -908,9 +908,9 @@ CudaRunner::CudaRunner(const Model& model, int max_context, CudaRunnerOptions op
   shared_out_ = workspace(C * D * f);
   head_in_ = workspace(C * D * b16);
   logits_ = workspace(size_t(kCudaMaxChunk) * c.vocab_size * f);
-  // Always: set_step_switches may change mix_in_post_rows later (dsv4 bench --switches mhc wrote past an unallocated
-  // buffer on the H100 when this depended on the build-time option). 3 KB per row for Flash.
-  mix_partials_ = workspace(C * (2 + hc) * hc * gpu::hc_post_mix_blocks(D) * f);
+  // Always: set_step_switches may turn fuse_mhc_mix on later (dsv4 bench --switches mhc wrote past an unallocated
+  // buffer on the H100 when this depended on the build-time option). 196 KB for Flash.
+  mix_partials_ = workspace(size_t(kCudaMaxChunk) * (2 + hc) * hc * gpu::hc_post_mix_blocks(D) * f);
   size_t attention_scratch = 0;  // split-key partials of the chunks with few tokens (decode)
   for (const LayerDevice& d : layers_)
     for (int n = 1; n <= chunk_; ++n) {
@@ -2061,8 +2061,7 @@ CudaMemoryNeed cuda_memory_need(const Model& model, int max_context, const CudaR
                          + size_t(c.n_heads) * size_t(c.head_dim) * b16         // o_grouped
                          + size_t(max_entries) * f                              // indexer scores
                          + size_t(pairs) * size_t(c.moe_inter) * (f + f + b16)  // expert gate, up, h
-                         + size_t(pairs) * D * f                                // y_pairs
-                         + size_t((2 + c.hc_mult) * c.hc_mult) * gpu::hc_post_mix_blocks(c.hidden_size) * f;  // mix
+                         + size_t(pairs) * D * f;                               // y_pairs
   need.workspaces = size_t(need.prefill_chunk) * per_row + size_t(kCudaMaxChunk) * size_t(c.vocab_size) * f;
   return need;
 }
@@ -2170,6 +2169,7 @@ std::unique_ptr<SequenceRunner> make_cuda_runner(const Model& model, int max_con
   if (const char* env = std::getenv("DSV4_CUDA_DEVICES"); env && *env && options.devices.empty())  // --gpus wins
     options.devices = parse_cuda_devices(env);
   for (const auto& [name, on] : {std::pair{"DSV4_DEVICE_DRAW", &options.draw_on_device},
+                                 {"DSV4_FUSED_MHC", &options.fuse_mhc_mix},
                                  {"DSV4_FUSED_ROUTING", &options.fuse_moe_routing},
                                  {"DSV4_FUSED_GATE", &options.fuse_moe_gate},
                                  {"DSV4_FUSED_POST", &options.fuse_mhc_post},
@@ -2180,8 +2180,6 @@ std::unique_ptr<SequenceRunner> make_cuda_runner(const Model& model, int max_con
     if (const std::optional<bool> env = env_switch(name)) *on = *env;
   if (const std::optional<bool> env = env_switch("DSV4_FUSED_QNORM"))
     options.q_norm_in_attention_rows = *env ? 1 : CudaRunnerOptions::kNever;
-  if (const std::optional<bool> env = env_switch("DSV4_FUSED_MHC"))
-    options.mix_in_post_rows = *env ? 1 : CudaRunnerOptions::kNever;
   if (const std::optional<bool> env = env_switch("DSV4_FUSED_SWIGLU"))
     options.swiglu_in_w1_w3_rows = *env ? 1 : CudaRunnerOptions::kNever;
   DSV4_CHECK(cuda_available(), "--device cuda: no usable CUDA device or driver");

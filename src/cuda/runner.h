@@ -66,12 +66,10 @@ struct CudaRunnerOptions {
   // Sampler's contract) and bring back 4 bytes per row instead of the logits. Off: they draw on the host from the
   // logits. DSV4_DEVICE_DRAW=1 / 0 in the environment sets it.
   bool draw_on_device = false;
-  // Chunks of at least this many rows (hc = 4): each mHC post also computes the next sublayer's mix
-  // (gpu::hc_post_mix) and hc_pre adds its partials, so the mix has no launch and no pass over the streams of its
-  // own. Decode: 86 launches fewer per Flash step but measured 13 % slower at batch 1 on the H100 (its blocks of 32
-  // threads per 128 columns, docs/perf.md fifteenth round); prefill chunks: a block per 32 tokens of 128 columns.
-  // Prefill-sized chunks only by default; DSV4_FUSED_MHC=1 / 0: every chunk / none.
-  int mix_in_post_rows = kCudaMaxChunk + 1;
+  // Decode-sized chunks (<= kCudaMaxChunk rows, hc = 4): each mHC post also computes the next sublayer's mix
+  // (gpu::hc_post_mix) and hc_pre adds its partials, so the mix kernel no longer runs on its own (86 launches fewer
+  // per Flash step). Off until it is measured on a GPU; DSV4_FUSED_MHC=1 / 0 in the environment sets it.
+  bool fuse_mhc_mix = false;
   // Decode-sized chunks: the router and moe_slots in one launch (moe_route_and_slots; experts <= 512), 43 launches
   // fewer per Flash step. Off until measured; DSV4_FUSED_ROUTING=1 / 0 sets it.
   bool fuse_moe_routing = false;
@@ -218,7 +216,7 @@ std::vector<int32_t> cuda_runner_decode_batch_draw(SequenceRunner& runner, std::
 bool cuda_runner_draws_on_device(const SequenceRunner& runner);
 void cuda_runner_set_draw_on_device(SequenceRunner& runner, bool on);
 // The options the runner holds (after the environment's overrides), and a change of the ones it reads at every
-// step: draw_on_device, mix_in_post_rows, fuse_moe_routing, fuse_moe_gate, fuse_mhc_post, swiglu_in_w1_w3_rows,
+// step: draw_on_device, fuse_mhc_mix, fuse_moe_routing, fuse_moe_gate, fuse_mhc_post, swiglu_in_w1_w3_rows,
 // early_w2_weights, overlap_branches and q_norm_in_attention_rows (the others of `switches` are ignored). Drops the
 // captured decode graphs. For A/B timing in one process (dsv4 bench --switches).
 CudaRunnerOptions cuda_runner_options(const SequenceRunner& runner);

@@ -859,7 +859,7 @@ TEST(CudaModel, BatchedDecodeOnTheTiledKernel) {
 // Programmatic dependent launch (launch.cuh) lets a kernel start before its predecessor ends; every kernel waits
 // before touching what the step computes, so the logits must be the same bits with it on and off, and the same bits
 // when the same run repeats (a missing wait would show up as a difference that moves between runs).
-// CudaRunnerOptions::mix_in_post_rows (each hc_post computes the next mix, hc_pre adds the partials) only reorders the
+// CudaRunnerOptions::fuse_mhc_mix (each hc_post computes the next mix, hc_pre adds the partials) only reorders the
 // fp32 sums of the mHC mixes: against the unfused runner, with fp32 KV and indexer keys, the median row must agree
 // within 1e-4 of max|logit| and every row within 5e-3 (prefill, batch 1 and a batch of 5, both models). Measured on
 // the H100: most rows bit-identical, a few isolated rows (and the rows after them) up to 2.6e-3 off, where a router
@@ -879,7 +879,7 @@ void check_fused_mhc(const Model& model, const std::string& name, const std::str
   for (int32_t& t : fed) t = token(rng);
   auto run = [&](bool fused) {
     CudaRunnerOptions options;
-    options.mix_in_post_rows = fused ? 1 : CudaRunnerOptions::kNever;
+    options.fuse_mhc_mix = fused;
     options.fuse_mhc_post = false;  // the plain run's posts on their own, as the fused run's (hc_post_mix) are
     options.sequences = B;
     options.synthetic_format = synthetic;
@@ -1273,7 +1273,7 @@ TEST(CudaModel, AllStagedSwitchesTogether) {
     o.synthetic_format = GemvWeight::NVFP4;
     o.sequences = B;
     o.prefill_chunk = 64;
-    o.mix_in_post_rows = on & kMhc ? 1 : CudaRunnerOptions::kNever;
+    o.fuse_mhc_mix = on & kMhc;
     o.fuse_moe_routing = on & kRouting;
     o.fuse_moe_gate = false;  // it would take precedence over routing (FusedGateChangesNoBits covers it)
     o.overlap_branches = on & kOverlap;
