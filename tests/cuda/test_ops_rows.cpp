@@ -878,6 +878,9 @@ TEST(OpsRowsRowOp, PrefillShapes) {
   check_row({64, 64, 512, 64, true, false, gpu::RowRound::None, 0, true}, 72);
   check_row({64, 64, 128, 64, false, false, gpu::RowRound::IndexerFp4, 0, true}, 73);  // 4 warps per block
   check_row({64, 1, 1024, 0, true, true, gpu::RowRound::None, 512, false, false}, 74);
+  // 4 rows per block: heads of one token per block (16 heads), or rows of two tokens in a block (6 heads)
+  check_row({64, 16, 128, 64, false, false, gpu::RowRound::None, 0, true}, 75);
+  check_row({200, 6, 128, 64, false, false, gpu::RowRound::None, 0, true}, 76);
 }
 
 TEST(OpsRowsRowOp, WideHadamardOddRowsAndInverse) {
