@@ -102,8 +102,7 @@ struct BenchArgs {
   // wgmma kernel in its warp-specialised form or not: set_gemv_wgmma_ws), cublasdense (every prefill-sized dense
   // linear through the weight decode + cuBLASLt, none on the wgmma kernel: set_gemv_over_gemm(false)), f32tiles
   // (prefill's fp32 linears on 32-row cluster tiles: gpu::set_linear_f32_tiles), slotwarps (moe_slots placed by every
-  // warp: set_moe_slots_by_warps), stiles1 (one head tile per S warp of the 64-head attention blocks instead of two:
-  // gpu::set_attention_s_head_tiles).
+  // warp: set_moe_slots_by_warps).
   // Prefill is timed with each set too; --profile uses the first.
   std::vector<std::string> switches = {"default"};
 };
@@ -125,7 +124,6 @@ struct StepSwitches {
   bool cublas_dense = false;  // cublasdense: set_gemv_over_gemm(false)
   bool f32_tiles = false;     // f32tiles: gpu::set_linear_f32_tiles(true)
   bool slot_warps = false;    // slotwarps: set_moe_slots_by_warps(true)
-  bool s_tiles1 = false;      // stiles1: gpu::set_attention_s_head_tiles(1)
 };
 
 StepSwitches parse_switches(const std::string& spec) {
@@ -164,7 +162,6 @@ StepSwitches parse_switches(const std::string& spec) {
     else if (name == "cublasdense") s.cublas_dense = true;
     else if (name == "f32tiles") s.f32_tiles = true;
     else if (name == "slotwarps") s.slot_warps = true;
-    else if (name == "stiles1") s.s_tiles1 = true;
     else if (name.rfind("tiled", 0) == 0 && name.size() > 5 &&
              name.find_first_not_of("0123456789", 5) == std::string::npos)
       s.tiled_min = std::stoi(name.substr(5));
@@ -173,7 +170,7 @@ StepSwitches parse_switches(const std::string& spec) {
     else DSV4_FAIL("dsv4 bench: --switches entry '{}' has '{}' (expected default, or bulk, bulkdense, overlap, "
                    "serial, mhc, routing, [no]qnorm, heads16, heads64, hcblock, now4a8, early, earlyall, late, "
                    "[no]gate, [no]post, [no]swiglu, [no]earlyw2, scoreorder, indexorder, tiledN, split1/2/4/8, [no]ws, "
-                   "cublasdense, f32tiles, slotwarps and stiles1 joined by '+')",
+                   "cublasdense, f32tiles and slotwarps joined by '+')",
                    spec, name);
     from = to + 1;
   }
@@ -565,7 +562,6 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
   const int built_tiled_min = gemv_tiled_min_rows(), built_tiled_blocks = gemv_tiled_min_blocks_per_sm();
   const bool built_wgmma_ws = gemv_wgmma_ws_enabled();
   const bool built_f32_tiles = gpu::linear_f32_tiles(), built_slot_warps = moe_slots_by_warps();
-  const int built_s_tiles = gpu::attention_s_head_tiles();
   auto use_switches = [&](const std::string& spec) {
     const StepSwitches s = parse_switches(spec);
     CudaRunnerOptions o = built_options;
@@ -578,7 +574,6 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
     if (s.early_w2 >= 0) o.early_w2_weights = s.early_w2 == 1;
     if (s.qnorm >= 0) o.q_norm_in_attention_rows = s.qnorm == 1 ? 1 : CudaRunnerOptions::kNever;
     gpu::set_attention_decode_block_heads(s.attention_heads);
-    gpu::set_attention_s_head_tiles(s.s_tiles1 ? 1 : built_s_tiles);
     gpu::set_hc_collapse_cluster(!s.hc_block);
     gpu::set_indexer_select_index_order(s.index_order >= 0 ? s.index_order == 1 : built_index_order);
     set_gemv_w4a8(built_w4a8 && !s.no_w4a8);
@@ -867,8 +862,7 @@ void add_bench_command(CLI::App& app, Handler& handler) {
                   "on the tiled tensor-core GEMM where their grid fills the GPU), split1 / 2 / 4 / 8 (every skinny "
                   "GEMV at that split_k), ws / nows (the fp4 prefill GEMMs' wgmma kernel warp-specialised or not), "
                   "cublasdense (prefill's dense fp4 linears all through cuBLASLt), f32tiles (prefill's fp32 linears "
-                  "on 32-row cluster tiles), slotwarps (moe_slots placed by every warp), stiles1 (one head tile per S "
-                  "warp in the 64-head attention blocks); prefill is timed with each "
+                  "on 32-row cluster tiles), slotwarps (moe_slots placed by every warp); prefill is timed with each "
                   "set as well, e.g. "
                   "default,bulk,overlap,mhc+routing+qnorm,bulk+overlap+mhc+routing+qnorm,heads64")
       ->delimiter(',')->capture_default_str();

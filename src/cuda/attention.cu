@@ -580,7 +580,7 @@ __device__ void load_q_normed(const AttentionParams& p, int t, int h0, int64_t p
   }
 }
 
-template <int kDim, int kHeads, int kSTiles>
+template <int kDim, int kHeads>
 __global__ void __launch_bounds__(kMmaWarps * 32, kHeads == kMmaHeads ? 1 : 2)
     attention_mma_kernel(AttentionParams p, int splits) {
   gpu::dependent_enter();
@@ -588,14 +588,11 @@ __global__ void __launch_bounds__(kMmaWarps * 32, kHeads == kMmaHeads ? 1 : 2)
   constexpr int kStride = L::kStride, kPStride = L::kPStride;
   constexpr int kWarpDims = kDim / kMmaWarps, kDimTiles = kWarpDims / 8;  // PV: this warp's dims
   constexpr int kHeadTiles = kHeads / 16;  // of 16 heads: the mma's rows
-  // S = QKᵀ: warps of kSTiles x 16 heads x 32 keys (head group warp % kHeadGroups, key half warp / kHeadGroups);
-  // the others wait at the barriers. Each (head tile, key half) has the same sums in every form, so 16 or 64 heads per
-  // block and 1 or 2 head tiles per S warp give the same bits. Two tiles per warp: each key fragment is read from
-  // shared memory by half as many warps (S's ldmatrix traffic 393 -> 262 KB per 64-key tile of 64 heads).
-  constexpr int kHeadGroups = kHeadTiles / kSTiles, kSWarps = 2 * kHeadGroups;
+  // S = QKᵀ: warps of 16 heads x 32 keys (head tile warp % kHeadTiles, key half warp / kHeadTiles); with 16 heads
+  // only warps 0 and 1 compute S, the others wait at the barriers (kMmaDecodeHeads: the same bits as 64 heads).
+  constexpr int kSWarps = 2 * kHeadTiles;
   static_assert(kWarpDims % 16 == 0, "two dim tiles per ldmatrix");
-  static_assert(kHeads % 16 == 0 && kHeadTiles % kSTiles == 0 && kSWarps <= kMmaWarps,
-                "whole head tiles, at most one S tile per warp");
+  static_assert(kHeads % 16 == 0 && kSWarps <= kMmaWarps, "whole head tiles, at most one S tile per warp");
   extern __shared__ __align__(16) unsigned char smem[];
   uint16_t* q_s = reinterpret_cast<uint16_t*>(smem + L::kQ);
   uint16_t* k_s = reinterpret_cast<uint16_t*>(smem + L::kK);
@@ -639,8 +636,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32, kHeads == kMmaHeads ? 1 : 2)
   }
 
   const bool s_warp = warp < kSWarps;
-  const int s_heads = 16 * kSTiles * (warp % kHeadGroups), s_half = warp / kHeadGroups % 2;  // S: heads, key half
-  const int s_keys = 32 * s_half;
+  const int s_heads = 16 * (warp % kHeadTiles), s_keys = 32 * (warp / kHeadTiles % 2);  // S: heads, keys of a tile
   const int d0 = warp * kWarpDims;                                                     // PV: this warp's dims
   float o[kHeadTiles][kDimTiles][4];
 #pragma unroll
@@ -678,67 +674,53 @@ __global__ void __launch_bounds__(kMmaWarps * 32, kHeads == kMmaHeads ? 1 : 2)
     }
     __syncthreads();  // (A) the tile, Q, and the running max / sum of the previous tile
 
-    // S = Q Kᵀ for heads s_heads.. (kSTiles tiles of 16) and keys s_keys.. (4 key tiles of 8).
-    float s[kSTiles][4][4];
+    // S = Q Kᵀ for heads s_heads.. and keys s_keys.. (4 key tiles of 8).
+    float s[4][4];
 #pragma unroll
-    for (int mt = 0; mt < kSTiles; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt) s[mt][nt][0] = s[mt][nt][1] = s[mt][nt][2] = s[mt][nt][3] = 0.0f;
+    for (int nt = 0; nt < 4; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
 #pragma unroll 4
     for (int ks = 0; ks < (s_warp ? kDim / 16 : 0); ++ks) {
-      uint32_t a[kSTiles][4], b[2][4];
-#pragma unroll
-      for (int mt = 0; mt < kSTiles; ++mt)
-        ldmatrix_x4(a[mt], q_s + (s_heads + 16 * mt + (lane & 15)) * kStride + ks * 16 + (lane >> 4) * 8);
+      uint32_t a[4], b[2][4];
+      ldmatrix_x4(a, q_s + (s_heads + (lane & 15)) * kStride + ks * 16 + (lane >> 4) * 8);
 #pragma unroll
       for (int half = 0; half < 2; ++half) {  // key tiles 2·half, 2·half + 1: matrices (tile, dims 0-7 / 8-15)
         const int mat = lane >> 3, key = s_keys + 16 * half + (mat >> 1) * 8 + (lane & 7);
         ldmatrix_x4(b[half], k_s + key * kStride + ks * 16 + (mat & 1) * 8);
       }
 #pragma unroll
-      for (int mt = 0; mt < kSTiles; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt)
-          mma_bf16(s[mt][nt], a[mt], b[nt >> 1][2 * (nt & 1)], b[nt >> 1][2 * (nt & 1) + 1]);
+      for (int nt = 0; nt < 4; ++nt) mma_bf16(s[nt], a, b[nt >> 1][2 * (nt & 1)], b[nt >> 1][2 * (nt & 1) + 1]);
     }
-    // Rows g and g + 8 of each of the warp's head tiles; columns 2·tq, 2·tq + 1 of each key tile.
-    float row_max[kSTiles][2];
+    // Rows g and g + 8 of the warp's heads; columns 2·tq, 2·tq + 1 of each key tile.
+    float row_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-    for (int mt = 0; mt < kSTiles; ++mt) {
-      row_max[mt][0] = row_max[mt][1] = -INFINITY;
+    for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
-      for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int key = j0 + s_keys + 8 * nt + 2 * tq + (e & 1);
-          s[mt][nt][e] = key < n_keys ? s[mt][nt][e] * p.scale : -INFINITY;
-          row_max[mt][e >> 1] = fmaxf(row_max[mt][e >> 1], s[mt][nt][e]);
-        }
-#pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {
-        row_max[mt][hr] = fmaxf(row_max[mt][hr], __shfl_xor_sync(0xffffffffu, row_max[mt][hr], 1));
-        row_max[mt][hr] = fmaxf(row_max[mt][hr], __shfl_xor_sync(0xffffffffu, row_max[mt][hr], 2));
-        if (tq == 0 && s_warp) red_max[s_half * kHeads + s_heads + 16 * mt + g + 8 * hr] = row_max[mt][hr];
+      for (int e = 0; e < 4; ++e) {
+        const int key = j0 + s_keys + 8 * nt + 2 * tq + (e & 1);
+        s[nt][e] = key < n_keys ? s[nt][e] * p.scale : -INFINITY;
+        row_max[e >> 1] = fmaxf(row_max[e >> 1], s[nt][e]);
       }
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      row_max[hr] = fmaxf(row_max[hr], __shfl_xor_sync(0xffffffffu, row_max[hr], 1));
+      row_max[hr] = fmaxf(row_max[hr], __shfl_xor_sync(0xffffffffu, row_max[hr], 2));
+      if (tq == 0 && s_warp) red_max[(warp / kHeadTiles) * kHeads + s_heads + g + 8 * hr] = row_max[hr];
     }
     __syncthreads();  // (B) both key halves' maxima
+    float row_sum[2] = {0.0f, 0.0f};
 #pragma unroll
-    for (int mt = 0; mt < kSTiles; ++mt) {
-      float row_sum[2] = {0.0f, 0.0f};
+    for (int hr = 0; hr < 2 && s_warp; ++hr) {
+      const int h = s_heads + g + 8 * hr;
+      const float m_new = fmaxf(m_s[h], fmaxf(red_max[h], red_max[kHeads + h]));
 #pragma unroll
-      for (int hr = 0; hr < 2 && s_warp; ++hr) {
-        const int h = s_heads + 16 * mt + g + 8 * hr;
-        const float m_new = fmaxf(m_s[h], fmaxf(red_max[h], red_max[kHeads + h]));
-#pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
-          const float w0 = expf(s[mt][nt][2 * hr] - m_new), w1 = expf(s[mt][nt][2 * hr + 1] - m_new);
-          row_sum[hr] += w0 + w1;
-          *reinterpret_cast<uint32_t*>(p_s + h * kPStride + s_keys + 8 * nt + 2 * tq) = pack_bf16(w0, w1);
-        }
-        row_sum[hr] += __shfl_xor_sync(0xffffffffu, row_sum[hr], 1);
-        row_sum[hr] += __shfl_xor_sync(0xffffffffu, row_sum[hr], 2);
-        if (tq == 0) red_sum[s_half * kHeads + h] = row_sum[hr];
+      for (int nt = 0; nt < 4; ++nt) {
+        const float w0 = expf(s[nt][2 * hr] - m_new), w1 = expf(s[nt][2 * hr + 1] - m_new);
+        row_sum[hr] += w0 + w1;
+        *reinterpret_cast<uint32_t*>(p_s + h * kPStride + s_keys + 8 * nt + 2 * tq) = pack_bf16(w0, w1);
       }
+      row_sum[hr] += __shfl_xor_sync(0xffffffffu, row_sum[hr], 1);
+      row_sum[hr] += __shfl_xor_sync(0xffffffffu, row_sum[hr], 2);
+      if (tq == 0) red_sum[(warp / kHeadTiles) * kHeads + h] = row_sum[hr];
     }
     __syncthreads();  // (C) P and the sums
 
@@ -836,7 +818,6 @@ bool attention_can_norm_q(int dim, int rope_dim) {
 namespace {
 
 int g_decode_block_heads = 0;  // set_attention_decode_block_heads; 0: mma_block_heads' rule
-int g_s_head_tiles = 2;        // set_attention_s_head_tiles
 
 // Heads per block of the tensor-core kernel: 64 for prefill chunks (their blocks fill the GPU anyway and each key
 // tile serves 64 heads); decode rows 16 while the launch stays within two blocks per SM, else 64 (the four head
@@ -848,13 +829,13 @@ int mma_block_heads(const AttentionParams& p, int splits) {
   return blocks <= 2 * current_sm_count() ? kMmaDecodeHeads : kMmaHeads;
 }
 
-template <int kDim, int kHeads, int kSTiles>
+template <int kDim, int kHeads>
 void launch_mma(const AttentionParams& p, int splits, cudaStream_t stream) {
   const size_t smem = MmaLayout<kDim, kHeads>::kBytes;
-  const cudaError_t configured = gpu::allow_dynamic_smem<attention_mma_kernel<kDim, kHeads, kSTiles>>(int(smem));
+  const cudaError_t configured = gpu::allow_dynamic_smem<attention_mma_kernel<kDim, kHeads>>(int(smem));
   OPS_CHECK(configured == cudaSuccess, "attention: cannot give the tensor-core kernel %zu bytes of shared memory",
             smem);
-  const cudaError_t err = gpu::launch_ex(attention_mma_kernel<kDim, kHeads, kSTiles>,
+  const cudaError_t err = gpu::launch_ex(attention_mma_kernel<kDim, kHeads>,
                                          dim3(splits, p.n, (p.heads + kHeads - 1) / kHeads), kMmaWarps * 32, smem,
                                          unsigned(splits), stream, p, splits);
   OPS_CHECK(err == cudaSuccess, "attention: tensor-core launch (%d-block clusters of %d heads) failed: %s", splits,
@@ -865,11 +846,9 @@ template <int kDim>
 void launch_mma(const AttentionParams& p, cudaStream_t stream) {
   const int splits = attention_splits(p);
   if (mma_block_heads(p, splits) == kMmaDecodeHeads)
-    launch_mma<kDim, kMmaDecodeHeads, 1>(p, splits, stream);
-  else if (g_s_head_tiles == 2)
-    launch_mma<kDim, kMmaHeads, 2>(p, splits, stream);
+    launch_mma<kDim, kMmaDecodeHeads>(p, splits, stream);
   else
-    launch_mma<kDim, kMmaHeads, 1>(p, splits, stream);
+    launch_mma<kDim, kMmaHeads>(p, splits, stream);
 }
 
 }  // namespace
@@ -901,12 +880,6 @@ void set_attention_decode_block_heads(int heads) {
             "set_attention_decode_block_heads: %d heads (0, %d or %d)", heads, kMmaDecodeHeads, kMmaHeads);
   g_decode_block_heads = heads;
 }
-
-void set_attention_s_head_tiles(int tiles) {
-  OPS_CHECK(tiles == 1 || tiles == 2, "set_attention_s_head_tiles: %d head tiles per S warp (1 or 2)", tiles);
-  g_s_head_tiles = tiles;
-}
-int attention_s_head_tiles() { return g_s_head_tiles; }
 
 int attention_block_heads(const AttentionParams& p) {
   return attention_uses_tensor_cores(p) ? mma_block_heads(p, attention_splits(p)) : 0;

@@ -315,10 +315,6 @@ size_t attention_scratch_floats(const AttentionParams& p);
 // 16 or 64 for decode rows (0: the rule), for tests and A/B timing (process-wide).
 int attention_block_heads(const AttentionParams& p);
 void set_attention_decode_block_heads(int heads);
-// Head tiles of 16 per S = QKᵀ warp in the 64-head tensor-core blocks: 2 (4 warps of 32 heads x 32 keys, the default)
-// or 1 (8 warps of 16 x 32); both give the same bits. For A/B timing and tests (process-wide).
-void set_attention_s_head_tiles(int tiles);
-int attention_s_head_tiles();
 
 // 3.4 window ring: window[(pos0 + t) % slots] = kv_chunk[t] for the last min(n, slots) rows of the chunk
 // (pos0 read from pos_device when that is set).
