@@ -102,7 +102,7 @@ struct BenchArgs {
   // wgmma kernel in its warp-specialised form or not: set_gemv_wgmma_ws), cublasdense (every prefill-sized dense
   // linear through the weight decode + cuBLASLt, none on the wgmma kernel: set_gemv_over_gemm(false)), f32tiles
   // (prefill's fp32 linears on 32-row cluster tiles: gpu::set_linear_f32_tiles), slotwarps (moe_slots placed by every
-  // warp: set_moe_slots_by_warps), hcpre2 (prefill's hc_pre in two blocks per token: gpu::set_hc_pre_rows(false)).
+  // warp: set_moe_slots_by_warps).
   // Prefill is timed with each set too; --profile uses the first.
   std::vector<std::string> switches = {"default"};
 };
@@ -124,7 +124,6 @@ struct StepSwitches {
   bool cublas_dense = false;  // cublasdense: set_gemv_over_gemm(false)
   bool f32_tiles = false;     // f32tiles: gpu::set_linear_f32_tiles(true)
   bool slot_warps = false;    // slotwarps: set_moe_slots_by_warps(true)
-  bool hc_pre2 = false;       // hcpre2: gpu::set_hc_pre_rows(false)
 };
 
 StepSwitches parse_switches(const std::string& spec) {
@@ -163,7 +162,6 @@ StepSwitches parse_switches(const std::string& spec) {
     else if (name == "cublasdense") s.cublas_dense = true;
     else if (name == "f32tiles") s.f32_tiles = true;
     else if (name == "slotwarps") s.slot_warps = true;
-    else if (name == "hcpre2") s.hc_pre2 = true;
     else if (name.rfind("tiled", 0) == 0 && name.size() > 5 &&
              name.find_first_not_of("0123456789", 5) == std::string::npos)
       s.tiled_min = std::stoi(name.substr(5));
@@ -172,7 +170,7 @@ StepSwitches parse_switches(const std::string& spec) {
     else DSV4_FAIL("dsv4 bench: --switches entry '{}' has '{}' (expected default, or bulk, bulkdense, overlap, "
                    "serial, mhc, routing, [no]qnorm, heads16, heads64, hcblock, now4a8, early, earlyall, late, "
                    "[no]gate, [no]post, [no]swiglu, [no]earlyw2, scoreorder, indexorder, tiledN, split1/2/4/8, [no]ws, "
-                   "cublasdense, f32tiles, slotwarps and hcpre2 joined by '+')",
+                   "cublasdense, f32tiles and slotwarps joined by '+')",
                    spec, name);
     from = to + 1;
   }
@@ -577,7 +575,6 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
     if (s.qnorm >= 0) o.q_norm_in_attention_rows = s.qnorm == 1 ? 1 : CudaRunnerOptions::kNever;
     gpu::set_attention_decode_block_heads(s.attention_heads);
     gpu::set_hc_collapse_cluster(!s.hc_block);
-    gpu::set_hc_pre_rows(!s.hc_pre2);
     gpu::set_indexer_select_index_order(s.index_order >= 0 ? s.index_order == 1 : built_index_order);
     set_gemv_w4a8(built_w4a8 && !s.no_w4a8);
     set_gemv_tiled_min_rows(s.tiled_min ? s.tiled_min : built_tiled_min, built_tiled_blocks);
@@ -865,8 +862,7 @@ void add_bench_command(CLI::App& app, Handler& handler) {
                   "on the tiled tensor-core GEMM where their grid fills the GPU), split1 / 2 / 4 / 8 (every skinny "
                   "GEMV at that split_k), ws / nows (the fp4 prefill GEMMs' wgmma kernel warp-specialised or not), "
                   "cublasdense (prefill's dense fp4 linears all through cuBLASLt), f32tiles (prefill's fp32 linears "
-                  "on 32-row cluster tiles), slotwarps (moe_slots placed by every warp), hcpre2 (prefill's hc_pre in "
-                  "two blocks per token); prefill is timed with each "
+                  "on 32-row cluster tiles), slotwarps (moe_slots placed by every warp); prefill is timed with each "
                   "set as well, e.g. "
                   "default,bulk,overlap,mhc+routing+qnorm,bulk+overlap+mhc+routing+qnorm,heads64")
       ->delimiter(',')->capture_default_str();

@@ -138,10 +138,6 @@ struct HcPreParams {
 int hc_pre(const HcPreParams& p, cudaStream_t stream);
 // Off: the collapse of decode-sized chunks runs in one block per token as well (A/B timing; process-wide).
 void set_hc_collapse_cluster(bool on);
-// Prefill chunks (n >= 64, hc == 4, both halves, D <= 4096 at 256 threads): one block per token reads its row once
-// into registers and computes the collapse, the norm and post + comb (the same bits as the two blocks per token of
-// the other shapes). Off: two blocks per token (A/B timing, tests; process-wide).
-void set_hc_pre_rows(bool on);
 
 // 2.4 mHC post:  streams[t, k] <- post[t, k] · (o_t) + Σ_j comb[t, j, k] · streams[t, j]  with
 //   o_t = (Σ_{i < out_k} out[t · out_k + i]) + out2[t]

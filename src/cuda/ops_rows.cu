@@ -783,86 +783,6 @@ __global__ void __launch_bounds__(hc_max_threads(kHc)) hc_pre_kernel(HcPreParams
     post_and_comb(p, t, rs, comb_mix, comb_base, post_mix, post_base, scale1, scale2);
 }
 
-// Prefill chunks, hc == 4, both halves: one block per token with its row in registers (thread i: column groups
-// d = 4i + 4·blockDim·j, j < kGroups, of the 4 streams). hc_pre_kernel's two blocks per token read the 64 KB row
-// three times between them (each its sum of squares, the collapse again; 8 blocks of 256 threads per SM exceed L1),
-// at ~0.46 of the copy rate. Every sum keeps hc_pre_kernel's order (the same blockDim, the same per-thread
-// sequence of adds, block_sum), so the outputs are the same bits; then warp 0 runs post + comb from the same rs.
-constexpr int kHcRowGroups = 4;  // column groups per thread held in registers: D <= 4096 at 256 threads
-
-__global__ void __launch_bounds__(256) hc_pre_rows_kernel(HcPreParams p) {
-  constexpr int kHc = 4, kGroups = kHcRowGroups;
-  gpu::dependent_enter();
-  const int t = blockIdx.x, D = p.D, n_mix = (2 + kHc) * kHc, lane = threadIdx.x;
-  const float* xs = p.streams + int64_t(t) * kHc * D;
-  float4 v[kGroups][kHc];
-#pragma unroll
-  for (int j = 0; j < kGroups; ++j) {
-    const int d = 4 * int(threadIdx.x + blockDim.x * j);
-#pragma unroll
-    for (int k = 0; k < kHc; ++k)
-      v[j][k] = d < D ? *reinterpret_cast<const float4*>(xs + int64_t(k) * D + d) : make_float4(0, 0, 0, 0);
-  }
-  const float* m = p.mix_partials ? nullptr : p.mix + int64_t(t) * n_mix;
-  __shared__ float mix_sum[kHcMixMax];
-  if (p.mix_partials) {
-    if (int(threadIdx.x) < n_mix) mix_sum[threadIdx.x] = summed_mix_partials(p, t, threadIdx.x, n_mix);
-    __syncthreads();
-    m = mix_sum;
-  }
-  float pre_mix[kHc], pre_base[kHc];
-#pragma unroll
-  for (int k = 0; k < kHc; ++k) pre_mix[k] = m[k], pre_base[k] = p.base[k];
-  const float scale0 = p.scale[0];
-  const bool vec_w = aligned_dev(p.norm_weight, 16);
-  float4 weight[kGroups];
-#pragma unroll
-  for (int j = 0; j < kGroups; ++j) {
-    const int d = 4 * int(threadIdx.x + blockDim.x * j);
-    weight[j] = d < D ? load4(p.norm_weight, d, D, vec_w) : make_float4(0, 0, 0, 0);
-  }
-  // Warp 0's post + comb inputs (post_and_comb_fixed) before the reductions.
-  float comb_mix = 0.0f, comb_base = 0.0f, post_mix = 0.0f, post_base = 0.0f, scale1 = 0.0f, scale2 = 0.0f;
-  if (lane < kHc * kHc) comb_mix = m[2 * kHc + lane], comb_base = p.base[2 * kHc + lane];
-  if (lane < kHc) post_mix = m[kHc + lane], post_base = p.base[kHc + lane];
-  if (lane < 32) scale1 = p.scale[1], scale2 = p.scale[2];
-
-  double ss = 0;  // streams_sum_sq's order
-#pragma unroll
-  for (int j = 0; j < kGroups; ++j)
-#pragma unroll
-    for (int k = 0; k < kHc; ++k) {
-      ss += double(v[j][k].x) * v[j][k].x;
-      ss += double(v[j][k].y) * v[j][k].y;
-      ss += double(v[j][k].z) * v[j][k].z;
-      ss += double(v[j][k].w) * v[j][k].w;
-    }
-  const float rs = streams_inv_rms(block_sum(ss), kHc * D, p.eps);
-  float pre[kHc];
-#pragma unroll
-  for (int k = 0; k < kHc; ++k) pre[k] = __fadd_rn(mix_gate(pre_mix[k], rs, scale0, pre_base[k]), p.hc_eps);
-  float4 acc[kGroups];
-  double ss_y = 0;  // collapse_and_norm's order
-#pragma unroll
-  for (int j = 0; j < kGroups; ++j) {
-    acc[j] = collapse4<kHc>(pre, v[j], kHc);  // zeros past D add nothing
-    ss_y += sum_sq4(acc[j]);
-  }
-  const float inv_rms = 1.0f / sqrtf(float(block_sum(ss_y) / D) + p.eps);
-  float* normed = p.normed ? p.normed + int64_t(t) * D : nullptr;
-  uint16_t* normed_bf16 = p.normed_bf16 ? p.normed_bf16 + int64_t(t) * D : nullptr;
-  const bool vec_out = !normed || aligned_dev(normed, 16), vec_bf16 = !normed_bf16 || aligned_dev(normed_bf16, 8);
-#pragma unroll
-  for (int j = 0; j < kGroups; ++j) {
-    const int d = 4 * int(threadIdx.x + blockDim.x * j);
-    if (d >= D) break;
-    const float4 out = norm4(acc[j], inv_rms, weight[j]);
-    if (normed) store4(normed, d, D, vec_out, out);
-    if (normed_bf16) store4_bf16(normed_bf16, d, D, vec_bf16, out);
-  }
-  if (lane < 32) post_and_comb_fixed<kHc>(p, t, rs, comb_mix, comb_base, post_mix, post_base, scale1, scale2);
-}
-
 // mHC post (2.4) of token t at columns d .. d + 3, in two pieces shared by hc_post and hc_pre's fused post.
 // The sublayer output it adds: out[t, 0] + .. + out[t, out_k - 1] (+ out2[t]), summed in that order.
 __device__ __forceinline__ float4 post_output4(const float* out, int out_k, const float* out2, int t, int D, int d) {
@@ -1342,7 +1262,6 @@ void embed_tokens(const uint16_t* embed, const int32_t* tokens, int n, int D, in
 
 namespace {
 bool g_hc_collapse_cluster = true;  // set_hc_collapse_cluster
-bool g_hc_pre_rows = true;          // set_hc_pre_rows
 
 template <bool kMixes>
 void launch_collapse_cluster(const HcPreParams& p, int tokens, dim3 grid, size_t smem, cudaStream_t stream) {
@@ -1359,7 +1278,6 @@ void launch_collapse_cluster(const HcPreParams& p, int tokens, dim3 grid, size_t
 }  // namespace
 
 void set_hc_collapse_cluster(bool on) { g_hc_collapse_cluster = on; }
-void set_hc_pre_rows(bool on) { g_hc_pre_rows = on; }
 
 int hc_pre(const HcPreParams& p, cudaStream_t stream) {
   OPS_CHECK(p.hc > 0 && p.hc <= kMaxHc, "hc_pre: hc_mult %d outside [1, %d]", p.hc, kMaxHc);
@@ -1418,13 +1336,6 @@ int hc_pre(const HcPreParams& p, cudaStream_t stream) {
   auto threads = [&](int bound) {
     return p.n >= kHcPrefillRows ? std::min(hc_threads(p.D, bound), 256) : hc_threads(p.D, bound);
   };
-  const int row_threads = threads(4);
-  if (g_hc_pre_rows && p.n >= kHcPrefillRows && p.hc == 4 && p.parts == HcPreParts::Both && p.D % 4 == 0 &&
-      p.D <= kHcRowGroups * 4 * row_threads && aligned(p.streams, 16)) {
-    gpu::launch(hc_pre_rows_kernel, p.n, row_threads, 0, stream, p);
-    DSV4_CUDA_LAUNCHED();
-    return 1;
-  }
   if (p.hc <= 4)
     gpu::launch(hc_pre_kernel<4>, grid, threads(4), smem, stream, p);
   else

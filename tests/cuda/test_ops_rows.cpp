@@ -212,8 +212,6 @@ void check_hc_pre(const HcPreCase& c, uint32_t seed) {
   p.normed_bf16 = normed_bf16.as<uint16_t>();
   gpu::hc_pre(p, nullptr);
   sync();
-  // Prefill chunks run both halves in one block per token (set_hc_pre_rows) and the halves apart in two launches of
-  // the two-block kernel below: the comparison checks the one-block form's bits as well.
   {  // The two halves as separate launches write the same bits (the runner's overlap_branches).
     DeviceBuffer post2 = nan_buffer(want.post.size()), comb2 = nan_buffer(want.comb.size()),
                  normed2 = nan_buffer(want.normed.size()), normed_bf16_2 = bf16_nan_buffer(want.normed.size());
@@ -263,7 +261,6 @@ TEST(OpsRowsHcPre, DecodeAndPrefillShapes) {
   check_hc_pre({1, 4, 4096, false, true}, 1);
   check_hc_pre({64, 4, 4096, false, true}, 2);
   check_hc_pre({33, 4, 4096, false, true}, 13);  // decode batch: five tokens per cluster, the last one three
-  check_hc_pre({100, 4, 1000, false, true}, 14);  // prefill, one block per token: threads past the row's groups
   check_hc_pre({1, 4, 4096, false, false}, 3);  // bf16 only, as the runner's ffn / attn norms could
 }
 
