@@ -261,6 +261,7 @@ TEST(OpsRowsHcPre, DecodeAndPrefillShapes) {
   check_hc_pre({1, 4, 4096, false, true}, 1);
   check_hc_pre({64, 4, 4096, false, true}, 2);
   check_hc_pre({33, 4, 4096, false, true}, 13);  // decode batch: five tokens per cluster, the last one three
+  check_hc_pre({100, 4, 1000, false, true}, 14);  // prefill: threads past the row's column groups
   check_hc_pre({1, 4, 4096, false, false}, 3);  // bf16 only, as the runner's ffn / attn norms could
 }
 
