@@ -487,7 +487,8 @@ __global__ void __launch_bounds__(kWsThreads, 1) gemv_wgmma_ws_kernel(const Kern
     const size_t w_at = a.tiles ? weight_tiles::offset(size_t(r0), size_t(piece) * 16, row_bytes, 16)
                                 : size_t(r0) * row_bytes + piece * 16;
     const uint8_t* w_src0 = rows.w + size_t(rows.w_row0) * row_bytes + w_at;
-    const uint8_t* w_src1 = kPaired ? second.w + w_at : nullptr;
+    // The second projection's rows start at the same w_row0 as the first's (as in the unpaired launch's blocks).
+    const uint8_t* w_src1 = kPaired ? second.w + size_t(rows.w_row0) * row_bytes + w_at : nullptr;
     const size_t w_chunk_stride = a.tiles ? 16 * 64 : 64;
     // Scales: in the tile layout a chunk's scales of a 16-row tile are 16 x 4 pieces, contiguous and in the
     // stage's [row][piece] order (128 bytes for NVFP4, 64 for MXFP4: copied whole, 16 bytes per thread); the
@@ -497,10 +498,11 @@ __global__ void __launch_bounds__(kWsThreads, 1) gemv_wgmma_ws_kernel(const Kern
     static_assert(kScaleUnits <= 128, "one 16-byte scale copy per producer thread at most");
     const size_t scale_row_bytes = size_t(a.k) / (kNvfp4 ? 16 : 32);
     const uint8_t* w_scale = rows.w_scale + size_t(rows.w_row0) * scale_row_bytes;
+    const uint8_t* w_scale1 = kPaired ? second.w_scale + size_t(rows.w_row0) * scale_row_bytes : nullptr;
     // The block's 16-row tile of this thread's scale copy: paired, the second half's tiles are the second's.
     constexpr int kHalfTiles = kPaired ? kBlockRows / 32 : kBlockRows / 16;
     const int scale_tile = pt / kScaleUnitsPerTile, scale_matrix_tile = scale_tile % kHalfTiles;
-    const uint8_t* scale_matrix = kPaired && scale_tile >= kHalfTiles ? second.w_scale : w_scale;
+    const uint8_t* scale_matrix = kPaired && scale_tile >= kHalfTiles ? w_scale1 : w_scale;
     const bool scale_ok = pt < kScaleUnits && row_block0 + 16 * scale_matrix_tile < a.n;
     const uint8_t* scale_src = scale_matrix + size_t(row_block0 / 16 + scale_matrix_tile) * 16 * scale_row_bytes +
                                (pt % kScaleUnitsPerTile) * 16;
@@ -524,7 +526,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) gemv_wgmma_ws_kernel(const Kern
         for (int i = 0; i < kBlockRows * 4 / 128; ++i) {
           const int idx = pt + 128 * i, lr = idx / 4, kk = c * kChunkK + (idx % 4) * 32;
           const int r = row_block0 + lr % kBlockCols;
-          const uint8_t* matrix = kPaired && lr >= kBlockCols ? second.w_scale : w_scale;
+          const uint8_t* matrix = kPaired && lr >= kBlockCols ? w_scale1 : w_scale;
           const uint32_t v = r < a.n && kk < a.k ? fp4_piece_scale<kNvfp4>(matrix, false, r, kk, a.k) : 0;
           if constexpr (kNvfp4) reinterpret_cast<uint16_t*>(ss)[idx] = uint16_t(v);
           else ss[idx] = uint8_t(v);
