@@ -5,7 +5,8 @@
 // Usage: dsv4_gemv_bench [--md FILE] [--pdl] [--quick]   (FILE gets the markdown table for docs/perf.md)
 // FP4 / FP8 rows (and the W4A8 rows) are also timed with the weights through the copy engine (set_gemv_bulk):
 // "bulk" gives its time at the heuristic's split and its best split, next to the register kernel's in the same run;
-// "tiles" the register kernel's on fp4 weights in the tile layout (GemvLayout::Tiles; random bytes, so only timing).
+// "tiles" the register kernel's on fp4 weights in the tile layout (GemvLayout::Tiles; random bytes, so only timing),
+// "tiles-bulk" the copy-engine kernel's on them.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -269,6 +270,18 @@ int main(int argc, char** argv) {
                           double(step_bytes) / t.t_auto / copy_bw, t.best_split,
                           double(step_bytes) / t.t_best / copy_bw);
             bulk_note += buf;
+            set_gemv_bulk(true);  // tiles through the copy engine: one weight and one scale copy per stage
+            probe.layout = GemvLayout::Tiles;
+            if (detail::gemv_bulk_supported(probe)) {
+              p.layout = GemvLayout::Tiles;
+              const Sweep tb = sweep();
+              p.layout = GemvLayout::Rows;
+              std::snprintf(buf, sizeof buf, "  tiles-bulk %.2f us %.3f, best %d (%.3f)", tb.t_auto * 1e6,
+                            double(step_bytes) / tb.t_auto / copy_bw, tb.best_split,
+                            double(step_bytes) / tb.t_best / copy_bw);
+              bulk_note += buf;
+            }
+            set_gemv_bulk(false);
           }
           const double bw = double(step_bytes) / t_auto;
           char line[512];
@@ -314,13 +327,14 @@ int main(int argc, char** argv) {
         }
         const double bytes = double(wb + sb) * picks * (second ? 2 : 1);
         const bool fp4 = f.w == GemvWeight::MXFP4 || f.w == GemvWeight::NVFP4;
-        for (const int mode : {0, 1, 2}) {  // register kernel, copy engine, register kernel on tiled weights
-        const bool bulk = mode == 1, tiles = mode == 2;
+        // register kernel, copy engine, register kernel on tiled weights, copy engine on tiled weights
+        for (const int mode : {0, 1, 2, 3}) {
+        const bool bulk = mode == 1 || mode == 3, tiles = mode >= 2;
         if ((bulk || tiles) && !fp4) continue;
         if (tiles && act == GemvAct::FP8) continue;  // the W4A8 kernel reads rows
         set_gemv_bulk(bulk);
         std::printf("  %-9s %-4s %-16s%s", f.name, act == GemvAct::FP8 ? "a8" : "a16", name,
-                    bulk ? " bulk " : tiles ? " tiles" : "      ");
+                    mode == 3 ? " tiles-bulk" : bulk ? " bulk      " : tiles ? " tiles     " : "           ");
         for (int split : {0, 1, 2, 4, 8}) {  // 0: the heuristic (7 active slots)
             const double t = time_steps(
                 [&](cudaStream_t st_, int step) {

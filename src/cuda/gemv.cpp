@@ -348,7 +348,8 @@ void gemv_batched(const GemvBatchedParams& b) {
 }
 
 bool gemv_grouped_reads_slots_early(const GemvGroupedParams& g) {
-  return detail::grouped_kernel(g) == detail::GroupedKernel::Register;
+  const detail::GroupedKernel kernel = detail::grouped_kernel(g);
+  return kernel == detail::GroupedKernel::Register || kernel == detail::GroupedKernel::Bulk;
 }
 
 int gemv_grouped(const GemvGroupedParams& g) {

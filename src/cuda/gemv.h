@@ -156,7 +156,8 @@ struct GemvGroupedParams {
 };
 // Returns the kernels it launched (1, or 2 with a swiglu launch after).
 int gemv_grouped(const GemvGroupedParams& p);
-// Whether gemv_grouped(p) runs the register kernel, the one that honours slots_settled (p otherwise valid).
+// Whether gemv_grouped(p) runs a kernel that honours slots_settled (the register or the copy-engine kernel; p otherwise
+// valid).
 bool gemv_grouped_reads_slots_early(const GemvGroupedParams& p);
 
 // Builds the slot arrays of gemv_grouped from the router's picks ids [n, k] (expert ids in [0, experts)):

@@ -14,7 +14,10 @@
 // (bench/cuda/gemv_stream_proto.cu, a block-level version with one producer warp and whole-tile stages shared by a
 // block, measured slower than the register kernel: docs/perf.md, fifth round. Here the stages are per warp, small
 // and many, and no block barrier runs before the final split-k sum.)
-// The ring and its stage layout: gemv_ring.cuh.
+// The ring and its stage layout: gemv_ring.cuh. FP4 weights in the tile layout (weight_tiles.h, the engine's
+// default) come as one weight copy and one scale copy per stage instead of 16 row copies and 16 scale copies.
+// Grouped launches with settled slots (KernelArgs::slots_settled) read their slot and issue their first stages before
+// waiting, like the register kernel.
 #include <cuda_bf16.h>
 
 #include <cstdint>
@@ -40,9 +43,50 @@ constexpr int kSmemBytes = kRingBytes + kGemvWarps * kStages * int(sizeof(uint64
 static_assert(kRingBytes % 16 == 0, "copy alignment");
 static_assert(kGemvWarps * 16 * (8 * 8 + 1) * 4 <= kRingBytes, "the split-k sums reuse the ring");
 
-template <Fmt F, int kTilesN, bool kGrouped>
+// This lane's raw pieces of rows g and g + 8 (g = lane / 4) in chunk c of a stage and their scale bits (FP8: the
+// chunk's block scale fp8_block, the same for every row of the tile); zeros for rows past n (row-major only: a tiled
+// matrix has whole tiles).
+struct StagePieces {
+  uint4 lo, hi;
+  uint32_t sc_lo, sc_hi;
+};
+template <Fmt F, bool kTileLayout>
+__device__ __forceinline__ StagePieces stage_pieces(const uint8_t* stage, int c, int lane, bool ok_lo, bool ok_hi,
+                                                    uint32_t fp8_block) {
+  StagePieces p{};
+  if constexpr (kTileLayout) {  // the lane's pieces of the chunk's two halves (gemv_ring.cuh)
+    constexpr int kPiece = F == Fmt::NVFP4 ? 2 : 1, kScaleChunk = 16 * 4 * kPiece;
+    p.lo = lds128(stage + c * 16 * kChunkBytes + lane * 16);
+    p.hi = lds128(stage + c * 16 * kChunkBytes + 8 * kChunkBytes + lane * 16);
+    const uint8_t* sc = stage + kScalesAt + c * kScaleChunk + lane * kPiece;
+    if constexpr (F == Fmt::NVFP4) {  // the piece's two e4m3 scales, low byte first
+      p.sc_lo = *reinterpret_cast<const uint16_t*>(sc);
+      p.sc_hi = *reinterpret_cast<const uint16_t*>(sc + kScaleChunk / 2);
+    } else {
+      p.sc_lo = sc[0], p.sc_hi = sc[kScaleChunk / 2];
+    }
+    return p;
+  }
+  const int g = lane >> 2, t = lane & 3;
+  if (ok_lo) p.lo = lds128(stage + stage_row_at(g) + c * kChunkBytes + t * 16);
+  if (ok_hi) p.hi = lds128(stage + stage_row_at(g + 8) + c * kChunkBytes + t * 16);
+  const uint8_t* sc = stage + kScalesAt + g * kScaleRowBytes;
+  if constexpr (F == Fmt::NVFP4) {  // the piece's two e4m3 scales, low byte first
+    if (ok_lo) p.sc_lo = *reinterpret_cast<const uint16_t*>(sc + c * 8 + t * 2);
+    if (ok_hi) p.sc_hi = *reinterpret_cast<const uint16_t*>(sc + 8 * kScaleRowBytes + c * 8 + t * 2);
+  } else if constexpr (F == Fmt::MXFP4) {  // the piece's e8m0 byte
+    if (ok_lo) p.sc_lo = sc[c * 4 + t];
+    if (ok_hi) p.sc_hi = sc[8 * kScaleRowBytes + c * 4 + t];
+  } else {
+    p.sc_lo = p.sc_hi = fp8_block;
+  }
+  return p;
+}
+
+template <Fmt F, int kTilesN, bool kGrouped, bool kTileLayout = false>
 __global__ void __launch_bounds__(kThreads, kTilesN <= 2 ? 2 : 1) gemv_bulk_kernel(const KernelArgs a) {
   static_assert(F != Fmt::BF16, "bf16 weights stream at copy bandwidth through the register kernel");
+  static_assert(!kTileLayout || F == Fmt::MXFP4 || F == Fmt::NVFP4, "the tile layout is for fp4 weights");
   gpu::allow_dependents();
   extern __shared__ __align__(128) uint8_t smem[];
   constexpr bool kFp8 = F == Fmt::FP8_E8M0 || F == Fmt::FP8_F32;
@@ -61,8 +105,9 @@ __global__ void __launch_bounds__(kThreads, kTilesN <= 2 ? 2 : 1) gemv_bulk_kern
 
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem + kRingBytes) + warp * kStages;
 
+  const bool grouped_early = kGrouped && a.slots_settled;
   BlockRows rows;
-  if (!block_rows<kGrouped>(a, rows)) return;  // an empty slot: the whole block, before any barrier
+  if (!block_rows<kGrouped>(a, rows, !grouped_early)) return;  // an empty slot: the whole block, before any barrier
   const int tile_row = rows.w_row0 + wt.row0;  // the tile's first row in the weight matrix
   const uint8_t* w_tile = rows.w + size_t(tile_row) * row_bytes;
   // FP4: the tile's first scale row; FP8: the scale row of its 128-row block (a tile lies in one: w_row0 % 16 == 0).
@@ -75,11 +120,11 @@ __global__ void __launch_bounds__(kThreads, kTilesN <= 2 ? 2 : 1) gemv_bulk_kern
   };
 
   const Ring ring{smem + warp * Ring::kBytes, bars, w_tile, s_tile, row_bytes, scale_ld, wt.rows_valid, s_begin,
-                  kScaleBytes};
+                  kScaleBytes, kTileLayout};
   ring.init(lane);
 
   int q0 = 0;  // stages this warp has consumed in earlier row passes
-  if constexpr (!kGrouped) {
+  if (!kGrouped || grouped_early) {
     ring.start(0, my_stages, lane);
     gpu::dependent_wait();  // x and y belong to the step
   }
@@ -88,7 +133,7 @@ __global__ void __launch_bounds__(kThreads, kTilesN <= 2 ? 2 : 1) gemv_bulk_kern
     if (rb > 0) {
       __syncthreads();  // the previous pass's reads of the split-k sums (which reuse the ring) are done
       ring.start(q0, my_stages, lane);
-    } else if constexpr (kGrouped) {
+    } else if (kGrouped && !grouped_early) {
       ring.start(0, my_stages, lane);
     }
     const __nv_bfloat16* x_row[kTilesN];  // this thread's batch row of each n-tile, nullptr past the slot's rows
@@ -120,25 +165,12 @@ __global__ void __launch_bounds__(kThreads, kTilesN <= 2 ? 2 : 1) gemv_bulk_kern
       const uint8_t* stage = ring.wait(q);
 #pragma unroll
       for (int c = 0; c < kStageChunks; ++c) {
-        const uint4 zero = make_uint4(0, 0, 0, 0);
-        const uint4 raw_lo = ok_lo ? lds128(stage + stage_row_at(g) + c * kChunkBytes + t * 16) : zero;
-        const uint4 raw_hi = ok_hi ? lds128(stage + stage_row_at(g + 8) + c * kChunkBytes + t * 16) : zero;
-        const uint8_t* sc = stage + kScalesAt + g * kScaleRowBytes;
-        uint32_t sc_lo = 0, sc_hi = 0;
-        if constexpr (F == Fmt::NVFP4) {  // the piece's two e4m3 scales, low byte first
-          if (ok_lo) sc_lo = *reinterpret_cast<const uint16_t*>(sc + c * 8 + t * 2);
-          if (ok_hi) sc_hi = *reinterpret_cast<const uint16_t*>(sc + 8 * kScaleRowBytes + c * 8 + t * 2);
-        } else if constexpr (F == Fmt::MXFP4) {  // the piece's e8m0 byte
-          if (ok_lo) sc_lo = sc[c * 4 + t];
-          if (ok_hi) sc_hi = sc[8 * kScaleRowBytes + c * 4 + t];
-        } else {  // FP8: chunk c (64 weights) lies in 128-block c / 2 of the stage, for every row of the tile
-          sc_lo = sc_hi = fp8_now[c / 2];
-        }
+        const StagePieces pc = stage_pieces<F, kTileLayout>(stage, c, lane, ok_lo, ok_hi, fp8_now[c / 2]);
         uint32_t w_lo_bf[kPairs], w_hi_bf[kPairs];
-        decode_piece<F>(raw_lo, sc_lo, w_lo_bf);
-        decode_piece<F>(raw_hi, sc_hi, w_hi_bf);
+        decode_piece<F>(pc.lo, pc.sc_lo, w_lo_bf);
+        decode_piece<F>(pc.hi, pc.sc_hi, w_hi_bf);
         const int kk = (s_begin + i) * kStageK + c * kChunkK + t * kElems;
-        mma_chunk<F, kTilesN>(acc, w_lo_bf, w_hi_bf, x_row, kk, true, sc_lo);
+        mma_chunk<F, kTilesN>(acc, w_lo_bf, w_hi_bf, x_row, kk, true, pc.sc_lo);
       }
       __syncwarp();  // every lane's reads of this slot are done before it is refilled
       if (i + kStages < my_stages) ring.issue(i + kStages, q + kStages, lane);
@@ -157,14 +189,22 @@ cudaError_t launch_kernel(const KernelArgs& a, dim3 grid, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+template <Fmt F, bool kGrouped, bool kTileLayout>
+cudaError_t launch_for_m(const KernelArgs& a, dim3 grid, cudaStream_t stream) {
+  if (a.m <= 8) return launch_kernel<gemv_bulk_kernel<F, 1, kGrouped, kTileLayout>>(a, grid, stream);
+  if (a.m <= 16) return launch_kernel<gemv_bulk_kernel<F, 2, kGrouped, kTileLayout>>(a, grid, stream);
+  if (a.m <= 32) return launch_kernel<gemv_bulk_kernel<F, 4, kGrouped, kTileLayout>>(a, grid, stream);
+  return launch_kernel<gemv_bulk_kernel<F, 8, kGrouped, kTileLayout>>(a, grid, stream);
+}
+
 template <Fmt F, bool kGrouped>
 cudaError_t launch_fmt(const KernelArgs& a, dim3 grid, cudaStream_t stream) {
   const int rows_per_block = kGemvWarps / a.split * 16;
   grid.x = (a.n + rows_per_block - 1) / rows_per_block;
-  if (a.m <= 8) return launch_kernel<gemv_bulk_kernel<F, 1, kGrouped>>(a, grid, stream);
-  if (a.m <= 16) return launch_kernel<gemv_bulk_kernel<F, 2, kGrouped>>(a, grid, stream);
-  if (a.m <= 32) return launch_kernel<gemv_bulk_kernel<F, 4, kGrouped>>(a, grid, stream);
-  return launch_kernel<gemv_bulk_kernel<F, 8, kGrouped>>(a, grid, stream);
+  if constexpr (F == Fmt::MXFP4 || F == Fmt::NVFP4)
+    if (a.tiles) return launch_for_m<F, kGrouped, true>(a, grid, stream);
+  if (a.tiles) return cudaErrorInvalidValue;  // bulk_shape_ok refuses the tile layout for fp8
+  return launch_for_m<F, kGrouped, false>(a, grid, stream);
 }
 
 template <Fmt F>
@@ -179,7 +219,7 @@ bool bulk_shape_ok(const GemvParams& p) {
   auto aligned16 = [](const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; };
   const bool fp4 = p.weight == GemvWeight::MXFP4 || p.weight == GemvWeight::NVFP4;
   const int stage = fp4 ? stage_k<Fmt::NVFP4>() : stage_k<Fmt::FP8_E8M0>();
-  return (fp4 || p.weight == GemvWeight::FP8_BLOCK) && p.layout == GemvLayout::Rows && p.m <= kGemvMaxM &&
+  return (fp4 || p.weight == GemvWeight::FP8_BLOCK) && (p.layout == GemvLayout::Rows || fp4) && p.m <= kGemvMaxM &&
          p.k % stage == 0 && aligned16(p.w) && (!fp4 || aligned16(p.w_scale)) && !gemv_w4a8_supported(p);
 }
 }  // namespace

@@ -6,6 +6,11 @@
 // Stage layout (bytes): even rows 2j at 256 j, odd rows 2j + 1 at 2112 + 256 j, so the rows g and g + 1 that one
 // quarter warp reads together are 64 bytes apart mod 128 (different bank halves), then row r's scale bytes at
 // 4160 + 32 r (NVFP4: 32 e4m3 bytes; MXFP4: 16 e8m0 bytes).
+// Weights in the tile layout (weight_tiles.h; fp4 only): a stage of a tile is 4096 contiguous bytes of it and 16 x
+// (32 or 16) contiguous scale bytes, so lane 0 copies the weights and lane 1 the scales, each with one copy, into the
+// same layout: chunk c of the stage at 1024 c (rows 0-7 first, lane l's piece at 16 l, rows 8-15 at 512 + 16 l), its
+// scales at 4160 + c · 16 · 4 · piece (rows 0-7, then 8-15 at + 8 · 4 · piece). A warp's reads of a chunk are then
+// 512 contiguous bytes (no bank conflicts without the odd-row offset).
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -58,6 +63,7 @@ struct WarpRing {
   const uint8_t* s_tile;    // its scale row 0 (unused when scale_bytes is 0)
   size_t row_bytes, scale_ld;
   int rows_valid, s_begin, scale_bytes;
+  bool tiles;               // w_tile / s_tile in the tile layout (then rows_valid is 16)
 
   static constexpr int kBytes = kStages * kStageBytes;
 
@@ -74,6 +80,12 @@ struct WarpRing {
     if (lane == 0) expect_bytes(b, uint32_t(rows_valid) * uint32_t(kStageRowBytes + scale_bytes));
     __syncwarp();
     const int r = lane & 15, s = s_begin + i;
+    if (tiles) {
+      if (lane == 0) bulk_copy(stage, w_tile + size_t(s) * 16 * kStageRowBytes, 16 * kStageRowBytes, b);
+      if (lane == 1 && scale_bytes > 0)
+        bulk_copy(stage + kScalesAt, s_tile + size_t(s) * 16 * scale_bytes, 16 * uint32_t(scale_bytes), b);
+      return;
+    }
     if (r >= rows_valid) return;
     if (lane < 16)
       bulk_copy(stage + stage_row_at(r), w_tile + size_t(r) * row_bytes + size_t(s) * kStageRowBytes, kStageRowBytes,

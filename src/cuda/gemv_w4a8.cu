@@ -315,7 +315,7 @@ __global__ void __launch_bounds__(kThreads, 2) gemv_w4a8_bulk_kernel(const Kerne
                       reinterpret_cast<uint64_t*>(smem + kBulkRingBytes) + warp * kBulkStages,
                       rows.w + size_t(rows.w_row0 + wt.row0) * row_bytes,
                       rows.w_scale + size_t(rows.w_row0 + wt.row0) * scale_ld,
-                      row_bytes, scale_ld, wt.rows_valid, s_begin, kNv ? 32 : 16};
+                      row_bytes, scale_ld, wt.rows_valid, s_begin, kNv ? 32 : 16, false};
   ring.init(lane);
   if constexpr (!kGrouped) {
     ring.start(0, my_stages, lane);

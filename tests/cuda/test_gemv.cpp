@@ -646,8 +646,9 @@ TEST(GemvTiles, OffsetsArePermutations) {
 
 // Grouped with a second projection (the experts' w1 + w3): `tokens` x 6 picks of 9 experts, n x k weights per
 // expert in both layouts; under each of `kernels` (KernelScope) the tile layout gives the row-major bits.
+// bulk: both through the copy-engine kernel (set_gemv_bulk, asserted), whose stages are one copy per tile on tiles.
 void expect_grouped_tiles_match_rows(GemvWeight w, int tokens, int n, int k, const std::vector<int>& kernels,
-                                     std::mt19937_64& rng) {
+                                     std::mt19937_64& rng, bool bulk = false) {
   const int E = 9, picks = 6, pairs = tokens * picks;
   const size_t ws = size_t(gemv_weight_bytes(w, n, k)), ss = size_t(gemv_scale_bytes(w, n, k));
   DeviceBuffer x(size_t(tokens) * k * 2), dw(2 * E * ws), ds(2 * E * ss), tw(2 * E * ws), ts(2 * E * ss),
@@ -683,6 +684,10 @@ void expect_grouped_tiles_match_rows(GemvWeight w, int tokens, int n, int k, con
       g.second.w = (tiled ? tw.as<char>() : dw.as<char>()) + E * ws;
       g.second.w_scale = (tiled ? ts.as<char>() : ds.as<char>()) + E * ss;
       g.second.scale_2 = s2.as<float>() + E, g.second.y = y.as<float>() + size_t(pairs) * n;
+      const BulkScope bulk_scope(bulk);
+      if (bulk) {
+        ASSERT_EQ(int(detail::grouped_kernel(g)), int(detail::GroupedKernel::Bulk)) << "tiled " << tiled;
+      }
       y.fill_bytes(0xff);
       gemv_grouped(g);
       DSV4_CUDA_CHECK(cudaDeviceSynchronize());
@@ -767,6 +772,78 @@ TEST(GemvTiles, SameBitsAsRowMajor) {
     expect_grouped_tiles_match_rows(w, 3, 64, 2048, {0}, rng);
   for (const GemvWeight w : {GemvWeight::MXFP4, GemvWeight::NVFP4})
     expect_grouped_tiles_match_rows(w, 40, 272, 1024, {1, 3, 4, 5}, rng);
+}
+
+// The copy-engine kernel on tiles (one weight copy and one scale copy per stage) reads the row-major kernel's bytes
+// into the same registers: bit for bit the copy-engine kernel on rows at every split (the same contiguous k range per
+// warp), plain, sliced (w_row0), batched and grouped; and at split 1 the register kernel on tiles.
+TEST(GemvTiles, CopyEngineSameBitsAsRowMajor) {
+  DSV4_REQUIRE_CUDA();
+  std::mt19937_64 rng(321);
+  auto run = [](const GemvParams& p, bool bulk, DeviceBuffer& y, size_t count) {
+    const BulkScope scope(bulk);
+    EXPECT_EQ(detail::gemv_bulk_supported(p), bulk);
+    y.fill_bytes(0xff);
+    gemv(p);
+    DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+    std::vector<float> out(count);
+    y.download(out.data(), count * 4);
+    return out;
+  };
+  for (const GemvWeight w : {GemvWeight::MXFP4, GemvWeight::NVFP4})
+    for (const auto& [m, n, k] : {std::tuple{1, 304, 4096}, {8, 2048, 512}, {16, 64, 2048}, {29, 96, 1024},
+                                  {64, 32, 1536}, {3, 4096, 8192}})
+      for (const int split : {0, 1, 2, 8}) {
+        const Case c{w, GemvScale::E8M0, m, n, k, GemvOut::F32, split};
+        const HostProblem h = make_problem(c, rng);
+        const BothLayouts d(h, to_tiles(h, w, n, k));
+        DeviceBuffer y(size_t(m) * n * 4);
+        GemvParams p;
+        p.m = m, p.n = n, p.k = k, p.x = d.x.data(), p.w = d.rows_w.data(), p.w_scale = d.rows_scale.data();
+        p.w_scale_2 = h.scale_2, p.y = y.data(), p.weight = w, p.split_k = split;
+        GemvParams q = p;
+        q.w = d.tiles_w.data(), q.w_scale = d.tiles_scale.data(), q.layout = GemvLayout::Tiles;
+        const std::vector<float> rows = run(p, true, y, size_t(m) * n), tiles = run(q, true, y, size_t(m) * n);
+        ASSERT_TRUE(std::all_of(rows.begin(), rows.end(), [](float v) { return std::isfinite(v); }));
+        EXPECT_EQ(0, std::memcmp(rows.data(), tiles.data(), rows.size() * 4)) << case_name(c);
+        if (split == 1) {
+          const std::vector<float> reg = run(q, false, y, size_t(m) * n);
+          EXPECT_EQ(0, std::memcmp(reg.data(), tiles.data(), reg.size() * 4)) << case_name(c) << " register kernel";
+        }
+        q.w_row0 = 16, q.n = n - 16, p.w_row0 = 16, p.n = n - 16;
+        const std::vector<float> a = run(p, true, y, size_t(m) * (n - 16)), b = run(q, true, y, size_t(m) * (n - 16));
+        EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * 4)) << case_name(c) << " w_row0 16";
+      }
+  // Batched (wo_a's form): each batch's n rows start a tile.
+  for (const GemvWeight w : {GemvWeight::MXFP4, GemvWeight::NVFP4}) {
+    const int batch = 8, n = 48, k = 1024, m = 1;
+    const HostProblem h = make_problem({w, GemvScale::E8M0, m * batch, batch * n, k, GemvOut::F32, 0}, rng);
+    const BothLayouts d(h, to_tiles(h, w, batch * n, k));
+    DeviceBuffer y(size_t(batch) * n * 4);
+    const BulkScope scope(true);
+    std::vector<std::vector<float>> got;
+    for (const bool tiled : {false, true}) {
+      GemvBatchedParams b;
+      b.base.m = m, b.base.n = n, b.base.k = k, b.base.x = d.x.data();
+      b.base.w = tiled ? d.tiles_w.data() : d.rows_w.data();
+      b.base.w_scale = tiled ? d.tiles_scale.data() : d.rows_scale.data(), b.base.w_scale_2 = h.scale_2;
+      b.base.y = y.data();
+      b.base.weight = w, b.base.layout = tiled ? GemvLayout::Tiles : GemvLayout::Rows, b.base.ldy = batch * n;
+      b.batch = batch, b.x_batch_stride = int64_t(m) * k, b.y_batch_stride = n;
+      ASSERT_TRUE(detail::gemv_bulk_supported(b.base));
+      y.fill_bytes(0xff);
+      gemv_batched(b);
+      DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+      got.emplace_back(size_t(batch) * n);
+      y.download(got.back().data(), got.back().size() * 4);
+    }
+    EXPECT_EQ(0, std::memcmp(got[0].data(), got[1].data(), got[0].size() * 4)) << "batched " << gemv_weight_name(w);
+  }
+  // Grouped w1 + w3: 3 tokens x 6 picks of 9 experts; 20 tokens put ~13 rows in a slot (two n-tiles).
+  for (const GemvWeight w : {GemvWeight::MXFP4, GemvWeight::NVFP4}) {
+    expect_grouped_tiles_match_rows(w, 3, 64, 2048, {0}, rng, true);
+    expect_grouped_tiles_match_rows(w, 20, 272, 1024, {0}, rng, true);
+  }
 }
 
 // Grouped (MoE) gemv and its slot builder, against the same fp64 reference per routed pair.
