@@ -16,11 +16,14 @@
 // others only decode and multiply (0.51-0.68 of peak on large grids, docs/perf.md eighteenth round); the plain
 // form stays for DSV4_GEMV_WGMMA_WS=0.
 //
-// k order: a wgmma k16 step takes k pairs t and t + 4 from quad thread t, while a thread's 16-byte weight piece
-// holds 32 consecutive k. So the activation tile is stored with k permuted to match: step s of a 128-k chunk pairs
-// element 2t + e (+ 8) of the step with elements 32t + 4s + e (+ 2) of the chunk. Each thread loads four 16-byte
-// units of a token's chunk row that land in the same four permuted units (a 4 x 4 transpose of 32-bit words, free
-// in registers) and stores them in the canonical K-major layout with the 128-byte swizzle (two 64-k halves).
+// k order: the activation tile sits in shared memory in natural k order (the canonical K-major layout with the
+// 128-byte swizzle, two 64-k halves per 128-k chunk), so its 16-byte units are plain copies of x. The weights
+// follow it: a wgmma k16 step takes from quad thread t the k pairs (2t, 2t + 1) and (2t + 8, 2t + 9) of rows g and
+// g + 8, which are pair t of two consecutive 32-bit words of one 16-byte weight piece (word j of a piece holds k
+// 8j .. 8j + 7). So each thread of a quad reads the same piece of its rows from the weight stage and decodes its own
+// pair of every word (decode_pair). (Until stop 40 each thread decoded its own piece and the activations were stored
+// with k permuted to match, through the producer's registers: 64 of them per thread in flight, which starved the
+// consumers' registers until ptxas serialised their wgmma; docs/perf.md twenty-sixth round.)
 #include <cuda_bf16.h>
 
 #include <cstdint>
@@ -176,43 +179,54 @@ __device__ __forceinline__ void wgmma_64xNx16<128>(float (&d)[64], const uint32_
 #endif
 }
 
-// Four 16-byte units of a token's chunk row (units x_r + 4i) into the stage as their 4 x 4 word transpose: permuted
-// unit 4·x_r + j holds word j of each (see the top of the file), at the stage offsets dst[j].
-__device__ __forceinline__ void store_permuted(uint8_t* stage, const uint4 (&v)[4], const uint32_t (&dst)[4]) {
-  const uint4 u[4] = {make_uint4(v[0].x, v[1].x, v[2].x, v[3].x), make_uint4(v[0].y, v[1].y, v[2].y, v[3].y),
-                      make_uint4(v[0].z, v[1].z, v[2].z, v[3].z), make_uint4(v[0].w, v[1].w, v[2].w, v[3].w)};
-#pragma unroll
-  for (int j = 0; j < 4; ++j) *reinterpret_cast<uint4*>(stage + dst[j]) = u[j];
+// The weight stage: row r's 16-byte piece p at unit 4 r + (p ^ (r >> 1 & 3)), so that the 8 rows g of a warp
+// reading the same piece hit 8 different 16-byte bank groups.
+__device__ __forceinline__ int w_unit(int row, int piece) { return 4 * row + (piece ^ ((row >> 1) & 3)); }
+
+// The activation stage: 16-byte unit u (k 8u .. 8u + 7 of the chunk) of token row tok, at this byte offset.
+template <int kXHalfBytes>
+__device__ __forceinline__ uint32_t x_unit_at(int tok, int u) {
+  return uint32_t((u >> 3) * kXHalfBytes + tok * 128 + (((u & 7) ^ (tok & 7)) << 4));
 }
 
-// One 128-k chunk of a warpgroup's kTiles 64-row tiles: this thread's raw weight pieces from the stage ws (row
-// local[wt][h], piece t), decoded with the scale bits sc one word (two k16 steps) at a time, then the wgmma steps
-// against the activation stage at x_base; at most two commit groups in flight. after_first_step runs once the
-// first step's wait returned, i.e. when every MMA of the previous chunk has completed.
-template <bool kNvfp4, int kTiles, int kN, class AfterFirstStep>
+// Pair t (elements 2t, 2t + 1) of a device fp4 word as bf16x2 bit patterns: out[t] of fp4_layout::raw_bf16x2, in one
+// formula for every t (rotations and masks per thread, so a warp's quads do not diverge).
+struct PairDecode {
+  uint32_t rot, mask, mask_b;
+};
+__device__ __forceinline__ PairDecode pair_decode(int t) {
+  constexpr uint32_t kMask = 0x81C081C0u;
+  return {t == 0 ? 0u : t == 1 ? 6u : t == 2 ? 28u : 2u, t == 3 ? 0x80C080C0u : kMask, t == 3 ? 0x01000100u : 0u};
+}
+__device__ __forceinline__ uint32_t decode_pair(uint32_t w, const PairDecode& d) {
+  return (__funnelshift_l(w, w, d.rot) & d.mask) | (__funnelshift_l(w, w, 26) & d.mask_b);
+}
+
+// One 128-k chunk of a warpgroup's kTiles 64-row tiles: piece cc of this thread's rows local[wt][h] from the weight
+// stage ws (raw scale bits scale_of(wt, h, cc): NVFP4's pair, for k 0-15 and 16-31 of the piece, or MXFP4's byte),
+// decoded pair by pair (see the top of the file), then k steps 2cc and 2cc + 1 against the activation stage at
+// x_base; at most two commit groups in flight. after_first_step runs once the first step's wait returned, i.e. when
+// every MMA of the previous chunk has completed.
+template <bool kNvfp4, int kTiles, int kN, class ScaleOf, class AfterFirstStep>
 __device__ __forceinline__ void mma_chunk(float (&acc)[kTiles][kN / 2], const uint4* ws, const int (&local)[kTiles][2],
-                                          int t, const uint32_t (&sc)[kTiles][2], uint32_t x_base,
+                                          const PairDecode& pd, ScaleOf scale_of, uint32_t x_base,
                                           AfterFirstStep after_first_step) {
   constexpr int kXHalfBytes = kN * 128;
-  uint4 raw[kTiles][2];
-  uint32_t f[kTiles][2][2];
 #pragma unroll
-  for (int wt = 0; wt < kTiles; ++wt)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      raw[wt][h] = ws[local[wt][h] * 4 + t];
-      if constexpr (kNvfp4) dq::nvfp4_factor_pair(sc[wt][h], f[wt][h][0], f[wt][h][1]);
-      else f[wt][h][0] = f[wt][h][1] = dq::mxfp4_factor(sc[wt][h]);
-    }
-#pragma unroll
-  for (int cc = 0; cc < 4; ++cc) {  // word cc of each piece: k steps 2cc and 2cc + 1
+  for (int cc = 0; cc < 4; ++cc) {  // piece cc: k steps 2cc and 2cc + 1
     uint32_t wa[kTiles][2][4];
 #pragma unroll
     for (int wt = 0; wt < kTiles; ++wt)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const uint32_t word[4] = {raw[wt][h].x, raw[wt][h].y, raw[wt][h].z, raw[wt][h].w};
-        dq::e2m1x8_to_bf16x2(word[cc], f[wt][h][cc >> 1], wa[wt][h]);
+        const uint4 raw = ws[w_unit(local[wt][h], cc)];
+        uint32_t f0, f1;  // words 0-1 (k 0-15 of the piece), words 2-3 (k 16-31)
+        if constexpr (kNvfp4) dq::nvfp4_factor_pair(scale_of(wt, h, cc), f0, f1);
+        else f0 = f1 = dq::mxfp4_factor(scale_of(wt, h, cc));
+        wa[wt][h][0] = dq::bf16x2_mul(decode_pair(raw.x, pd), f0);
+        wa[wt][h][1] = dq::bf16x2_mul(decode_pair(raw.y, pd), f0);
+        wa[wt][h][2] = dq::bf16x2_mul(decode_pair(raw.z, pd), f1);
+        wa[wt][h][3] = dq::bf16x2_mul(decode_pair(raw.w, pd), f1);
       }
     wgmma_fence();
 #pragma unroll
@@ -271,16 +285,17 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_wgmma_kernel(const KernelArg
 #pragma unroll
     for (int h = 0; h < 2; ++h) local[wt][h] = (wg * kTiles + wt) * 64 + wq * 16 + g + 8 * h;
 
-  auto load_scales = [&](int c, uint32_t sc[kTiles][2]) {  // raw scale bits of this thread's pieces of chunk c
-    const int kk = c * kChunkK + t * 32;
+  auto load_scales = [&](int c, uint32_t sc[kTiles][2][4]) {  // raw scale bits of the 4 pieces of chunk c
 #pragma unroll
     for (int wt = 0; wt < kTiles; ++wt)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int r = row_block0 + local[wt][h];
-        const bool ok = c < n_chunks && kk < a.k && r < a.n;
-        sc[wt][h] = ok ? fp4_piece_scale<kNvfp4>(w_scale, tiles, r, kk, a.k) : 0;
-      }
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int cc = 0; cc < 4; ++cc) {
+          const int r = row_block0 + local[wt][h], kk = c * kChunkK + cc * 32;
+          const bool ok = c < n_chunks && kk < a.k && r < a.n;
+          sc[wt][h][cc] = ok ? fp4_piece_scale<kNvfp4>(w_scale, tiles, r, kk, a.k) : 0;
+        }
   };
 
   // Raw weight pieces this thread copies into every stage: row idx / 4 of the block, piece idx % 4.
@@ -301,23 +316,20 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_wgmma_kernel(const KernelArg
 #pragma unroll
       for (int i = 0; i < kWCopies; ++i) {
         const bool valid = w_src[i] && c * kChunkK + w_piece_k[i] < a.k;
-        cp_async_16(ws + threadIdx.x + i * kThreads, valid ? w_src[i] + size_t(c) * w_chunk_stride : a.w, valid);
+        const int idx = threadIdx.x + i * kThreads;
+        cp_async_16(ws + w_unit(idx / 4, idx % 4), valid ? w_src[i] + size_t(c) * w_chunk_stride : a.w, valid);
       }
     }
     cp_async_commit();
   };
 
-  // Activation copies, group q: token x_tok + 64q of the tile, 16-byte units x_r + 4i (i = 0..3) of its chunk row,
-  // which become permuted units 4·x_r + j holding word j of each (see the top of the file).
+  // Activation copies, group q: token x_tok + 64q of the tile, 16-byte units x_r + 4i (i = 0..3) of its chunk row.
   const int x_tok = threadIdx.x >> 2, x_r = threadIdx.x & 3;
-  uint32_t x_dst[kXGroups][4];  // shared-memory offsets of the permuted units in a stage
+  uint32_t x_dst[kXGroups][4];  // shared-memory offsets of those units in a stage
 #pragma unroll
   for (int q = 0; q < kXGroups; ++q)
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int unit = 4 * x_r + j, half = unit >> 3, chunk = unit & 7, tok = x_tok + 64 * q;
-      x_dst[q][j] = uint32_t(half * S::kXHalfBytes + tok * 128 + ((chunk ^ (tok & 7)) << 4));
-    }
+    for (int i = 0; i < 4; ++i) x_dst[q][i] = x_unit_at<S::kXHalfBytes>(x_tok + 64 * q, x_r + 4 * i);
 
   // x belongs to the step: plain / batched blocks wait before it (under early_weights after issuing the first
   // weight stages), grouped ones waited in block_rows.
@@ -346,7 +358,9 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_wgmma_kernel(const KernelArg
   auto store_x = [&](int c) {
     uint8_t* xs = x_stage(c);
 #pragma unroll
-    for (int q = 0; q < kXGroups; ++q) store_permuted(xs, xr[q], x_dst[q]);
+    for (int q = 0; q < kXGroups; ++q)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) *reinterpret_cast<uint4*>(xs + x_dst[q][i]) = xr[q][i];
     fence_async_shared();
   };
 
@@ -356,7 +370,8 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_wgmma_kernel(const KernelArg
 #pragma unroll
     for (int i = 0; i < kN / 2; ++i) acc[wt][i] = 0.0f;
 
-  uint32_t sc_cur[kTiles][2], sc_next[kTiles][2];
+  uint32_t sc_cur[kTiles][2][4], sc_next[kTiles][2][4];
+  const PairDecode pd = pair_decode(t);
   load_scales(0, sc_cur);
 #pragma unroll
   for (int s = 0; s < kWStages - 1; ++s) copy_w(s);
@@ -374,11 +389,15 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_wgmma_kernel(const KernelArg
     copy_w(c + kWStages - 1);
     store_x(c + 1);  // the stage of chunk c - 2
     load_x(c + 2);
-    mma_chunk<kNvfp4, kTiles, kN>(acc, w_stage(c), local, t, sc_cur, smem_addr(x_stage(c)), [] {});
+    mma_chunk<kNvfp4, kTiles, kN>(acc, w_stage(c), local, pd,
+                                  [&](int wt, int h, int cc) { return sc_cur[wt][h][cc]; }, smem_addr(x_stage(c)),
+                                  [] {});
 #pragma unroll
     for (int wt = 0; wt < kTiles; ++wt)
 #pragma unroll
-      for (int h = 0; h < 2; ++h) sc_cur[wt][h] = sc_next[wt][h];
+      for (int h = 0; h < 2; ++h)
+#pragma unroll
+        for (int cc = 0; cc < 4; ++cc) sc_cur[wt][h][cc] = sc_next[wt][h][cc];
   }
   wgmma_wait<0>();
 #pragma unroll
@@ -401,15 +420,16 @@ __global__ void __launch_bounds__(kThreads, 1) gemv_wgmma_kernel(const KernelArg
 }
 
 // The warp-specialised form (block shapes 4 = 256 x 128 and 5 = 256 x 64): warpgroups 0 and 1 only decode and
-// multiply (mma_chunk, as above), warpgroup 2 only moves bytes: the raw weight pieces and their scales by cp.async
-// and the activation tile through its registers into the permuted, swizzled layout, into a ring of stages handed
-// over by mbarriers (full: the producer's copies and stores have landed; empty: every consumer warp's MMAs on the
-// stage completed). Same MMAs in the same order as above: same bits.
+// multiply (mma_chunk, as above), warpgroup 2 only moves bytes: the raw weight pieces, their scales and the
+// activation units by cp.async (no registers held for loads in flight), into a ring of stages handed over by
+// mbarriers (full: the producer's copies and stores have landed; empty: every consumer warp's MMAs on the stage
+// completed). Same MMAs in the same order as above: same bits.
 constexpr int kWsThreads = 384;
-// setmaxnreg moves registers within the block's allocation (384 x 168 at launch): 128 · 152 + 256 · 176 = 64512.
-// Measured by ptxas's spills (a consumer needs ~176 with its scales from shared memory; the producer, with the
-// row-major layout's scale loads and 16 activation loads in flight, ~150).
-constexpr int kProducerRegs = 152, kConsumerRegs = 176;
+// setmaxnreg moves registers within the block's allocation (384 x 168 at launch): 128 · 104 + 256 · 200 = 64512.
+// The producer only issues copies; a consumer of a 256 x 128 block holds 128 accumulators, and with fewer than
+// ~200 registers ptxas serialises its wgmma (C7512: every HGMMA waits for the one before; so it ran with the
+// k-permuted activations, whose producer needed ~150, docs/perf.md twenty-sixth round). ptxas: no spills at 104 / 200.
+constexpr int kProducerRegs = 104, kConsumerRegs = 200;
 static_assert(128 * kProducerRegs + 256 * kConsumerRegs <= kWsThreads * 168);
 
 template <int kTiles, int kN>
@@ -468,7 +488,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) gemv_wgmma_ws_kernel(const Kern
   if constexpr (kPaired) second = expert_weights(a, a.slot_expert[blockIdx.y], true);
   if (threadIdx.x == 0)
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(full + s, 2 * 128);  // each producer thread: its copies (noinc), then its activation stores
+      mbar_init(full + s, 2 * 128);  // each producer thread: its copies (noinc), then its scale stores
       mbar_init(empty + s, 8);       // lane 0 of each consumer warp
     }
   __syncthreads();
@@ -514,8 +534,9 @@ __global__ void __launch_bounds__(kWsThreads, 1) gemv_wgmma_ws_kernel(const Kern
         const int ih = i % kHalfCopies;
         const uint8_t* src = kPaired && i >= kHalfCopies ? w_src1 : w_src0;
         const bool valid = k_ok && r0 + 32 * ih < a.n;
-        cp_async_16(ws + pt + 128 * i, valid ? src + size_t(ih) * 32 * row_bytes + size_t(c) * w_chunk_stride : a.w,
-                    valid);
+        const int idx = pt + 128 * i;
+        cp_async_16(ws + w_unit(idx / 4, idx % 4),
+                    valid ? src + size_t(ih) * 32 * row_bytes + size_t(c) * w_chunk_stride : a.w, valid);
       }
       uint8_t* ss = scale_stage(s);
       if (a.tiles) {  // k is a multiple of the 128-k chunk in the tile layout
@@ -532,20 +553,17 @@ __global__ void __launch_bounds__(kWsThreads, 1) gemv_wgmma_ws_kernel(const Kern
           else ss[idx] = uint8_t(v);
         }
       }
-      mbar_arrive_on_copies(full + s);
     };
     // Activations, group q: token x_tok + 32q of the tile, 16-byte units x_r + 4i (i = 0..3) of its chunk row,
-    // stored as permuted units 4·x_r + j holding word j of each (see the top of the file).
+    // copied as they are (zeros past k and past the tile's tokens).
     constexpr int kXq = kN / 32;
     const int x_tok = pt >> 2, x_r = pt & 3;
-    uint32_t x_dst[4];  // offsets of the permuted units of group 0; group q is 32 token rows further
+    uint32_t x_dst[4];  // offsets of unit x_r + 4i of group 0; group q is 32 token rows further (same swizzle)
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int unit = 4 * x_r + j, half = unit >> 3, chunk = unit & 7;
-      x_dst[j] = uint32_t(half * S::kXHalfBytes + x_tok * 128 + ((chunk ^ (x_tok & 7)) << 4));
-    }
+    for (int i = 0; i < 4; ++i) x_dst[i] = x_unit_at<S::kXHalfBytes>(x_tok, x_r + 4 * i);
     if (!a.early_weights) wait();
-    // The first pass's first weight stages (the stages start empty); a block without tokens issues none.
+    // The first pass's first weight stages (the stages start empty); a block without tokens issues none. Their
+    // arrivals come with the activation copies of the same stage below.
     const int prefetched = tok_first < rows.m_rows ? min(n_chunks, kStages) : 0;
     for (int c = 0; c < prefetched; ++c) copy_w(c, c);
     for (int tok0 = tok_first, chunk0 = 0; tok0 < rows.m_rows; tok0 += pass_tokens, chunk0 += n_chunks) {
@@ -560,22 +578,19 @@ __global__ void __launch_bounds__(kWsThreads, 1) gemv_wgmma_ws_kernel(const Kern
       for (int c = 0; c < n_chunks; ++c) {
         const int g = chunk0 + c, s = g % kStages;
         wait();
-        uint4 xr[kXq][4];  // plain loads (x is the previous kernel's output); zeros past k and past the rows
+        if (g >= kStages) mbar_wait(empty + s, ((g / kStages) & 1) ^ 1);  // the stage's last chunk consumed
+        if (g >= prefetched) copy_w(c, s);  // a later pass may start on stages never used when k is short
+        uint8_t* xs = x_stage(s);
 #pragma unroll
         for (int q = 0; q < kXq; ++q)
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
             const int kk = c * kChunkK + (x_r + 4 * i) * 8;
-            xr[q][i] = x_row[q] && kk < a.k ? __ldcg(reinterpret_cast<const uint4*>(x_row[q] + kk))
-                                            : make_uint4(0, 0, 0, 0);
+            const bool valid = x_row[q] && kk < a.k;
+            cp_async_16(xs + q * 32 * 128 + x_dst[i], valid ? x_row[q] + kk : rows.x, valid);
           }
-        if (g >= kStages) mbar_wait(empty + s, ((g / kStages) & 1) ^ 1);  // the stage's last chunk consumed
-        if (g >= prefetched) copy_w(c, s);  // a later pass may start on stages never used when k is short
-        uint8_t* xs = x_stage(s);
-#pragma unroll
-        for (int q = 0; q < kXq; ++q) store_permuted(xs + q * 32 * 128, xr[q], x_dst);
-        fence_async_shared();
-        mbar_arrive(full + s);
+        mbar_arrive_on_copies(full + s);  // once every copy this thread issued so far has landed
+        mbar_arrive(full + s);            // after this thread's scale stores (row-major layout)
       }
       if (tok0 + pass_tokens < rows.m_rows) named_barrier(kPassBarrier, kWsThreads);  // the tile is stored
     }
@@ -586,6 +601,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) gemv_wgmma_ws_kernel(const Kern
   regs_claim<kConsumerRegs>();
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g8 = lane >> 2, t = lane & 3, wg = warp >> 2, wq = warp & 3;
+  const PairDecode pd = pair_decode(t);
   int local[kTiles][2];  // as in gemv_wgmma_kernel
 #pragma unroll
   for (int wt = 0; wt < kTiles; ++wt)
@@ -601,17 +617,14 @@ __global__ void __launch_bounds__(kWsThreads, 1) gemv_wgmma_ws_kernel(const Kern
     for (int c = 0; c < n_chunks; ++c) {
       const int g = chunk0 + c, s = g % kStages;
       mbar_wait(full + s, (g / kStages) & 1);
+      fence_async_shared();  // the activation units landed by cp.async (generic proxy) before the wgmma reads them
       const uint8_t* ss = scale_stage(s);
-      uint32_t sc[kTiles][2];  // this thread's pieces' raw scale bits
-#pragma unroll
-      for (int wt = 0; wt < kTiles; ++wt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int idx = local[wt][h] * 4 + t;
-          if constexpr (kNvfp4) sc[wt][h] = reinterpret_cast<const uint16_t*>(ss)[idx];
-          else sc[wt][h] = ss[idx];
-        }
-      mma_chunk<kNvfp4, kTiles, kN>(acc, w_stage(s), local, t, sc, smem_addr(x_stage(s)), [&] {
+      auto scale_of = [&](int wt, int h, int cc) -> uint32_t {  // [row][piece]: the same for a quad's threads
+        const int idx = local[wt][h] * 4 + cc;
+        if constexpr (kNvfp4) return reinterpret_cast<const uint16_t*>(ss)[idx];
+        else return ss[idx];
+      };
+      mma_chunk<kNvfp4, kTiles, kN>(acc, w_stage(s), local, pd, scale_of, smem_addr(x_stage(s)), [&] {
         if (c > 0 && lane == 0) mbar_arrive(empty + (g - 1) % kStages);  // chunk c - 1's MMAs have completed
       });
     }
