@@ -30,20 +30,6 @@ __device__ __forceinline__ uint32_t fp4_piece_scale(const uint8_t* w_scale, bool
   }
 }
 
-// The tokens of this warp (tok = warp, warp + kWarps, ...) 32 at a time: lane l first loads what its token
-// tok_base + kWarps · l needs (row_of: its pair, a dependent global load through row_order), then body(tok, mine, j)
-// runs for each of the 32 (token j's value is lane j's `mine`: the body shuffles it). One load per lane in flight instead of one
-// dependent load before each token's stores (~7 % of the grouped w2's stall samples, docs/perf.md twenty-sixth round).
-template <int kWarps, class RowOf, class Body>
-__device__ __forceinline__ void for_warp_tokens(int tokens, RowOf row_of, Body body) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  for (int tok_base = warp; tok_base < tokens; tok_base += 32 * kWarps) {
-    const int mine = tok_base + kWarps * lane;
-    const auto value = mine < tokens ? row_of(mine) : decltype(row_of(0)){};
-    for (int j = 0; j < 32 && tok_base + kWarps * j < tokens; ++j) body(tok_base + kWarps * j, value, j);
-  }
-}
-
 // y[pair_of(tok0 + tok), row_block0 + col] = tile[tok · out_stride + col] for tok < tokens, col < the block's rows
 // (fp32 or bf16 per a.out_bf16; grouped: the second projection's y for blockIdx.z == 1). Each of the block's kWarps
 // warps stores token rows with consecutive lanes on consecutive columns.
@@ -53,18 +39,16 @@ __device__ __forceinline__ void store_output_tile(const KernelArgs& a, const Blo
                                                   int block_rows, PairOf pair_of) {
   void* y = kGrouped && blockIdx.z == 1 ? a.y_second : a.y;
   const int cols = min(block_rows, a.n - row_block0);
-  for_warp_tokens<kWarps>(
-      tokens, [&](int tok) { return pair_of(tok0 + tok); },
-      [&](int tok, int my_pair, int j) {
-        const int64_t out_row = rows.y_offset + int64_t(__shfl_sync(0xffffffffu, my_pair, j)) * a.ldy + row_block0;
-        for (int col = threadIdx.x & 31; col < cols; col += 32) {
-          const float v = tile[tok * out_stride + col];
-          if (a.out_bf16)
-            static_cast<__nv_bfloat16*>(y)[out_row + col] = __float2bfloat16_rn(v);
-          else
-            static_cast<float*>(y)[out_row + col] = v;
-        }
-      });
+  for (int tok = threadIdx.x >> 5; tok < tokens; tok += kWarps) {
+    const int64_t out_row = rows.y_offset + int64_t(pair_of(tok0 + tok)) * a.ldy + row_block0;
+    for (int col = threadIdx.x & 31; col < cols; col += 32) {
+      const float v = tile[tok * out_stride + col];
+      if (a.out_bf16)
+        static_cast<__nv_bfloat16*>(y)[out_row + col] = __float2bfloat16_rn(v);
+      else
+        static_cast<float*>(y)[out_row + col] = v;
+    }
+  }
 }
 
 // The paired w1 + w3 epilogue (KernelArgs::swiglu_h): tile columns [0, cols) hold the first projection's outputs
@@ -75,23 +59,14 @@ __device__ __forceinline__ void store_swiglu_tile(const KernelArgs& a, const flo
                                                   int tokens, int tok0, int row_block0, PairOf pair_of) {
   const int inter = a.n, valid = min(cols, inter - row_block0);
   const float limit = a.swiglu_limit;
-  struct PairWeight {
-    int r;
-    float w;
-  };
-  for_warp_tokens<kWarps>(
-      tokens,
-      [&](int tok) {
-        const int r = pair_of(tok0 + tok);
-        return PairWeight{r, a.swiglu_weights ? a.swiglu_weights[r] : 1.0f};
-      },
-      [&](int tok, const PairWeight& mine, int j) {
-        const int r = __shfl_sync(0xffffffffu, mine.r, j);
-        const float w = __shfl_sync(0xffffffffu, mine.w, j);
-        uint16_t* h = a.swiglu_h + int64_t(r) * inter + row_block0;
-        for (int col = threadIdx.x & 31; col < valid; col += 32)
-          h[col] = swiglu_bf16(tile[tok * out_stride + col], tile[tok * out_stride + cols + col], limit, w);
-      });
+  for (int tok = threadIdx.x >> 5; tok < tokens; tok += kWarps) {
+    const int r = pair_of(tok0 + tok);
+    const float w = a.swiglu_weights ? a.swiglu_weights[r] : 1.0f;
+    uint16_t* h = a.swiglu_h + int64_t(r) * inter + row_block0;
+    for (int col = threadIdx.x & 31; col < valid; col += 32) {
+      h[col] = swiglu_bf16(tile[tok * out_stride + col], tile[tok * out_stride + cols + col], limit, w);
+    }
+  }
 }
 
 }  // namespace dsv4::detail
