@@ -624,6 +624,45 @@ struct BothLayouts {
   }
 };
 
+// gemv(p) into y (NaN-filled first), its first `count` floats.
+std::vector<float> run_gemv(const GemvParams& p, DeviceBuffer& y, size_t count) {
+  y.fill_bytes(0xff);
+  gemv(p);
+  DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+  std::vector<float> out(count);
+  y.download(out.data(), count * 4);
+  return out;
+}
+
+// Batched (wo_a's form: each batch's n rows start a tile): the tile layout gives the row-major bits; bulk: both
+// through the copy-engine kernel (set_gemv_bulk, asserted).
+void expect_batched_tiles_match_rows(GemvWeight w, std::mt19937_64& rng, bool bulk = false) {
+  const int batch = 8, n = 48, k = 1024, m = 1;
+  const HostProblem h = make_problem({w, GemvScale::E8M0, m * batch, batch * n, k, GemvOut::F32, 0}, rng);
+  const BothLayouts d(h, to_tiles(h, w, batch * n, k));
+  DeviceBuffer y(size_t(batch) * n * 4);
+  const BulkScope scope(bulk);
+  std::vector<std::vector<float>> got;
+  for (const bool tiled : {false, true}) {
+    GemvBatchedParams b;
+    b.base.m = m, b.base.n = n, b.base.k = k, b.base.x = d.x.data();
+    b.base.w = tiled ? d.tiles_w.data() : d.rows_w.data();
+    b.base.w_scale = tiled ? d.tiles_scale.data() : d.rows_scale.data(), b.base.w_scale_2 = h.scale_2;
+    b.base.y = y.data();
+    b.base.weight = w, b.base.layout = tiled ? GemvLayout::Tiles : GemvLayout::Rows, b.base.ldy = batch * n;
+    b.batch = batch, b.x_batch_stride = int64_t(m) * k, b.y_batch_stride = n;
+    if (bulk) {
+      ASSERT_TRUE(detail::gemv_bulk_supported(b.base)) << "tiled " << tiled;
+    }
+    y.fill_bytes(0xff);
+    gemv_batched(b);
+    DSV4_CUDA_CHECK(cudaDeviceSynchronize());
+    got.emplace_back(size_t(batch) * n);
+    y.download(got.back().data(), got.back().size() * 4);
+  }
+  EXPECT_EQ(0, std::memcmp(got[0].data(), got[1].data(), got[0].size() * 4)) << "batched " << gemv_weight_name(w);
+}
+
 TEST(GemvTiles, OffsetsArePermutations) {
   for (const auto& [rows, row_bytes, piece] : {std::tuple{16, 64, 16}, {48, 2048, 16}, {32, 256, 2}, {16, 128, 1}}) {
     std::vector<int> hit(size_t(rows) * row_bytes, 0);
@@ -703,14 +742,6 @@ void expect_grouped_tiles_match_rows(GemvWeight w, int tokens, int n, int k, con
 TEST(GemvTiles, SameBitsAsRowMajor) {
   DSV4_REQUIRE_CUDA();
   std::mt19937_64 rng(123);
-  auto run = [](const GemvParams& p, DeviceBuffer& y, size_t count) {
-    y.fill_bytes(0xff);
-    gemv(p);
-    DSV4_CUDA_CHECK(cudaDeviceSynchronize());
-    std::vector<float> out(count);
-    y.download(out.data(), count * 4);
-    return out;
-  };
   for (const GemvWeight w : {GemvWeight::MXFP4, GemvWeight::NVFP4})
     for (const auto& [m, n, k] : {std::tuple{1, 304, 4096}, {5, 48, 1152}, {8, 2048, 512}, {16, 64, 2048},
                                   {33, 96, 1024}, {64, 32, 640}, {100, 272, 1024}, {300, 528, 640}})
@@ -728,44 +759,22 @@ TEST(GemvTiles, SameBitsAsRowMajor) {
           GemvParams p;
           p.m = m, p.n = n, p.k = k, p.x = d.x.data(), p.w = d.rows_w.data(), p.w_scale = d.rows_scale.data();
           p.w_scale_2 = h.scale_2, p.y = y.data(), p.weight = w, p.split_k = split;
-          const std::vector<float> rows = run(p, y, size_t(m) * n);
+          const std::vector<float> rows = run_gemv(p, y, size_t(m) * n);
           GemvParams q = p;
           q.w = d.tiles_w.data(), q.w_scale = d.tiles_scale.data(), q.layout = GemvLayout::Tiles;
-          const std::vector<float> tiles = run(q, y, size_t(m) * n);
+          const std::vector<float> tiles = run_gemv(q, y, size_t(m) * n);
           ASSERT_TRUE(std::all_of(rows.begin(), rows.end(), [](float v) { return std::isfinite(v); }));
           EXPECT_EQ(0, std::memcmp(rows.data(), tiles.data(), rows.size() * 4)) << case_name(c) << " kernel " << kernel;
           // A 16-row-aligned slice of the tiled matrix (w_row0) is the same rows.
           if (n >= 32) {
             q.w_row0 = 16, q.n = n - 16, p.w_row0 = 16, p.n = n - 16;
-            const std::vector<float> a = run(p, y, size_t(m) * (n - 16)), b = run(q, y, size_t(m) * (n - 16));
+            const std::vector<float> a = run_gemv(p, y, size_t(m) * (n - 16)), b = run_gemv(q, y, size_t(m) * (n - 16));
             EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * 4))
                 << case_name(c) << " kernel " << kernel << " w_row0 16";
           }
         }
       }
-  // Batched (wo_a's form): each batch's n rows start a tile.
-  for (const GemvWeight w : {GemvWeight::MXFP4, GemvWeight::NVFP4}) {
-    const int batch = 8, n = 48, k = 1024, m = 1;
-    const HostProblem h = make_problem({w, GemvScale::E8M0, m * batch, batch * n, k, GemvOut::F32, 0}, rng);
-    const BothLayouts d(h, to_tiles(h, w, batch * n, k));
-    DeviceBuffer y(size_t(batch) * n * 4);
-    std::vector<std::vector<float>> got;
-    for (const bool tiled : {false, true}) {
-      GemvBatchedParams b;
-      b.base.m = m, b.base.n = n, b.base.k = k, b.base.x = d.x.data();
-      b.base.w = tiled ? d.tiles_w.data() : d.rows_w.data();
-      b.base.w_scale = tiled ? d.tiles_scale.data() : d.rows_scale.data(), b.base.w_scale_2 = h.scale_2;
-      b.base.y = y.data();
-      b.base.weight = w, b.base.layout = tiled ? GemvLayout::Tiles : GemvLayout::Rows, b.base.ldy = batch * n;
-      b.batch = batch, b.x_batch_stride = int64_t(m) * k, b.y_batch_stride = n;
-      y.fill_bytes(0xff);
-      gemv_batched(b);
-      DSV4_CUDA_CHECK(cudaDeviceSynchronize());
-      got.emplace_back(size_t(batch) * n);
-      y.download(got.back().data(), got.back().size() * 4);
-    }
-    EXPECT_EQ(0, std::memcmp(got[0].data(), got[1].data(), got[0].size() * 4)) << "batched " << gemv_weight_name(w);
-  }
+  for (const GemvWeight w : {GemvWeight::MXFP4, GemvWeight::NVFP4}) expect_batched_tiles_match_rows(w, rng);
   // Grouped with a second projection (the experts' w1 + w3): 3 tokens x 6 picks of 9 experts; then 40 tokens (~27
   // rows a slot, partial 256-row blocks) on the wgmma kernels, each block shape forced.
   for (const GemvWeight w : {GemvWeight::MXFP4, GemvWeight::NVFP4})
@@ -783,12 +792,7 @@ TEST(GemvTiles, CopyEngineSameBitsAsRowMajor) {
   auto run = [](const GemvParams& p, bool bulk, DeviceBuffer& y, size_t count) {
     const BulkScope scope(bulk);
     EXPECT_EQ(detail::gemv_bulk_supported(p), bulk);
-    y.fill_bytes(0xff);
-    gemv(p);
-    DSV4_CUDA_CHECK(cudaDeviceSynchronize());
-    std::vector<float> out(count);
-    y.download(out.data(), count * 4);
-    return out;
+    return run_gemv(p, y, count);
   };
   for (const GemvWeight w : {GemvWeight::MXFP4, GemvWeight::NVFP4})
     for (const auto& [m, n, k] : {std::tuple{1, 304, 4096}, {8, 2048, 512}, {16, 64, 2048}, {29, 96, 1024},
@@ -814,31 +818,7 @@ TEST(GemvTiles, CopyEngineSameBitsAsRowMajor) {
         const std::vector<float> a = run(p, true, y, size_t(m) * (n - 16)), b = run(q, true, y, size_t(m) * (n - 16));
         EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.size() * 4)) << case_name(c) << " w_row0 16";
       }
-  // Batched (wo_a's form): each batch's n rows start a tile.
-  for (const GemvWeight w : {GemvWeight::MXFP4, GemvWeight::NVFP4}) {
-    const int batch = 8, n = 48, k = 1024, m = 1;
-    const HostProblem h = make_problem({w, GemvScale::E8M0, m * batch, batch * n, k, GemvOut::F32, 0}, rng);
-    const BothLayouts d(h, to_tiles(h, w, batch * n, k));
-    DeviceBuffer y(size_t(batch) * n * 4);
-    const BulkScope scope(true);
-    std::vector<std::vector<float>> got;
-    for (const bool tiled : {false, true}) {
-      GemvBatchedParams b;
-      b.base.m = m, b.base.n = n, b.base.k = k, b.base.x = d.x.data();
-      b.base.w = tiled ? d.tiles_w.data() : d.rows_w.data();
-      b.base.w_scale = tiled ? d.tiles_scale.data() : d.rows_scale.data(), b.base.w_scale_2 = h.scale_2;
-      b.base.y = y.data();
-      b.base.weight = w, b.base.layout = tiled ? GemvLayout::Tiles : GemvLayout::Rows, b.base.ldy = batch * n;
-      b.batch = batch, b.x_batch_stride = int64_t(m) * k, b.y_batch_stride = n;
-      ASSERT_TRUE(detail::gemv_bulk_supported(b.base));
-      y.fill_bytes(0xff);
-      gemv_batched(b);
-      DSV4_CUDA_CHECK(cudaDeviceSynchronize());
-      got.emplace_back(size_t(batch) * n);
-      y.download(got.back().data(), got.back().size() * 4);
-    }
-    EXPECT_EQ(0, std::memcmp(got[0].data(), got[1].data(), got[0].size() * 4)) << "batched " << gemv_weight_name(w);
-  }
+  for (const GemvWeight w : {GemvWeight::MXFP4, GemvWeight::NVFP4}) expect_batched_tiles_match_rows(w, rng, true);
   // Grouped w1 + w3: 3 tokens x 6 picks of 9 experts; 20 tokens put ~13 rows in a slot (two n-tiles).
   for (const GemvWeight w : {GemvWeight::MXFP4, GemvWeight::NVFP4}) {
     expect_grouped_tiles_match_rows(w, 3, 64, 2048, {0}, rng, true);
