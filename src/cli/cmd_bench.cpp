@@ -99,7 +99,8 @@ struct BenchArgs {
   // or sorted by score: set_indexer_select_index_order), tiledN (N = 2..65: calls of >= N rows whose grid fills the
   // GPU, decode batches included, on the tiled tensor-core GEMM: set_gemv_tiled_min_rows), split1 / 2 / 4 / 8 (every
   // skinny GEMV at that split_k instead of the heuristic's: set_gemv_forced_split), ws / nows (the fp4 prefill GEMMs'
-  // wgmma kernel in its warp-specialised form or not: set_gemv_wgmma_ws), cublasdense (every prefill-sized dense
+  // wgmma kernel in its warp-specialised form or not: set_gemv_wgmma_ws), persist / nopersist (that form with one
+  // block per SM walking the tiles, or one block per tile: set_gemv_wgmma_persistent), cublasdense (every prefill-sized dense
   // linear through the weight decode + cuBLASLt, none on the wgmma kernel: set_gemv_over_gemm(false)), f32tiles
   // (prefill's fp32 linears on 32-row cluster tiles: gpu::set_linear_f32_tiles), slotwarps (moe_slots placed by every
   // warp: set_moe_slots_by_warps).
@@ -121,6 +122,7 @@ struct StepSwitches {
   int tiled_min = 0;  // tiledN: the tiled tensor-core GEMM from N rows (set_gemv_tiled_min_rows; 0: as built)
   int split = 0;      // splitN: every skinny GEMV launch at split_k N (set_gemv_forced_split; 0: the heuristic)
   int wgmma_ws = -1;  // ws / nows: set_gemv_wgmma_ws (-1: as built)
+  int persistent = -1;  // persist / nopersist: set_gemv_wgmma_persistent (-1: as built)
   bool cublas_dense = false;  // cublasdense: set_gemv_over_gemm(false)
   bool f32_tiles = false;     // f32tiles: gpu::set_linear_f32_tiles(true)
   bool slot_warps = false;    // slotwarps: set_moe_slots_by_warps(true)
@@ -159,6 +161,8 @@ StepSwitches parse_switches(const std::string& spec) {
     else if (name == "indexorder") s.index_order = 1;
     else if (name == "ws") s.wgmma_ws = 1;
     else if (name == "nows") s.wgmma_ws = 0;
+    else if (name == "persist") s.persistent = 1;
+    else if (name == "nopersist") s.persistent = 0;
     else if (name == "cublasdense") s.cublas_dense = true;
     else if (name == "f32tiles") s.f32_tiles = true;
     else if (name == "slotwarps") s.slot_warps = true;
@@ -170,7 +174,7 @@ StepSwitches parse_switches(const std::string& spec) {
     else DSV4_FAIL("dsv4 bench: --switches entry '{}' has '{}' (expected default, or bulk, bulkdense, overlap, "
                    "serial, mhc, routing, [no]qnorm, heads16, heads64, hcblock, now4a8, early, earlyall, late, "
                    "[no]gate, [no]post, [no]swiglu, [no]earlyw2, scoreorder, indexorder, tiledN, split1/2/4/8, [no]ws, "
-                   "cublasdense, f32tiles and slotwarps joined by '+')",
+                   "[no]persist, cublasdense, f32tiles and slotwarps joined by '+')",
                    spec, name);
     from = to + 1;
   }
@@ -560,7 +564,7 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
   const gpu::EarlyWeights built_early = gpu::early_weights();
   const bool built_index_order = gpu::indexer_select_index_order();
   const int built_tiled_min = gemv_tiled_min_rows(), built_tiled_blocks = gemv_tiled_min_blocks_per_sm();
-  const bool built_wgmma_ws = gemv_wgmma_ws_enabled();
+  const bool built_wgmma_ws = gemv_wgmma_ws_enabled(), built_persistent = gemv_wgmma_persistent_enabled();
   const bool built_f32_tiles = gpu::linear_f32_tiles(), built_slot_warps = moe_slots_by_warps();
   auto use_switches = [&](const std::string& spec) {
     const StepSwitches s = parse_switches(spec);
@@ -580,6 +584,7 @@ json bench_format(const BenchArgs& a, const Model& model, BenchFormat f, double 
     set_gemv_tiled_min_rows(s.tiled_min ? s.tiled_min : built_tiled_min, built_tiled_blocks);
     set_gemv_forced_split(s.split);
     set_gemv_wgmma_ws(s.wgmma_ws >= 0 ? s.wgmma_ws == 1 : built_wgmma_ws);
+    set_gemv_wgmma_persistent(s.persistent >= 0 ? s.persistent == 1 : built_persistent);
     set_gemv_over_gemm(!s.cublas_dense);
     gpu::set_linear_f32_tiles(built_f32_tiles || s.f32_tiles);
     set_moe_slots_by_warps(built_slot_warps || s.slot_warps);

@@ -147,6 +147,20 @@ bool gemv_wgmma_ws_enabled() {
   return wgmma_ws_mode == 1;
 }
 
+int wgmma_persistent_mode = -1;  // set_gemv_wgmma_persistent; -1 = not yet read from the environment
+
+void set_gemv_wgmma_persistent(bool on) { wgmma_persistent_mode = on ? 1 : 0; }
+
+bool gemv_wgmma_persistent_enabled() {
+  if (wgmma_persistent_mode < 0) {
+    wgmma_persistent_mode = env_switch("DSV4_GEMV_WGMMA_PERSISTENT").value_or(kGemvWgmmaPersistentDefault) ? 1 : 0;
+    if (wgmma_persistent_mode != int(kGemvWgmmaPersistentDefault))
+      spdlog::info("gemv: the warp-specialised wgmma kernel's persistent blocks {} (DSV4_GEMV_WGMMA_PERSISTENT)",
+                   wgmma_persistent_mode ? "on" : "off");
+  }
+  return wgmma_persistent_mode == 1;
+}
+
 bool gemv_over_gemm = true;  // set_gemv_over_gemm
 
 void set_gemv_over_gemm(bool on) { gemv_over_gemm = on; }
@@ -162,6 +176,7 @@ bool gemv_beats_decode_and_gemm(const GemvParams& p) {
 namespace detail {
 
 int wgmma_shape = -1;
+int wgmma_walk_blocks = 0;
 
 int wgmma_forced_shape() {
   if (wgmma_shape < 0) {

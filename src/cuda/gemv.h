@@ -251,6 +251,12 @@ bool gemv_wgmma_enabled();
 constexpr bool kGemvWgmmaWsDefault = true;
 void set_gemv_wgmma_ws(bool on);
 bool gemv_wgmma_ws_enabled();
+// The warp-specialised form with one block per SM, each walking its share of the launch's tiles with the stage ring
+// running on from one tile to the next (same bits), instead of one block per tile. Process-wide;
+// DSV4_GEMV_WGMMA_PERSISTENT=0/1 in the environment sets it at the first call.
+constexpr bool kGemvWgmmaPersistentDefault = true;
+void set_gemv_wgmma_persistent(bool on);
+bool gemv_wgmma_persistent_enabled();
 // Whether gemv(p) should run a prefill-sized dense linear instead of decoding its fp4 weights for cuBLASLt: fp4
 // weights, bf16 activations, 64 < m < 1024 rows, and a grid that gives the warp-specialised wgmma kernel a block
 // for ~every SM. dsv4_gemm_bench at m = 512 (H100): 32768 x 1024 91.7 µs against 108.9 (cuBLASLt + the decode),

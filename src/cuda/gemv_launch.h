@@ -45,6 +45,9 @@ struct KernelArgs {
   const float* swiglu_weights;  // [pairs] or nullptr
   float swiglu_limit;
   uint32_t* slot_tickets;
+  // the warp-specialised wgmma kernel's tile walk (its grid.x blocks walk the tiles of what was grid.y x grid.z):
+  // batches (batched) or slots (grouped), and projections per slot (grouped, 1 when paired)
+  int tile_ys, tile_zs;
 };
 
 // Launch the kernel for validated params with a concrete split_k; return cudaGetLastError(). With act FP8 the
@@ -120,6 +123,9 @@ int gemv_wgmma_rule_shape(int64_t m, int64_t n, int64_t matrices);
 // DSV4_GEMV_WGMMA_SHAPE, which wgmma_forced_shape() reads at its first call.
 extern int wgmma_shape;
 int wgmma_forced_shape();
+// Tests: the persistent warp-specialised launches' block count, 0 = one per SM (the engine); a few blocks give each
+// several tiles of a small grid, so the stage ring's run from one tile into the next is tested.
+extern int wgmma_walk_blocks;
 
 // y[r, :] = act_quant_fp8(x[r, :]) as bf16 for r < rows (act_quant_fp8 in gemv.h).
 cudaError_t act_quant_launch(const uint16_t* x, uint16_t* y, int rows, int k, cudaStream_t stream);

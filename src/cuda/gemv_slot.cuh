@@ -36,17 +36,20 @@ struct GroupedSlot {
 // Slot blockIdx.y, projection blockIdx.z (0 base, 1 second) of a grouped launch. False when the slot holds no
 // expert this step: the whole block must return (before any barrier). Blocks that compute both projections of the
 // same rows (the wgmma kernel's w1 + w3 + SwiGLU tiles) take the second's from expert_weights.
-__device__ __forceinline__ bool grouped_slot(const KernelArgs& a, GroupedSlot& slot) {
-  const int s = blockIdx.y;
+// grouped_slot_at: slot s, projection z, for kernels whose blocks walk several (gemv_wgmma.cu's persistent tiles).
+__device__ __forceinline__ bool grouped_slot_at(const KernelArgs& a, GroupedSlot& slot, int s, int z) {
   if (s >= *a.slot_count) return false;
   const int e = a.slot_expert[s];
   slot.order0 = a.slot_offset[s];
   slot.m_rows = a.slot_offset[s + 1] - slot.order0;
-  const ExpertWeights w = expert_weights(a, e, blockIdx.z == 1);
+  const ExpertWeights w = expert_weights(a, e, z == 1);
   slot.w = w.w;
   slot.w_scale = w.w_scale;
   slot.y_factor = w.y_factor;
   return true;
+}
+__device__ __forceinline__ bool grouped_slot(const KernelArgs& a, GroupedSlot& slot) {
+  return grouped_slot_at(a, slot, int(blockIdx.y), int(blockIdx.z));
 }
 
 // One block's share of a launch: the weights (row 0 of its matrix; the block adds w_row0 rows), x, the output

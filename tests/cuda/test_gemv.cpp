@@ -154,6 +154,20 @@ struct KernelScope {
   }
 };
 
+// The warp-specialised wgmma launches (shapes 4, 5) for one case: persistent on `blocks` blocks (0: one per SM, the
+// engine's), so that each block walks several tiles of a small grid, or one block per tile (kPerTile).
+constexpr int kPerTile = -1;
+struct WalkScope {
+  explicit WalkScope(int blocks) {
+    set_gemv_wgmma_persistent(blocks != kPerTile);
+    detail::wgmma_walk_blocks = std::max(blocks, 0);
+  }
+  ~WalkScope() {
+    set_gemv_wgmma_persistent(kGemvWgmmaPersistentDefault);
+    detail::wgmma_walk_blocks = 0;
+  }
+};
+
 // The W4A8 kernel on or off for act FP8 at m = 1, whatever the default (kGemvW4a8Default).
 struct W4a8Scope {
   explicit W4a8Scope(bool on) { set_gemv_w4a8(on); }
@@ -518,7 +532,7 @@ TEST(GemvTiled, WeightTileVariantsAgreeBitForBit) {
 
 // The wgmma kernel's block shapes (256 x 64, 128 x 128, 256 x 128; warp-specialised 256 x 128 and 256 x 64) run the
 // same wgmma k16 steps in the same order for every output, so they agree bit for bit (the default shape is checked
-// against fp64 above).
+// against fp64 above); so do the warp-specialised ones whatever the number of tiles each block walks.
 TEST(GemvWgmma, BlockShapesAgreeBitForBit) {
   DSV4_REQUIRE_CUDA();
   if (!gemv_wgmma_enabled()) GTEST_SKIP() << "no wgmma on this device";
@@ -529,7 +543,10 @@ TEST(GemvWgmma, BlockShapesAgreeBitForBit) {
       const TiledMinScope tiled_min(m <= kGemvMaxM ? 2 : 0);
       for (int shape : {1, 2, 3, 4, 5}) {
         detail::wgmma_shape = shape;
-        v.run();
+        for (int walk : shape >= 4 ? std::vector<int>{0, 1, 2, 3, kPerTile} : std::vector<int>{0}) {
+          const WalkScope walkers(walk);
+          v.run();
+        }
       }
       detail::wgmma_shape = 0;
       EXPECT_TRUE(v.all_equal()) << gemv_weight_name(w) << " m " << m << " n " << n << " k " << k;
@@ -839,6 +856,7 @@ struct GroupedCase {
   bool bulk = false;   // fp4 weights through the copy engine
   int tiled_min = 0;   // > 0: set_gemv_tiled_min_rows(tiled_min) (decode batches on the tiled kernel)
   int wgmma = 0;        // fp4 weights in 64-row tiles: as Case::wgmma
+  int walk = 0;         // the warp-specialised shapes' blocks (WalkScope)
 };
 
 std::string grouped_name(const GroupedCase& c) {
@@ -849,7 +867,8 @@ std::string grouped_name(const GroupedCase& c) {
       (c.x_row_div == 1 ? "_pairrows" : "_tokenrows") + (c.one_expert ? "_oneexpert" : "") +
       (c.second ? "_second" : "") + (c.act == GemvAct::FP8 ? "_actfp8" : "") + (c.bulk ? "_bulk" : "") +
       (c.tiled_min ? "_tiledfrom" + std::to_string(c.tiled_min) : "") +
-      (c.wgmma ? c.wgmma == kMmaSync ? "_mmasync" : "_wgmma" + std::to_string(c.wgmma) : "");
+      (c.wgmma ? c.wgmma == kMmaSync ? "_mmasync" : "_wgmma" + std::to_string(c.wgmma) : "") +
+      (c.walk ? c.walk == kPerTile ? "_pertile" : "_walk" + std::to_string(c.walk) : "");
   return s;
 }
 
@@ -921,6 +940,7 @@ TEST_P(GemvGroupedTest, MatchesFp64ReferencePerPair) {
   const TiledMinScope tiled_min(c.tiled_min);
   if (c.tiled_min) ASSERT_TRUE(detail::gemv_tiled_supported(g.base)) << "the case must run the tiled kernel";
   const KernelScope kernel(c.wgmma);
+  const WalkScope walkers(c.walk);
   gemv_grouped(g);
   DSV4_CUDA_CHECK(cudaDeviceSynchronize());
 
@@ -1055,6 +1075,16 @@ std::vector<GroupedCase> grouped_cases() {
         cases.push_back({w, s, 100, 2, 8, 72, 256, 2, true, false, a, false, 0, shape});
         cases.push_back({w, s, 48, 6, 16, 136, 512, 6, false, true, a, false, 2, shape});  // 33..64 rows a slot
       }
+    // The warp-specialised ones with each block walking the tiles of several slots (and their empty token blocks),
+    // and with one block per tile.
+    if (w == GemvWeight::MXFP4 || w == GemvWeight::NVFP4)
+      for (int shape : {4, 5})
+        for (int walk : {1, 3, kPerTile}) {
+          const GemvAct a = GemvAct::BF16;
+          cases.push_back({w, s, 150, 6, 16, 136, 512, 6, false, true, a, false, 0, shape, walk});
+          cases.push_back({w, s, 150, 6, 16, 136, 512, 1, false, false, a, false, 0, shape, walk});
+          cases.push_back({w, s, 100, 2, 8, 72, 256, 2, true, false, a, false, 0, shape, walk});
+        }
     // Decode batches on the tiled kernel (set_gemv_tiled_min_rows): slots of a few rows in 16- / 32-row tiles,
     // 40 rows on one expert in 32-row tiles (a second pass)
     if (s == GemvScale::E8M0) {
@@ -1269,8 +1299,15 @@ TEST(GemvBatched, GroupsIntoTokenMajorOutput) {
       // fp4 at m = 100 also on each wgmma block shape (the grid is too small for the engine to choose one; the
       // prefill's grouped output projection wo_a runs batched on the warp-specialised one).
       const bool fp4 = w == GemvWeight::MXFP4 || w == GemvWeight::NVFP4;
-      for (const int kernel : fp4 && m == 100 ? std::vector<int>{0, 1, 3, 4, 5} : std::vector<int>{0}) {
+      // The warp-specialised ones also with each block walking several tiles (batches) and with one block per tile.
+      std::vector<std::pair<int, int>> kernels{{0, 0}};
+      if (fp4 && m == 100)
+        for (int kernel : {1, 3, 4, 5})
+          for (int walk : kernel >= 4 ? std::vector<int>{0, 1, 3, kPerTile} : std::vector<int>{0})
+            kernels.push_back({kernel, walk});
+      for (const auto& [kernel, walk] : kernels) {
         const KernelScope scope(kernel);
+        const WalkScope walkers(walk);
         y.fill_bytes(0xff);
         GemvBatchedParams b;
         b.base.m = m, b.base.n = n, b.base.k = k, b.base.x = x.data(), b.base.w = dw.data();
@@ -1294,11 +1331,12 @@ TEST(GemvBatched, GroupsIntoTokenMajorOutput) {
             }
             const float v = got[size_t(mi) * ldy + col];
             if (!(std::fabs(double(v) - ref) <= 1e-5 * absum) && ++bad <= 5)
-              ADD_FAILURE() << gemv_weight_name(w) << " m " << m << " kernel " << kernel << " y[" << mi << ", " << col
+              ADD_FAILURE() << gemv_weight_name(w) << " m " << m << " kernel " << kernel << " walk " << walk << " y["
+                            << mi << ", " << col
                             << "] = " << v << ", reference " << ref;
           }
         }
-        EXPECT_EQ(bad, 0) << gemv_weight_name(w) << " m " << m << " kernel " << kernel;
+        EXPECT_EQ(bad, 0) << gemv_weight_name(w) << " m " << m << " kernel " << kernel << " walk " << walk;
       }
     }
 }
