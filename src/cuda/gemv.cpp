@@ -137,14 +137,19 @@ int wgmma_ws_mode = -1;  // set_gemv_wgmma_ws; -1 = not yet read from the enviro
 
 void set_gemv_wgmma_ws(bool on) { wgmma_ws_mode = on ? 1 : 0; }
 
-bool gemv_wgmma_ws_enabled() {
-  if (wgmma_ws_mode < 0) {
-    wgmma_ws_mode = env_switch("DSV4_GEMV_WGMMA_WS").value_or(kGemvWgmmaWsDefault) ? 1 : 0;
-    if (wgmma_ws_mode != int(kGemvWgmmaWsDefault))
-      spdlog::info("gemv: the wgmma kernel's warp-specialised form {} (DSV4_GEMV_WGMMA_WS)",
-                   wgmma_ws_mode ? "on" : "off");
+// A process-wide switch: *mode from `variable` (else `fallback`) at the first call, logged when that is not the
+// default; set_* calls overwrite *mode.
+static bool switch_enabled(int& mode, const char* variable, bool fallback, const char* what) {
+  if (mode < 0) {
+    mode = env_switch(variable).value_or(fallback) ? 1 : 0;
+    if (mode != int(fallback)) spdlog::info("gemv: {} {} ({})", what, mode ? "on" : "off", variable);
   }
-  return wgmma_ws_mode == 1;
+  return mode == 1;
+}
+
+bool gemv_wgmma_ws_enabled() {
+  return switch_enabled(wgmma_ws_mode, "DSV4_GEMV_WGMMA_WS", kGemvWgmmaWsDefault,
+                        "the wgmma kernel's warp-specialised form");
 }
 
 int wgmma_persistent_mode = -1;  // set_gemv_wgmma_persistent; -1 = not yet read from the environment
@@ -152,13 +157,8 @@ int wgmma_persistent_mode = -1;  // set_gemv_wgmma_persistent; -1 = not yet read
 void set_gemv_wgmma_persistent(bool on) { wgmma_persistent_mode = on ? 1 : 0; }
 
 bool gemv_wgmma_persistent_enabled() {
-  if (wgmma_persistent_mode < 0) {
-    wgmma_persistent_mode = env_switch("DSV4_GEMV_WGMMA_PERSISTENT").value_or(kGemvWgmmaPersistentDefault) ? 1 : 0;
-    if (wgmma_persistent_mode != int(kGemvWgmmaPersistentDefault))
-      spdlog::info("gemv: the warp-specialised wgmma kernel's persistent blocks {} (DSV4_GEMV_WGMMA_PERSISTENT)",
-                   wgmma_persistent_mode ? "on" : "off");
-  }
-  return wgmma_persistent_mode == 1;
+  return switch_enabled(wgmma_persistent_mode, "DSV4_GEMV_WGMMA_PERSISTENT", kGemvWgmmaPersistentDefault,
+                        "the warp-specialised wgmma kernel's persistent blocks");
 }
 
 bool gemv_over_gemm = true;  // set_gemv_over_gemm
