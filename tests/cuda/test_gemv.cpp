@@ -157,15 +157,17 @@ struct KernelScope {
 // The warp-specialised wgmma launches (shapes 4, 5) for one case: persistent on `blocks` blocks (0: one per SM, the
 // engine's), so that each block walks several tiles of a small grid, or one block per tile (kPerTile).
 constexpr int kPerTile = -1;
+// Restores the switch as it was (the default or DSV4_GEMV_WGMMA_PERSISTENT), so later tests run the engine's choice.
 struct WalkScope {
-  explicit WalkScope(int blocks) {
+  explicit WalkScope(int blocks) : was_on(gemv_wgmma_persistent_enabled()) {
     set_gemv_wgmma_persistent(blocks != kPerTile);
     detail::wgmma_walk_blocks = std::max(blocks, 0);
   }
   ~WalkScope() {
-    set_gemv_wgmma_persistent(kGemvWgmmaPersistentDefault);
+    set_gemv_wgmma_persistent(was_on);
     detail::wgmma_walk_blocks = 0;
   }
+  const bool was_on;
 };
 
 // The W4A8 kernel on or off for act FP8 at m = 1, whatever the default (kGemvW4a8Default).
