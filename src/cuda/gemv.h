@@ -251,10 +251,10 @@ bool gemv_wgmma_enabled();
 constexpr bool kGemvWgmmaWsDefault = true;
 void set_gemv_wgmma_ws(bool on);
 bool gemv_wgmma_ws_enabled();
-// The warp-specialised form with one block per SM, each walking its share of the launch's tiles with the stage ring
-// running on from one tile to the next (same bits), instead of one block per tile. Process-wide;
-// DSV4_GEMV_WGMMA_PERSISTENT=0/1 in the environment sets it at the first call.
-constexpr bool kGemvWgmmaPersistentDefault = false;  // until measured on a GPU (docs/perf.md, stop 41)
+// The warp-specialised form's walking kernel (one block per SM, each walking its share of the launch's tiles with
+// the stage ring running on from one tile to the next; same bits) instead of its kernel of one block per tile.
+// Process-wide; DSV4_GEMV_WGMMA_PERSISTENT=0/1 in the environment sets it at the first call.
+constexpr bool kGemvWgmmaPersistentDefault = false;  // never yet run on a GPU (docs/perf.md, stops 41-42)
 void set_gemv_wgmma_persistent(bool on);
 bool gemv_wgmma_persistent_enabled();
 // Whether gemv(p) should run a prefill-sized dense linear instead of decoding its fp4 weights for cuBLASLt: fp4

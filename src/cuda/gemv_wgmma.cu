@@ -14,10 +14,11 @@
 // leave the tensor pipe idle ~70 % of the time. So the default is the warp-specialised form further down (block
 // shapes 4 and 5): a third warpgroup stages weights, scales and activations through an mbarrier ring and the two
 // others only decode and multiply (0.51-0.68 of peak on large grids, docs/perf.md eighteenth round); the plain
-// form stays for DSV4_GEMV_WGMMA_WS=0. The warp-specialised form is also persistent (one block per SM walking the
-// launch's tiles, the ring running on from tile to tile): a tile's block launch, pipeline fill and epilogue cost
-// ~6 µs besides ~2 µs per 128-k chunk (the twenty-seventh round's fit), and a grouped grid sized for the worst case
-// launched mostly empty blocks; DSV4_GEMV_WGMMA_PERSISTENT=0 gives one block per tile again.
+// form stays for DSV4_GEMV_WGMMA_WS=0. The warp-specialised form also has a persistent kernel (one block per SM
+// walking the launch's tiles, the ring running on from tile to tile): a tile's block launch, pipeline fill and
+// epilogue cost ~6 µs besides ~2 µs per 128-k chunk (the twenty-seventh round's fit), and a grouped grid sized for
+// the worst case launches mostly empty blocks. It is off (DSV4_GEMV_WGMMA_PERSISTENT=1 turns it on) and the
+// one-block-per-tile kernel stays beside it until it has been run and timed on a GPU.
 //
 // k order: the activation tile sits in shared memory in natural k order (the canonical K-major layout with the
 // 128-byte swizzle, two 64-k halves per 128-k chunk), so its 16-byte units are plain copies of x. The weights
@@ -36,6 +37,7 @@
 #include "cuda/device.h"
 #include "cuda/gemv_launch.h"
 #include "cuda/gemv_slot.cuh"
+#include "cuda/gemv_tile_walk.h"
 #include "cuda/gemv_tile_io.cuh"
 #include "cuda/launch.cuh"
 #include "cuda/weight_tiles.h"
@@ -449,55 +451,233 @@ struct WsShape {
   static_assert(S::kXStageBytes % 1024 == 0 && kStageBytes % 1024 == 0, "swizzle atoms stay 1024-byte aligned");
 };
 
-// The tiles of a warp-specialised launch, which every thread of a block walks in the same increasing order
-// (blockIdx.x, + gridDim.x, ...): matrices one after the other (batched: a.tile_ys batches; grouped: slot-major, the
-// slots' a.tile_zs projections), each of row blocks x token blocks, token blocks fastest, so that the blocks at work
-// at one time share a weight row block. A grouped matrix has ceil(m_rows / kN) token blocks: slots and token blocks
-// without rows are no tiles (the grid of one block per tile gave every slot a.m's token blocks, most of them empty).
-template <bool kGrouped, bool kPaired, int kN>
-struct TileWalk {
-  int matrix = -1, first = 0, count = 0, token_blocks = 0, m_rows = 0;
+__device__ __forceinline__ void named_barrier(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
 
-  // Moves to the matrix that holds `tile`; false when the launch has fewer tiles. Only counts are kept: the
-  // producer's 104 registers do not hold a matrix's pointers across tiles (with them its N = 64 forms spilled).
-  __device__ __forceinline__ bool seek(const KernelArgs& a, int tile, int row_blocks) {
-    while (tile >= first + count) {
-      first += count;
-      ++matrix;
-      m_rows = a.m;
-      if constexpr (kGrouped) {
-        const int s = matrix / a.tile_zs;
-        if (s >= a.tile_ys || s >= *a.slot_count) return false;
-        m_rows = a.slot_offset[s + 1] - a.slot_offset[s];
-      } else {
-        if (matrix >= a.tile_ys) return false;
+// One block per tile (the grid of `launch`), passes over the tokens of grid.x / row blocks token blocks: the form
+// measured on GPUs and the default, kept beside gemv_wgmma_walk_kernel until that one is measured (then the walk
+// replaces it: same stages and MMAs, a block walks tiles).
+//
+// kPaired (grouped w1 + w3 with the SwiGLU, KernelArgs::swiglu_h): a block computes kBlockRows / 2 rows of both
+// projections (warpgroup 0 the first's, 1 the second's, so both halves of the output tile hold the same columns)
+// and stores only h = SwiGLU(first, second) of its columns, gpu::swiglu's arithmetic on the fp32 values the
+// unpaired launch would store: the same bits, without the round trip of both projections' fp32 outputs
+// (2 · pairs · n · 4 bytes written and read again) and without the SwiGLU's own launch.
+template <bool kNvfp4, bool kGrouped, int kTiles, int kN, bool kPaired = false>
+__global__ void __launch_bounds__(kWsThreads, 1) gemv_wgmma_ws_kernel(const KernelArgs a) {
+  using S = WgmmaShape<kTiles, kN>;
+  using W = WsShape<kTiles, kN>;
+  static_assert(!kPaired || kGrouped, "paired projections are the grouped w1 + w3");
+  constexpr int kStages = W::kStages, kBlockRows = S::kBlockRows, kOutStride = S::kOutStride;
+  static_assert(size_t(kN) * kOutStride * 4 <= W::kBarrierOffset, "the output tile reuses the stages");
+  constexpr int kBlockCols = kPaired ? kBlockRows / 2 : kBlockRows;  // output columns per block
+  constexpr int kPassBarrier = 1, kConsumerBarrier = 2;  // named barriers (0 is __syncthreads)
+  gpu::allow_dependents();
+  extern __shared__ __align__(16) uint8_t smem_raw[];
+  uint8_t* smem = smem_raw + ((1024 - smem_addr(smem_raw) % 1024) % 1024);
+  auto x_stage = [&](int s) { return smem + s * W::kStageBytes; };
+  auto w_stage = [&](int s) { return reinterpret_cast<uint4*>(smem + s * W::kStageBytes + S::kXStageBytes); };
+  auto scale_stage = [&](int s) { return smem + s * W::kStageBytes + S::kXStageBytes + S::kWStageBytes; };
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + W::kBarrierOffset);
+  uint64_t* empty = full + kStages;
+
+  const int token_blocks = int(gridDim.x) / ((a.n + kBlockCols - 1) / kBlockCols);
+  const int tok_first = int(blockIdx.x) % token_blocks * kN;
+  const int row_block0 = int(blockIdx.x) / token_blocks * kBlockCols;
+  const size_t row_bytes = size_t(a.k) / 2;
+  const int n_chunks = (a.k + kChunkK - 1) / kChunkK;
+  const int pass_tokens = token_blocks * kN;
+
+  BlockRows rows;
+  if (!block_rows<kGrouped>(a, rows)) return;  // an empty slot: the whole block, before any barrier
+  // Grouped grids give every slot the token blocks of the most rows any slot may hold: most find no rows.
+  if (tok_first >= rows.m_rows) return;
+  auto pair_of = [&](int row) { return kGrouped ? a.row_order[rows.order0 + row] : row; };
+  ExpertWeights second{};
+  if constexpr (kPaired) second = expert_weights(a, a.slot_expert[blockIdx.y], true);
+  if (threadIdx.x == 0)
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(full + s, 2 * 128);  // each producer thread: its copies (noinc), then its scale stores
+      mbar_init(empty + s, 8);       // lane 0 of each consumer warp
+    }
+  __syncthreads();
+  // x belongs to the step: the producer waits before loading it (under early_weights after issuing the first
+  // weight stages), the consumers before their first store; grouped blocks waited in block_rows.
+  gpu::WaitOnce wait{!kGrouped};
+
+  if (threadIdx.x >= 256) {  // the producer warpgroup
+    regs_release<kProducerRegs>();
+    const int pt = int(threadIdx.x) - 256;
+    // Raw weight pieces: unit pt + 128 i of a stage is row pt / 4 + 32 i of the block, piece pt % 4 (the layout
+    // mma_chunk reads); rows 32 apart are 32 rows of bytes apart in both layouts (two whole 16-row tiles).
+    // Paired: copies past the first half are the second projection's rows r0 + 32 (i - half).
+    constexpr int kWCopies = kBlockRows * 4 / 128, kHalfCopies = kPaired ? kWCopies / 2 : kWCopies;
+    const int piece = pt & 3, r0 = row_block0 + (pt >> 2);
+    const size_t w_at = a.tiles ? weight_tiles::offset(size_t(r0), size_t(piece) * 16, row_bytes, 16)
+                                : size_t(r0) * row_bytes + piece * 16;
+    const uint8_t* w_src0 = rows.w + size_t(rows.w_row0) * row_bytes + w_at;
+    // The second projection's rows start at the same w_row0 as the first's (as in the unpaired launch's blocks).
+    const uint8_t* w_src1 = kPaired ? second.w + size_t(rows.w_row0) * row_bytes + w_at : nullptr;
+    const size_t w_chunk_stride = a.tiles ? 16 * 64 : 64;
+    // Scales: in the tile layout a chunk's scales of a 16-row tile are 16 x 4 pieces, contiguous and in the
+    // stage's [row][piece] order (128 bytes for NVFP4, 64 for MXFP4: copied whole, 16 bytes per thread); the
+    // row-major layout's pieces are loaded one by one (its rows need not be 16-byte aligned).
+    constexpr int kScaleBytes = kNvfp4 ? 2 : 1, kScaleUnitsPerTile = 4 * kScaleBytes;
+    constexpr int kScaleUnits = kBlockRows / 16 * kScaleUnitsPerTile;
+    static_assert(kScaleUnits <= 128, "one 16-byte scale copy per producer thread at most");
+    const size_t scale_row_bytes = size_t(a.k) / (kNvfp4 ? 16 : 32);
+    const uint8_t* w_scale = rows.w_scale + size_t(rows.w_row0) * scale_row_bytes;
+    const uint8_t* w_scale1 = kPaired ? second.w_scale + size_t(rows.w_row0) * scale_row_bytes : nullptr;
+    // The block's 16-row tile of this thread's scale copy: paired, the second half's tiles are the second's.
+    constexpr int kHalfTiles = kPaired ? kBlockRows / 32 : kBlockRows / 16;
+    const int scale_tile = pt / kScaleUnitsPerTile, scale_matrix_tile = scale_tile % kHalfTiles;
+    const uint8_t* scale_matrix = kPaired && scale_tile >= kHalfTiles ? w_scale1 : w_scale;
+    const bool scale_ok = pt < kScaleUnits && row_block0 + 16 * scale_matrix_tile < a.n;
+    const uint8_t* scale_src = scale_matrix + size_t(row_block0 / 16 + scale_matrix_tile) * 16 * scale_row_bytes +
+                               (pt % kScaleUnitsPerTile) * 16;
+    auto copy_w = [&](int c, int s) {
+      uint4* ws = w_stage(s);
+      const bool k_ok = c * kChunkK + piece * 32 < a.k;
+#pragma unroll
+      for (int i = 0; i < kWCopies; ++i) {
+        const int ih = i % kHalfCopies;
+        const uint8_t* src = kPaired && i >= kHalfCopies ? w_src1 : w_src0;
+        const bool valid = k_ok && r0 + 32 * ih < a.n;
+        const int idx = pt + 128 * i;
+        cp_async_16(ws + w_unit(idx / 4, idx % 4),
+                    valid ? src + size_t(ih) * 32 * row_bytes + size_t(c) * w_chunk_stride : a.w, valid);
       }
-      token_blocks = (m_rows + kN - 1) / kN;
-      count = token_blocks * row_blocks;
+      uint8_t* ss = scale_stage(s);
+      if (a.tiles) {  // k is a multiple of the 128-k chunk in the tile layout
+        if (pt < kScaleUnits)
+          cp_async_16(ss + pt * 16, scale_ok ? scale_src + size_t(c) * 16 * kScaleUnitsPerTile : a.w, scale_ok);
+      } else {
+#pragma unroll
+        for (int i = 0; i < kBlockRows * 4 / 128; ++i) {
+          const int idx = pt + 128 * i, lr = idx / 4, kk = c * kChunkK + (idx % 4) * 32;
+          const int r = row_block0 + lr % kBlockCols;
+          const uint8_t* matrix = kPaired && lr >= kBlockCols ? w_scale1 : w_scale;
+          const uint32_t v = r < a.n && kk < a.k ? fp4_piece_scale<kNvfp4>(matrix, false, r, kk, a.k) : 0;
+          if constexpr (kNvfp4) reinterpret_cast<uint16_t*>(ss)[idx] = uint16_t(v);
+          else ss[idx] = uint8_t(v);
+        }
+      }
+    };
+    // Activations, group q: token x_tok + 32q of the tile, 16-byte units x_r + 4i (i = 0..3) of its chunk row,
+    // copied as they are (zeros past k and past the tile's tokens).
+    constexpr int kXq = kN / 32;
+    const int x_tok = pt >> 2, x_r = pt & 3;
+    uint32_t x_dst[4];  // offsets of unit x_r + 4i of group 0; group q is 32 token rows further (same swizzle)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) x_dst[i] = x_unit_at<S::kXHalfBytes>(x_tok, x_r + 4 * i);
+    if (!a.early_weights) wait();
+    // The first pass's first weight stages (the stages start empty); a block without tokens issues none. Their
+    // arrivals come with the activation copies of the same stage below.
+    const int prefetched = tok_first < rows.m_rows ? min(n_chunks, kStages) : 0;
+    for (int c = 0; c < prefetched; ++c) copy_w(c, c);
+    for (int tok0 = tok_first, chunk0 = 0; tok0 < rows.m_rows; tok0 += pass_tokens, chunk0 += n_chunks) {
+      const int tokens = min(kN, rows.m_rows - tok0);
+      const __nv_bfloat16* x_row[kXq];
+#pragma unroll
+      for (int q = 0; q < kXq; ++q) {
+        const int tok = x_tok + 32 * q;
+        x_row[q] = tok < tokens ? rows.x + size_t(kGrouped ? pair_of(tok0 + tok) / a.x_row_div : tok0 + tok) * a.k
+                                : nullptr;
+      }
+      for (int c = 0; c < n_chunks; ++c) {
+        const int g = chunk0 + c, s = g % kStages;
+        wait();
+        if (g >= kStages) mbar_wait(empty + s, ((g / kStages) & 1) ^ 1);  // the stage's last chunk consumed
+        if (g >= prefetched) copy_w(c, s);  // a later pass may start on stages never used when k is short
+        uint8_t* xs = x_stage(s);
+#pragma unroll
+        for (int q = 0; q < kXq; ++q)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int kk = c * kChunkK + (x_r + 4 * i) * 8;
+            const bool valid = x_row[q] && kk < a.k;
+            cp_async_16(xs + q * 32 * 128 + x_dst[i], valid ? x_row[q] + kk : rows.x, valid);
+          }
+        mbar_arrive_on_copies(full + s);  // once every copy this thread issued so far has landed
+        mbar_arrive(full + s);            // after this thread's scale stores (row-major layout)
+      }
+      if (tok0 + pass_tokens < rows.m_rows) named_barrier(kPassBarrier, kWsThreads);  // the tile is stored
     }
-    return true;
+    cp_async_wait<0>();  // no copy outlives its thread
+    return;
   }
-  // The current matrix's share of the launch (block_rows for it); paired: *second, the slot's second projection.
-  __device__ __forceinline__ BlockRows rows(const KernelArgs& a, ExpertWeights* second = nullptr) const {
-    const auto* x = reinterpret_cast<const __nv_bfloat16*>(a.x);
-    if constexpr (kGrouped) {
-      const int s = matrix / a.tile_zs;
-      GroupedSlot slot;
-      grouped_slot_at(a, slot, s, projection(a));
-      if constexpr (kPaired) *second = expert_weights(a, a.slot_expert[s], true);
-      return {slot.w, slot.w_scale, x, slot.y_factor, slot.m_rows, slot.order0, a.w_row0, 0};
-    } else {
-      return {a.w, a.w_scale, x + matrix * a.x_batch_stride, a.y_factor, a.m, 0, a.w_row0 + matrix * a.n,
-              matrix * a.y_batch_stride};
+
+  regs_claim<kConsumerRegs>();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g8 = lane >> 2, t = lane & 3, wg = warp >> 2, wq = warp & 3;
+  const PairDecode pd = pair_decode(t);
+  int local[kTiles][2];  // as in gemv_wgmma_kernel
+#pragma unroll
+  for (int wt = 0; wt < kTiles; ++wt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) local[wt][h] = (wg * kTiles + wt) * 64 + wq * 16 + g8 + 8 * h;
+  for (int tok0 = tok_first, chunk0 = 0; tok0 < rows.m_rows; tok0 += pass_tokens, chunk0 += n_chunks) {
+    const int tokens = min(kN, rows.m_rows - tok0);
+    float acc[kTiles][kN / 2];
+#pragma unroll
+    for (int wt = 0; wt < kTiles; ++wt)
+#pragma unroll
+      for (int i = 0; i < kN / 2; ++i) acc[wt][i] = 0.0f;
+    for (int c = 0; c < n_chunks; ++c) {
+      const int g = chunk0 + c, s = g % kStages;
+      mbar_wait(full + s, (g / kStages) & 1);
+      fence_async_shared();  // the activation units landed by cp.async (generic proxy) before the wgmma reads them
+      const uint8_t* ss = scale_stage(s);
+      auto scale_of = [&](int wt, int h, int cc) -> uint32_t {  // [row][piece]: the same for a quad's threads
+        const int idx = local[wt][h] * 4 + cc;
+        if constexpr (kNvfp4) return reinterpret_cast<const uint16_t*>(ss)[idx];
+        else return ss[idx];
+      };
+      mma_chunk<kNvfp4, kTiles, kN>(acc, w_stage(s), local, pd, scale_of, smem_addr(x_stage(s)), [&] {
+        if (c > 0 && lane == 0) mbar_arrive(empty + (g - 1) % kStages);  // chunk c - 1's MMAs have completed
+      });
     }
+    wgmma_wait<0>();
+#pragma unroll
+    for (int wt = 0; wt < kTiles; ++wt) fence_accumulators(acc[wt]);
+    if (lane == 0) mbar_arrive(empty + (chunk0 + n_chunks - 1) % kStages);
+    named_barrier(kConsumerBarrier, 256);  // every stage of the pass read: the output tile reuses them
+    float* tile = reinterpret_cast<float*>(smem);
+    const float y_factor = kPaired && wg == 1 ? second.y_factor : rows.y_factor;
+#pragma unroll
+    for (int wt = 0; wt < kTiles; ++wt)
+#pragma unroll
+      for (int i = 0; i < kN / 2; ++i)
+        tile[(8 * (i >> 2) + 2 * t + (i & 1)) * kOutStride + local[wt][(i >> 1) & 1]] = acc[wt][i] * y_factor;
+    named_barrier(kConsumerBarrier, 256);
+    wait();
+    if constexpr (kPaired)
+      store_swiglu_tile<8>(a, tile, kOutStride, kBlockCols, tokens, tok0, row_block0, pair_of);
+    else
+      store_output_tile<kGrouped, 8>(a, rows, tile, kOutStride, tokens, tok0, row_block0, kBlockRows, pair_of);
+    if (tok0 + pass_tokens < rows.m_rows) named_barrier(kPassBarrier, kWsThreads);  // the producer may refill
   }
-  __device__ __forceinline__ int projection(const KernelArgs& a) const { return kGrouped ? matrix % a.tile_zs : 0; }
-  // The tile's first token and first output column (of block_cols per row block).
-  __device__ __forceinline__ int tok0(int tile) const { return (tile - first) % token_blocks * kN; }
-  __device__ __forceinline__ int row_block0(int tile, int block_cols) const {
-    return (tile - first) / token_blocks * block_cols;
+}
+
+// The current matrix's share of a walked launch (block_rows for it); paired: *second (when given), the slot's second
+// projection.
+template <bool kGrouped, bool kPaired, int kN>
+__device__ __forceinline__ BlockRows walk_rows(const KernelArgs& a, const TileWalk<kGrouped, kN>& walk,
+                                               ExpertWeights* second = nullptr) {
+  const auto* x = reinterpret_cast<const __nv_bfloat16*>(a.x);
+  if constexpr (kGrouped) {
+    const int s = walk.slot(a);
+    GroupedSlot slot;
+    grouped_slot_at(a, slot, s, walk.projection(a));
+    if constexpr (kPaired)
+      if (second) *second = expert_weights(a, a.slot_expert[s], true);
+    return {slot.w, slot.w_scale, x, slot.y_factor, slot.m_rows, slot.order0, a.w_row0, 0};
+  } else {
+    return {a.w, a.w_scale, x + walk.matrix * a.x_batch_stride, a.y_factor, a.m, 0, a.w_row0 + walk.matrix * a.n,
+            walk.matrix * a.y_batch_stride};
   }
-};
+}
 
 // kPaired (grouped w1 + w3 with the SwiGLU, KernelArgs::swiglu_h): a block computes kBlockRows / 2 columns of both
 // projections (stage rows [0, kBlockRows / 2) the first's, the rest the second's; each warpgroup's tile 0 holds
@@ -506,12 +686,12 @@ struct TileWalk {
 // launch would store: the same bits, without the round trip of both projections' fp32 outputs (2 · pairs · n · 4
 // bytes written and read again) and without the SwiGLU's own launch.
 //
-// Persistent (gemv_wgmma_persistent_enabled(): grid.x one block per SM): a block walks its tiles (TileWalk) and the
+// Walking (gemv_wgmma_persistent_enabled(): grid.x one block per SM): a block walks its tiles (TileWalk) and the
 // ring runs on across them, so the producer stages the next tile's first chunks while the consumers finish this
 // one's and store it. The consumers store straight from their accumulators (per store instruction a warp writes 8
 // consecutive columns of 4 tokens: whole 32-byte sectors), so no stage is held by an output tile.
 template <bool kNvfp4, bool kGrouped, int kTiles, int kN, bool kPaired = false>
-__global__ void __launch_bounds__(kWsThreads, 1) gemv_wgmma_ws_kernel(const KernelArgs a) {
+__global__ void __launch_bounds__(kWsThreads, 1) gemv_wgmma_walk_kernel(const KernelArgs a) {
   using S = WgmmaShape<kTiles, kN>;
   using W = WsShape<kTiles, kN>;
   static_assert(!kPaired || (kGrouped && kTiles == 2), "paired projections are the grouped w1 + w3, a tile each");
@@ -535,7 +715,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) gemv_wgmma_ws_kernel(const Kern
   // before their first store.
   if constexpr (kGrouped) gpu::dependent_wait();
   gpu::WaitOnce wait{!kGrouped};
-  TileWalk<kGrouped, kPaired, kN> walk;
+  TileWalk<kGrouped, kN> walk;  // cuda/gemv_tile_walk.h
   int tile = int(blockIdx.x);
   if (!walk.seek(a, tile, row_blocks)) return;  // no tile for this block: all of it, before any barrier
   if (threadIdx.x == 0)
@@ -550,7 +730,9 @@ __global__ void __launch_bounds__(kWsThreads, 1) gemv_wgmma_ws_kernel(const Kern
     const int pt = int(threadIdx.x) - 256;
     // Raw weight pieces: unit pt + 128 i of a stage is row pt / 4 + 32 i of the block, piece pt % 4 (the layout
     // mma_chunk reads); rows 32 apart are 32 rows of bytes apart in both layouts (two whole 16-row tiles).
-    // Paired: copies past the first half are the second projection's rows r0 + 32 (i - half).
+    // Paired: copies past the first half are the second projection's rows r0 + 32 (i - half), at the same offset
+    // from a.w_second (a.w_scale_second) as the first's from a.w (a.w_scale): expert_weights' layout. Derived, not
+    // held: with the second's pointers in registers the paired producer spilled.
     constexpr int kWCopies = kBlockRows * 4 / 128, kHalfCopies = kPaired ? kWCopies / 2 : kWCopies;
     const int piece = pt & 3;
     const size_t w_chunk_stride = a.tiles ? 16 * 64 : 64;
@@ -574,23 +756,23 @@ __global__ void __launch_bounds__(kWsThreads, 1) gemv_wgmma_ws_kernel(const Kern
 
     // The current tile's sources (begin_tile).
     int row_block0 = 0, r0 = 0;
-    const uint8_t *w_src0 = nullptr, *w_src1 = nullptr, *w_scale1 = nullptr;
+    const uint8_t* w_src0 = nullptr;
+    auto second_of = [&](const uint8_t* p, const uint8_t* base, const uint8_t* base_second) {
+      return base_second + (p - base);
+    };
     const uint8_t* scale_src = nullptr;  // tiles: this thread's scale copy; rows: the matrix's first scale row
     bool scale_ok = false;
     int x_row[kXq];  // x rows of the tile's tokens x_tok + 32q, -1 past them (row indices: half the registers)
     auto begin_tile = [&] {
-      ExpertWeights second{};
-      const BlockRows rows = walk.rows(a, &second);
+      const BlockRows rows = walk_rows<kGrouped, false>(a, walk);
       row_block0 = walk.row_block0(tile, kBlockCols);
       r0 = row_block0 + (pt >> 2);
       const size_t w_at = a.tiles ? weight_tiles::offset(size_t(r0), size_t(piece) * 16, row_bytes, 16)
                                   : size_t(r0) * row_bytes + piece * 16;
       w_src0 = rows.w + size_t(rows.w_row0) * row_bytes + w_at;
-      // The second projection's rows start at the same w_row0 as the first's (as in the unpaired launch's tiles).
-      if constexpr (kPaired) w_src1 = second.w + size_t(rows.w_row0) * row_bytes + w_at;
       const uint8_t* w_scale = rows.w_scale + size_t(rows.w_row0) * scale_row_bytes;
-      if constexpr (kPaired) w_scale1 = second.w_scale + size_t(rows.w_row0) * scale_row_bytes;
-      const uint8_t* scale_matrix = kPaired && scale_tile >= kHalfTiles ? w_scale1 : w_scale;
+      const uint8_t* scale_matrix =
+          kPaired && scale_tile >= kHalfTiles ? second_of(w_scale, a.w_scale, a.w_scale_second) : w_scale;
       scale_ok = pt < kScaleUnits && row_block0 + 16 * scale_matrix_tile < a.n;
       scale_src = !a.tiles ? w_scale
                            : scale_matrix + size_t(row_block0 / 16 + scale_matrix_tile) * 16 * scale_row_bytes +
@@ -598,7 +780,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) gemv_wgmma_ws_kernel(const Kern
     };
     const uint16_t* x_tiles = a.x;  // the current matrix's x (batched: its batch's)
     auto begin_tile_x = [&] {  // x rows are the previous kernel's output (grouped: row_order too): after wait()
-      const BlockRows rows = walk.rows(a);
+      const BlockRows rows = walk_rows<kGrouped, false>(a, walk);  // x and the pairs: the base's alone
       const int tok0 = walk.tok0(tile), tokens = min(kN, walk.m_rows - tok0);
       x_tiles = reinterpret_cast<const uint16_t*>(rows.x);
 #pragma unroll
@@ -615,7 +797,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) gemv_wgmma_ws_kernel(const Kern
 #pragma unroll
       for (int i = 0; i < kWCopies; ++i) {
         const int ih = i % kHalfCopies;
-        const uint8_t* src = kPaired && i >= kHalfCopies ? w_src1 : w_src0;
+        const uint8_t* src = kPaired && i >= kHalfCopies ? second_of(w_src0, a.w, a.w_second) : w_src0;
         const bool valid = k_ok && r0 + 32 * ih < a.n;
         const int idx = pt + 128 * i;
         cp_async_16(ws + w_unit(idx / 4, idx % 4),
@@ -630,7 +812,8 @@ __global__ void __launch_bounds__(kWsThreads, 1) gemv_wgmma_ws_kernel(const Kern
         for (int i = 0; i < kBlockRows * 4 / 128; ++i) {
           const int idx = pt + 128 * i, lr = idx / 4, kk = c * kChunkK + (idx % 4) * 32;
           const int r = row_block0 + lr % kBlockCols;
-          const uint8_t* matrix = kPaired && lr >= kBlockCols ? w_scale1 : scale_src;
+          const uint8_t* matrix =
+              kPaired && lr >= kBlockCols ? second_of(scale_src, a.w_scale, a.w_scale_second) : scale_src;
           const uint32_t v = r < a.n && kk < a.k ? fp4_piece_scale<kNvfp4>(matrix, false, r, kk, a.k) : 0;
           if constexpr (kNvfp4) reinterpret_cast<uint16_t*>(ss)[idx] = uint16_t(v);
           else ss[idx] = uint8_t(v);
@@ -687,7 +870,7 @@ __global__ void __launch_bounds__(kWsThreads, 1) gemv_wgmma_ws_kernel(const Kern
     int lane_row[kLaneTokens];
     float lane_weight[kLaneTokens];  // paired: the pairs' SwiGLU weights
     {
-      const int order0 = kGrouped ? a.slot_offset[walk.matrix / a.tile_zs] : 0;
+      const int order0 = kGrouped ? a.slot_offset[walk.slot(a)] : 0;
       const int tok0 = walk.tok0(tile), tokens = min(kN, walk.m_rows - tok0);
 #pragma unroll
       for (int r = 0; r < kLaneTokens; ++r) {
@@ -721,7 +904,8 @@ __global__ void __launch_bounds__(kWsThreads, 1) gemv_wgmma_ws_kernel(const Kern
     if (lane == 0) mbar_arrive(empty + (g - 1) % kStages);
     wait();
     ExpertWeights second{};
-    const BlockRows rows = walk.rows(a, &second);  // again: not held in registers through the MMAs
+    // Again: not held in registers through the MMAs.
+    const BlockRows rows = walk_rows<kGrouped, kPaired>(a, walk, &second);
     const int tokens = min(kN, walk.m_rows - walk.tok0(tile)), row_block0 = walk.row_block0(tile, kBlockCols);
     // Fragment i of tile wt: token 8 (i >> 2) + 2t + (i & 1), stage row local[wt][(i >> 1) & 1].
 #pragma unroll
@@ -783,33 +967,41 @@ cudaError_t launch_plain(const KernelArgs& a, dim3 grid, cudaStream_t stream) {
       a, grid, stream);
 }
 
-// The warp-specialised form: its tiles are those of the grid above (grid.y batches or slots, grid.z projections),
-// walked by grid.x blocks: one per SM when persistent, else one per tile (the blocks past the tiles a grouped launch
-// turns out to have return at once).
+// The walking form: its tiles are those of the grid `launch` would size (grid.y batches or slots, grid.z projections),
+// walked by one block per SM (detail::wgmma_walk_blocks in tests); blocks past the tiles a grouped launch turns
+// out to have return at once.
 template <auto kKernel, int kBlockCols, int kN, size_t kSmemBytes>
 cudaError_t launch_walk(KernelArgs a, dim3 grid, cudaStream_t stream) {
   a.tile_ys = int(grid.y);
   a.tile_zs = int(grid.z);
-  const int64_t tiles = int64_t((a.n + kBlockCols - 1) / kBlockCols) * ((a.m + kN - 1) / kN) * grid.y * grid.z;
   const int64_t walkers = wgmma_walk_blocks > 0 ? wgmma_walk_blocks : current_sm_count();
-  const int64_t blocks = gemv_wgmma_persistent_enabled() ? std::min<int64_t>(tiles, walkers) : tiles;
+  const int64_t blocks = std::min<int64_t>(walk_tiles_bound(a, kBlockCols, kN), walkers);
   const cudaError_t configured = gpu::allow_dynamic_smem<kKernel>(int(kSmemBytes));
   if (configured != cudaSuccess) return configured;
   gpu::launch(kKernel, dim3(unsigned(blocks), 1, 1), kWsThreads, kSmemBytes, stream, a);
   return cudaGetLastError();
 }
 
+// The warp-specialised form, one block per tile or (gemv_wgmma_persistent_enabled()) walking.
 template <bool kNvfp4, bool kGrouped, int kTiles, int kN>
 cudaError_t launch_ws(const KernelArgs& a, dim3 grid, cudaStream_t stream) {
   using W = WsShape<kTiles, kN>;
+  constexpr int kRows = W::S::kBlockRows;
+  const bool walk = gemv_wgmma_persistent_enabled();
   if constexpr (kGrouped)
     if (a.swiglu_h) {  // both projections in each block: the grid has no projection dimension
       grid.z = 1;
-      return launch_walk<gemv_wgmma_ws_kernel<kNvfp4, true, kTiles, kN, true>, W::S::kBlockRows / 2, kN,
-                         W::kSmemBytes>(a, grid, stream);
+      if (walk)
+        return launch_walk<gemv_wgmma_walk_kernel<kNvfp4, true, kTiles, kN, true>, kRows / 2, kN, W::kSmemBytes>(
+            a, grid, stream);
+      return launch<gemv_wgmma_ws_kernel<kNvfp4, true, kTiles, kN, true>, kRows / 2, kN, kWsThreads,
+                    W::kSmemBytes>(a, grid, stream);
     }
-  return launch_walk<gemv_wgmma_ws_kernel<kNvfp4, kGrouped, kTiles, kN>, W::S::kBlockRows, kN, W::kSmemBytes>(
-      a, grid, stream);
+  if (walk)
+    return launch_walk<gemv_wgmma_walk_kernel<kNvfp4, kGrouped, kTiles, kN>, kRows, kN, W::kSmemBytes>(a, grid,
+                                                                                                       stream);
+  return launch<gemv_wgmma_ws_kernel<kNvfp4, kGrouped, kTiles, kN>, kRows, kN, kWsThreads, W::kSmemBytes>(a, grid,
+                                                                                                        stream);
 }
 
 template <bool kNvfp4, bool kGrouped>

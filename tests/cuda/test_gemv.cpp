@@ -154,8 +154,9 @@ struct KernelScope {
   }
 };
 
-// The warp-specialised wgmma launches (shapes 4, 5) for one case: persistent on `blocks` blocks (0: one per SM, the
-// engine's), so that each block walks several tiles of a small grid, or one block per tile (kPerTile).
+// The warp-specialised wgmma launches (shapes 4, 5) for one case: the walking kernel on `blocks` blocks (0: one per
+// SM, the engine's), so that each block walks several tiles of a small grid, or the kernel of one block per tile
+// (kPerTile, the default until the walking one is measured).
 constexpr int kPerTile = -1;
 // Restores the switch as it was (the default or DSV4_GEMV_WGMMA_PERSISTENT), so later tests run the engine's choice.
 struct WalkScope {
