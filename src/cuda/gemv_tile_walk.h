@@ -5,18 +5,13 @@
 #include <cstdint>
 
 #include "cuda/gemv_launch.h"
-
-#if defined(__CUDACC__)
-#define DSV4_WALK_HD __host__ __device__ __forceinline__
-#else
-#define DSV4_WALK_HD inline
-#endif
+#include "formats/hd.h"
 
 namespace dsv4::detail {
 
 // The launch's tiles as the host sizes its grid: every matrix (a.tile_ys batches or slots x a.tile_zs projections)
 // with a.m's token blocks. Grouped launches have at most this many (a slot holds at most a.m rows).
-DSV4_WALK_HD int64_t walk_tiles_bound(const KernelArgs& a, int block_cols, int n_tokens) {
+DSV4_HD int64_t walk_tiles_bound(const KernelArgs& a, int block_cols, int n_tokens) {
   return int64_t((a.n + block_cols - 1) / block_cols) * ((a.m + n_tokens - 1) / n_tokens) * a.tile_ys * a.tile_zs;
 }
 
@@ -33,7 +28,7 @@ struct TileWalk {
   // Moves to the matrix that holds `tile` (tiles only increase); false when the launch has fewer tiles. Only counts
   // are kept: the producer's 104 registers do not hold a matrix's pointers across tiles (with them its N = 64 forms
   // spilled).
-  DSV4_WALK_HD bool seek(const KernelArgs& a, int tile, int row_blocks) {
+  DSV4_HD bool seek(const KernelArgs& a, int tile, int row_blocks) {
     while (tile >= first + count) {
       first += count;
       ++matrix;
@@ -50,11 +45,11 @@ struct TileWalk {
     }
     return true;
   }
-  DSV4_WALK_HD int slot(const KernelArgs& a) const { return kGrouped ? matrix / a.tile_zs : 0; }
-  DSV4_WALK_HD int projection(const KernelArgs& a) const { return kGrouped ? matrix % a.tile_zs : 0; }
+  DSV4_HD int slot(const KernelArgs& a) const { return kGrouped ? matrix / a.tile_zs : 0; }
+  DSV4_HD int projection(const KernelArgs& a) const { return kGrouped ? matrix % a.tile_zs : 0; }
   // The tile's first token and first output column (of block_cols per row block).
-  DSV4_WALK_HD int tok0(int tile) const { return (tile - first) % token_blocks * kN; }
-  DSV4_WALK_HD int row_block0(int tile, int block_cols) const { return (tile - first) / token_blocks * block_cols; }
+  DSV4_HD int tok0(int tile) const { return (tile - first) % token_blocks * kN; }
+  DSV4_HD int row_block0(int tile, int block_cols) const { return (tile - first) / token_blocks * block_cols; }
 };
 
 }  // namespace dsv4::detail
